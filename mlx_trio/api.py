@@ -1,0 +1,252 @@
+"""The embeddable API: `async with open_engine(...) as engine`.
+
+The engine is a supervision tree of Trio actors:
+
+    root (one_for_one)
+    ├── engine (rest_for_one)      the lease must outlive what depends on it
+    │   ├── gpu-lease              one OS thread owns every MLX call; loads the model
+    │   └── decode-step            the serial decoder (the --batch 1 path)
+    └── sessions (one_for_one)     one temporary session actor per request
+
+`Engine.generate` validates and tokenizes in the caller (so bad input raises
+there and never reaches an actor), starts a session, and yields its events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from mlx_trio.actors.decode import SerialDecodeActor
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.session import Request, SessionActor, SessionOutput
+from mlx_trio.config import EngineConfig
+from mlx_trio.engine.lease_thread import release_thread_streams
+from mlx_trio.engine.model import LoadedModel, load_model
+from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
+from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
+from mlx_trio.params import SamplingParams
+from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
+
+log = logging.getLogger("mlx_trio.engine")
+
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+
+
+class Engine:
+    """A running engine. Create it with `open_engine`; all methods are Trio-side."""
+
+    def __init__(self, config: EngineConfig, *, extra_children: Sequence[ChildSpec] = ()) -> None:
+        self.config = config
+        self._model: LoadedModel | None = None
+        self._load_error: MlxTrioError | None = None
+        self._model_settled = trio.Event()  # set once loading succeeded or failed for good
+        self._lease: GpuLease | None = None
+        self._decoder: SerialDecodeActor | None = None
+        self._request_ids = itertools.count(1)
+        self._engine_sup = Supervisor(
+            "engine",
+            [
+                ChildSpec("gpu-lease", self._run_lease, kind="gpu-lease", shutdown_s=15.0),
+                ChildSpec("decode-step", self._run_decoder, kind="decode-step"),
+            ],
+            strategy=Strategy.REST_FOR_ONE,
+            max_restarts=config.max_restarts,
+            period_s=config.restart_period_s,
+        )
+        # Sessions are temporary: a crashed session fails its own request only.
+        self._sessions = Supervisor("sessions", strategy=Strategy.ONE_FOR_ONE, max_restarts=1_000_000, period_s=1.0)
+        # `extra_children` (the HTTP server) start after the engine, so they can
+        # serve /health while the model loads, and stop first on shutdown.
+        self._root = Supervisor(
+            "root",
+            [self._engine_sup.as_child(), self._sessions.as_child(), *extra_children],
+            strategy=Strategy.ONE_FOR_ONE,
+            max_restarts=config.max_restarts,
+            period_s=config.restart_period_s,
+        )
+
+    # -- facts ---------------------------------------------------------------
+
+    @property
+    def model(self) -> LoadedModel:
+        if self._model is None:
+            raise EngineFailure("the model is not loaded yet")
+        return self._model
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): ok only when the model is loaded and every engine actor runs."""
+        if self._load_error is not None:
+            return False, f"model failed to load: {self._load_error}"
+        if self._model is None:
+            return False, "loading model"
+        status = self._engine_sup.status()
+        down = [c["id"] for c in status["children"] if c["state"] != "running"]
+        if status["state"] != "running" or down:
+            return False, f"engine actors not running: {', '.join(down) or status['state']}"
+        return True, "ok"
+
+    def status(self) -> dict[str, Any]:
+        """The live supervision tree plus engine counters, as plain data."""
+        lease = self._lease.statistics() if self._lease is not None else None
+        decoder = self._decoder.statistics() if self._decoder is not None else None
+        return {
+            "tree": self._root.status(),
+            "model": self._model.model_id if self._model else None,
+            "counters": {
+                "active_rows": 1 if decoder and decoder.active_request else 0,
+                "pending_rows": decoder.mailbox_depth if decoder else 0,
+                "lease_queue_depth": lease.queue_depth if lease else 0,
+                "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
+                "kv_bytes": decoder.active_kv_bytes if decoder else 0,
+            },
+        }
+
+    # -- requests -------------------------------------------------------------
+
+    def prepare(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                **sampling: Any) -> Request:
+        """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field."""
+        params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidParameter("prompt", "must not be empty")
+        if not isinstance(prompt, str) and not isinstance(prompt, Sequence):
+            raise InvalidParameter("prompt", f"must be a string, a list of messages or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, str) and len(prompt) == 0:
+            raise InvalidParameter("prompt", "must not be empty")
+        ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs)
+        if not ids:
+            raise InvalidParameter("prompt", "tokenizes to no tokens")
+        limit = self.model.context_length
+        if limit is not None and len(ids) + params.max_tokens > limit:
+            raise ContextTooLong(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                f"together over the model's context of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        return Request(f"req-{next(self._request_ids)}", tuple(ids), params)
+
+    async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                       **sampling: Any) -> AsyncIterator[GenerationEvent]:
+        """Stream a generation: `PromptProgress`*, `TextDelta`*, then one `Finished`.
+
+        Sampling keywords are `SamplingParams` fields. Leaving the loop early
+        cancels the request and frees its KV cache.
+        """
+        request = self.prepare(prompt, chat_template_kwargs=chat_template_kwargs, **sampling)
+        async for event in self.stream(request):
+            yield event
+
+    async def stream(self, request: Request) -> AsyncIterator[GenerationEvent]:
+        """Run an already prepared request (see `prepare`)."""
+        if self._decoder is None:
+            raise EngineFailure("the engine is not running")
+        send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
+        actor = SessionActor(request, decoder=self._decoder, model=self.model, out=send)
+        await self._sessions.start_child(
+            ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
+        )
+        finished = False
+        async with recv:
+            async for item in recv:
+                if isinstance(item, MlxTrioError):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    finished = True
+        if not finished:
+            raise ActorCrashed(f"request {request.request_id} ended without a finish event")
+
+    async def complete(self, prompt: Prompt, **kwargs: Any) -> Completion:
+        """Generate to the end and return the whole text."""
+        texts: list[str] = []
+        ids: list[int] = []
+        async for event in self.generate(prompt, **kwargs):
+            if isinstance(event, TextDelta):
+                texts.append(event.text)
+                ids.extend(event.token_ids)
+            elif isinstance(event, Finished):
+                return Completion("".join(texts), tuple(ids), event.finish_reason, event.usage)
+        raise ActorCrashed("generation ended without a finish event")
+
+    # -- actors ----------------------------------------------------------------
+
+    async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
+        lease = GpuLease(on_thread_exit=release_thread_streams)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lease.serve)
+            self._lease = lease
+            task_status.started(lease)
+            if self._model is None and self._load_error is None:
+                # Evaluated weights survive a lease restart; only the first start loads them.
+                await self._load(lease)
+
+    async def _load(self, lease: GpuLease) -> None:
+        try:
+            self._model = await lease.run(load_model, self.config.model, cache_dir=self.config.cache_dir)
+            log.info("model %s loaded from %s", self._model.model_id, self._model.path)
+        except MlxTrioError as exc:
+            # Retrying cannot fix a missing or broken model: report it instead of restarting.
+            log.error("%s", exc)
+            self._load_error = exc
+        finally:
+            self._model_settled.set()
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
+        await self._model_settled.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    async def _run_decoder(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._lease is not None  # rest_for_one: the lease started first
+        decoder = SerialDecodeActor(self._lease, self._wait_model, max_queue=self.config.max_queue,
+                                    prefill_step_size=self.config.prefill_step_size)
+        self._decoder = decoder
+        await decoder.run(task_status=task_status)
+
+    async def _wait_model(self) -> LoadedModel:
+        await self.wait_ready()
+        return self.model
+
+    async def run(self, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the supervision tree until cancelled; `started` once every actor runs (the model may still load)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._root.run)
+            task_status.started(self)
+
+
+def _merge_params(defaults: SamplingParams, sampling: Mapping[str, Any]) -> SamplingParams:
+    given = SamplingParams.from_kwargs(sampling)
+    explicit = {k: getattr(given, k) for k in sampling if sampling[k] is not None or k == "seed"}
+    return attrs.evolve(defaults, **explicit)
+
+
+@asynccontextmanager
+async def open_engine(model: str | None = None, *, config: EngineConfig | None = None,
+                      **options: Any) -> AsyncIterator[Engine]:
+    """Start an engine, wait until its model is loaded, and stop it on exit.
+
+    `model` and `options` are `EngineConfig` fields; pass `config` instead to
+    give a whole configuration.
+    """
+    if config is None:
+        config = EngineConfig(model=model, **options)
+    engine = Engine(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        try:
+            await engine.wait_ready()
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()

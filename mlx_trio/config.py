@@ -1,0 +1,30 @@
+"""Engine configuration: one frozen value, changed with `attrs.evolve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from mlx_trio.params import SamplingParams
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything `open_engine` needs; flag names follow mlx_lm.server.
+
+    `model` is an mlx-lm model directory, a hub id, or None for the embedded
+    default (SmolLM2-135M-Instruct, converted once into `cache_dir`).
+    `defaults` are the sampling values a request gets for fields it omits
+    (mlx_lm.server's `--temp`, `--top-p`, `--max-tokens`, ...).
+    """
+
+    model: str | None = None
+    cache_dir: Path | None = None
+    prefill_step_size: int = 2048
+    max_queue: int = 256
+    defaults: SamplingParams = SamplingParams()
+    # Restart intensity of the engine subtree (lease → decoder): more than
+    # `max_restarts` within `restart_period_s` gives up and fails the engine.
+    max_restarts: int = 3
+    restart_period_s: float = 30.0

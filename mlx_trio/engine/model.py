@@ -1,0 +1,149 @@
+"""Load a model and its tokenizer with mlx-lm, and turn prompts into token ids.
+
+`load_model` runs on the lease thread (it evaluates the weights, which is MLX
+work). The returned `LoadedModel` is shared read-only afterwards: its weights
+are evaluated arrays (usable from any thread), and its tokenizer methods are
+plain Python that the Trio side may call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+
+from mlx_trio.errors import InvalidParameter, ModelLoadError
+from mlx_trio.engine.default_model import resolve_model_path
+
+Message = Mapping[str, Any]
+
+
+@attrs.frozen
+class LoadedModel:
+    """A loaded model: weights, tokenizer and the facts requests are checked against."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    model_id: str
+    path: str
+    vocab_size: int
+    context_length: int | None
+    eos_token_ids: frozenset[int]
+
+    def encode(self, prompt: str | Sequence[Message] | Sequence[int], *,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids for a raw string, a chat (list of messages) or given ids.
+
+        A string is tokenized as mlx-lm's stream_generate does (special tokens
+        added unless it already starts with BOS); messages go through the
+        model's chat template with the generation prompt appended.
+        """
+        if isinstance(prompt, str):
+            return self._encode_text(prompt)
+        items = list(prompt)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            bad = [t for t in items if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return items
+        if items and all(isinstance(m, Mapping) for m in items):
+            return self._encode_chat(items, dict(chat_template_kwargs or {}))
+        raise InvalidParameter("prompt", "must be a non-empty string, a list of chat messages or a list of token ids")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def detokenizer(self) -> Any:
+        """A fresh streaming detokenizer for one request."""
+        return self.tokenizer.detokenizer
+
+    def _encode_text(self, text: str) -> list[int]:
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not text.startswith(bos)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def _encode_chat(self, messages: list[Message], template_kwargs: dict[str, Any]) -> list[int]:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise InvalidParameter("messages", f"model {self.model_id} has no chat template; send a raw prompt instead")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                raise InvalidParameter(f"messages[{i}].role", "must be a string")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [_flatten_content(m, i) for i, m in enumerate(messages)],
+                add_generation_prompt=True,
+                **template_kwargs,
+            )
+        except InvalidParameter:
+            raise
+        except Exception as exc:  # jinja raises arbitrary errors for bad chats
+            raise InvalidParameter("messages", f"the chat template rejected these messages: {exc}") from exc
+        return list(ids)
+
+
+def _flatten_content(message: Message, index: int) -> dict[str, Any]:
+    """Text-part lists become one string, as mlx_lm.server does; other part types are refused."""
+    out = dict(message)
+    content = message.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidParameter(f"messages[{index}].content[{j}]", "only parts of type 'text' with a string 'text' are supported")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    elif not isinstance(content, str):
+        raise InvalidParameter(f"messages[{index}].content", "must be a string, null or a list of text parts")
+    return out
+
+
+def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> LoadedModel:
+    """Resolve (converting the default model once if needed) and load with mlx-lm.
+
+    Must run on the lease thread: weights are evaluated there.
+    """
+    path = resolve_model_path(model, cache_dir=cache_dir)
+    try:
+        loaded_model, tokenizer, config = mlx_lm_load(path, return_config=True)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
+    mx.eval(loaded_model.parameters())
+    return LoadedModel(
+        model=loaded_model,
+        tokenizer=tokenizer,
+        model_id=_model_id(model, path),
+        path=str(path),
+        vocab_size=_vocab_size(loaded_model, config),
+        context_length=_context_length(config),
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
+
+
+def _model_id(requested: str | None, path: str) -> str:
+    if requested is None or requested == "default":
+        return Path(path).name
+    return requested
+
+
+def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
+    text_config = config.get("text_config", config)
+    size = text_config.get("vocab_size") or config.get("vocab_size")
+    if size is None:
+        raise ModelLoadError("model config has no vocab_size")
+    return int(size)
+
+
+def _context_length(config: Mapping[str, Any]) -> int | None:
+    text_config = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        if key in text_config:
+            return int(text_config[key])
+    return None
+

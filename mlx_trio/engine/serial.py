@@ -1,0 +1,133 @@
+"""One request's generation on the serial path, cut into lease-sized jobs.
+
+This is mlx-lm's `generate_step` taken apart: the same chunked prefill of all
+but the last prompt token, the same `_step` (model call, logits processors
+over prompt + generated tokens, log-softmax, sampler), the same one-step
+pipelining with `mx.async_eval`. Only the control flow differs: each method
+is one job on the GPU lease, so the Trio side can interleave other work (and
+notice a cancelled client) between chunks and tokens. Because the graph is the
+same, the token ids are mlx-lm's token ids, which the goldens check.
+
+Every method must run on the lease thread: the arrays held between calls are
+lazy or `async_eval`'d and belong to that thread's stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_trio.engine.sampling import build_logits_processors, build_sampler
+from mlx_trio.params import SamplingParams
+
+DEFAULT_PREFILL_STEP_SIZE = 2048
+# mlx-lm frees the allocator's cache every 256 decoded tokens; so do we.
+_CLEAR_CACHE_EVERY = 256
+
+
+class SerialGeneration:
+    """The KV cache and pipeline state of one request.
+
+    Lifecycle (one lease job each): `prefill_chunk()` until it returns 0,
+    then `step()` once per token until the caller stops asking, then
+    `close()`. `step()` returns the token sampled one step earlier while the
+    next step already runs on the device (mlx-lm's pipelining).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        self._model = model
+        self._cache = make_prompt_cache(model)
+        self._sampler = build_sampler(params)
+        self._processors = build_logits_processors(params)
+        self._seed = params.seed
+        self._max_tokens = params.max_tokens
+        self._prefill_step_size = prefill_step_size
+        # Invariant: _pending holds the prompt tokens whose KV is not yet in the cache.
+        self._pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+        self.num_prompt_tokens = len(prompt_ids)
+        # Prompt + sampled tokens seen by the logits processors (mlx-lm's `tokens`).
+        self._context: mx.array | None = None
+        self._next: mx.array | None = None
+        self.num_generated = 0
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens still to prefill before the first token can be sampled (excludes the last)."""
+        return max(int(self._pending.size) - 1, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._cache)
+
+    def prefill_chunk(self) -> int:
+        """Prefill up to `prefill_step_size` prompt tokens into the cache; returns how many remain.
+
+        Mutates the KV cache in place. The last prompt token is never
+        prefilled here: it is the input of the first sampling step.
+        """
+        n = min(self._prefill_step_size, self.prefill_remaining)
+        if n == 0:
+            return 0
+        chunk = self._pending[:n]
+        self._model(chunk[None], cache=self._cache)
+        mx.eval([c.state for c in self._cache])
+        if self._processors:
+            self._context = chunk if self._context is None else mx.concat([self._context, chunk])
+        self._pending = self._pending[n:]
+        mx.clear_cache()
+        return self.prefill_remaining
+
+    def step(self) -> int:
+        """Return the next token id; queue the following step first (pipelined).
+
+        The first call feeds the rest of the prompt (its last token). The
+        caller decides when to stop; after `max_tokens` calls no further step
+        is queued, so the device does no wasted work at the end.
+        """
+        if self._next is None:
+            if self.prefill_remaining:
+                raise RuntimeError("step() before the prompt was prefilled")
+            if self._seed is not None:
+                # mlx-lm samples from the global key, seeded per request.
+                mx.random.seed(self._seed)
+            self._next = self._sample(self._pending)
+            mx.async_eval(self._next)
+        current = self._next
+        self.num_generated += 1
+        if self.num_generated < self._max_tokens:
+            self._next = self._sample(current)
+            mx.async_eval(self._next)
+        token = current.item()
+        if self.num_generated % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return token
+
+    def close(self) -> None:
+        """Drop every array this request holds (in the lease thread, which owns them)."""
+        self._cache = []
+        self._pending = mx.array([], dtype=mx.int32)
+        self._context = None
+        self._next = None
+
+    def _sample(self, input_tokens: mx.array) -> mx.array:
+        logits = self._model(input_tokens[None], cache=self._cache)[:, -1, :]
+        if self._processors:
+            self._context = (
+                input_tokens if self._context is None else mx.concat([self._context, input_tokens])
+            )
+            for processor in self._processors:
+                logits = processor(self._context, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return self._sampler(logprobs)

@@ -1,0 +1,81 @@
+"""Token ids → text deltas, with stop strings matched on the decoded text.
+
+Pure Python (no MLX): the session actor runs it on the Trio thread, keeping
+detokenization and string work off the lease thread (trio-mlx.md §2.5).
+
+Stop strings are matched on detokenized text, not on token ids, so a stop
+word that tokenizes differently in context (" Paris" vs "Paris") still stops.
+Text that could be the start of a stop string is held back until it is known
+not to be one, so the caller never sees a stop string, even partially.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class TextUpdate:
+    """What one token added: visible text and whether a stop string completed."""
+
+    text: str
+    stopped: bool = False
+
+
+class TextStream:
+    """Incremental detokenizer plus stop-string matcher for one request."""
+
+    def __init__(self, detokenizer: Any, stop: Sequence[str] = ()) -> None:
+        # `detokenizer` is an mlx-lm StreamingDetokenizer (add_token/finalize/last_segment).
+        self._detokenizer = detokenizer
+        self._stop = tuple(stop)
+        # Longest stop-string prefix that may still be completing at the tail.
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._pending = ""
+        self._stopped = False
+        self.text = ""
+
+    def add(self, token_id: int) -> TextUpdate:
+        """Feed one generated token id; returns the text that may be shown now."""
+        if self._stopped:
+            raise RuntimeError("add() after a stop string was matched")
+        self._detokenizer.add_token(token_id)
+        self._pending += self._detokenizer.last_segment
+        return self._release(final=False)
+
+    def finish(self) -> TextUpdate:
+        """Flush what the detokenizer still holds; call once when generation ends."""
+        if self._stopped:
+            return TextUpdate("", stopped=True)
+        self._detokenizer.finalize()
+        self._pending += self._detokenizer.last_segment
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> TextUpdate:
+        cut = self._first_stop()
+        if cut is not None:
+            out, self._pending, self._stopped = self._pending[:cut], "", True
+            self.text += out
+            return TextUpdate(out, stopped=True)
+        keep = 0 if final else self._held_tail()
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(out) :]
+        self.text += out
+        return TextUpdate(out)
+
+    def _first_stop(self) -> int | None:
+        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held_tail(self) -> int:
+        """Length of the longest suffix of pending text that begins some stop string."""
+        if not self._stop:
+            return 0
+        for n in range(min(self._hold, len(self._pending)), 0, -1):
+            tail = self._pending[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

@@ -1,0 +1,69 @@
+"""The one error hierarchy of mlx-trio.
+
+Every error a user can see derives from `MlxTrioError`. Each type refines the
+builtin it resembles (attrs' convention), so `except ValueError` still works for
+callers that do not know our names, and each says when it is raised. The HTTP
+layer maps them to status codes in exactly one place (`mlx_trio/http/errors.py`).
+"""
+
+from __future__ import annotations
+
+
+class MlxTrioError(Exception):
+    """Base of every error raised on purpose by mlx-trio."""
+
+
+class RequestError(MlxTrioError, ValueError):
+    """The request itself is wrong; resending it unchanged fails again (HTTP 4xx)."""
+
+    status_code = 400
+
+
+class InvalidParameter(RequestError):
+    """A request field has a wrong type or an out-of-range value.
+
+    `field` names the offending field exactly as the caller spelled it, so an
+    HTTP client can be told which key to change.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ContextTooLong(RequestError):
+    """The prompt plus the requested completion exceed the model's context."""
+
+    def __init__(self, message: str, field: str = "messages") -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class Overloaded(MlxTrioError):
+    """The server is healthy but its bounded queue is full; retry later (HTTP 503)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineFailure(MlxTrioError, RuntimeError):
+    """The engine could not finish a well-formed request (HTTP 500/503)."""
+
+    status_code = 503
+
+
+class LeaseClosed(EngineFailure):
+    """The GPU lease is closed or dead; no more MLX work is accepted."""
+
+
+class ActorCrashed(EngineFailure):
+    """An actor the request depended on died and could not resume the request."""
+
+
+class ModelLoadError(EngineFailure):
+    """The model could not be found, converted or loaded."""

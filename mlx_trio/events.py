@@ -1,0 +1,60 @@
+"""What `Engine.generate` yields: frozen values, no MLX, no Trio.
+
+A stream is zero or more `PromptProgress` (while the prompt is prefilled),
+then zero or more `TextDelta`, then exactly one `Finished`. `Completion` is
+the non-streaming summary of the same thing.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Usage:
+    """Token counts as OpenAI reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class PromptProgress:
+    """`processed` of `total` prompt tokens are in the KV cache."""
+
+    processed: int
+    total: int
+
+
+@attrs.frozen
+class TextDelta:
+    """New visible text and the token ids that produced it (text may lag ids by a token)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Finished:
+    """The last event: why generation stopped, and the counts."""
+
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+
+
+GenerationEvent = PromptProgress | TextDelta | Finished
+
+
+@attrs.frozen
+class Completion:
+    """A whole generation at once (`Engine.complete`)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage

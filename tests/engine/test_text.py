@@ -1,0 +1,69 @@
+"""TextStream: detokenized deltas and stop strings matched on text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from mlx_trio.engine.text import TextStream
+
+
+class CharDetokenizer:
+    """A stand-in detokenizer whose token ids are code points (one char per token)."""
+
+    def __init__(self) -> None:
+        self.last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        self.last_segment = chr(token)
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+def _run(text: str, stop: list[str]) -> tuple[str, bool, list[str]]:
+    stream = TextStream(CharDetokenizer(), stop)
+    pieces = []
+    for ch in text:
+        update = stream.add(ord(ch))
+        pieces.append(update.text)
+        if update.stopped:
+            return "".join(pieces), True, pieces
+    tail = stream.finish()
+    pieces.append(tail.text)
+    return "".join(pieces), False, pieces
+
+
+def test_no_stop_strings_passes_text_through_at_once() -> None:
+    """Without stop strings every token's text is released immediately."""
+    out, stopped, pieces = _run("hello", [])
+    assert (out, stopped) == ("hello", False)
+    assert pieces[:5] == list("hello")
+
+
+def test_stop_string_is_cut_and_never_shown() -> None:
+    """The output ends right before the stop string, and no prefix of it leaks."""
+    out, stopped, _ = _run("The answer is 42. END of it", ["END"])
+    assert (out, stopped) == ("The answer is 42. ", True)
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete() -> None:
+    """Text held back as a possible stop prefix is released once it diverges, and at the end."""
+    out, stopped, _ = _run("an ENigma EN", ["END"])
+    assert (out, stopped) == ("an ENigma EN", False)
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    """With overlapping candidates the first occurrence in the text cuts."""
+    out, stopped, _ = _run("abc STOP xyz HALT", ["HALT", "STOP"])
+    assert (out, stopped) == ("abc ", True)
+
+
+@given(st.text(alphabet="abcXY ", max_size=40), st.lists(st.text(alphabet="abcXY", min_size=1, max_size=4), max_size=3))
+def test_matches_a_plain_find_on_the_whole_text(text: str, stop: list[str]) -> None:
+    """Streaming output equals cutting the full text at its first stop-string occurrence."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    expected = text[: min(hits)] if hits else text
+    out, stopped, _ = _run(text, stop)
+    assert out == expected
+    assert stopped == bool(hits)

@@ -1,0 +1,126 @@
+"""The embeddable API: validation, stop strings, cancellation, status, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.errors import ContextTooLong, InvalidParameter
+from mlx_trio.events import Finished, PromptProgress, TextDelta
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+GOLDENS = json.loads((Path(__file__).resolve().parents[1] / "goldens" / "tiny.json").read_text())
+
+
+def _golden(model: str, name: str) -> dict[str, Any]:
+    return next(c for c in GOLDENS["cases"] if c["model"] == model and c["name"] == name)
+
+
+@pytest.fixture
+async def engine():
+    async with open_engine(str(tiny_model(LLAMA))) as engine:
+        yield engine
+
+
+def _restarts(tree: dict[str, Any]) -> int:
+    return tree.get("restarts", 0) + sum(_restarts(c) for c in tree.get("children", []))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "field"),
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt"),
+        ("hi", {"max_tokens": 0}, "max_tokens"),
+        ("hi", {"max_tokens": -1}, "max_tokens"),
+        ("hi", {"top_k": -1}, "top_k"),
+        ("hi", {"top_k": 10**6}, "top_k"),
+        ("hi", {"temperature": -1.0}, "temperature"),
+        ("hi", {"stop": 17}, "stop"),
+        ("hi", {"stop": [None]}, "stop"),
+        ([10**9], {}, "prompt"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "messages[0].content[0]"),
+        (42, {}, "prompt"),
+    ],
+)
+async def test_bad_input_raises_typed_error_naming_the_field_and_no_actor_dies(engine, prompt, kwargs, field) -> None:
+    """Each bad input raises InvalidParameter for its field; the tree is untouched and still serves."""
+    with pytest.raises(InvalidParameter) as info:
+        async for _ in engine.generate(prompt, **kwargs):
+            pass
+    assert info.value.field == field
+    assert _restarts(engine.status()["tree"]) == 0
+    done = await engine.complete("Once upon a time there was", max_tokens=3)
+    assert done.usage.completion_tokens == 3
+
+
+async def test_prompt_over_the_context_is_refused_naming_the_limit(engine) -> None:
+    """prompt + max_tokens beyond the model's context raises ContextTooLong with the limit in the message."""
+    limit = engine.model.context_length
+    with pytest.raises(ContextTooLong, match=str(limit)):
+        await engine.complete("hello", max_tokens=limit)
+
+
+async def test_stream_shape_progress_then_deltas_then_one_finished(engine) -> None:
+    """Events come as PromptProgress*, TextDelta*, then exactly one Finished with usage."""
+    kinds = [type(e) async for e in engine.generate("Once upon a time there was", max_tokens=5)]
+    assert kinds[0] is PromptProgress
+    assert kinds[-1] is Finished and kinds.count(Finished) == 1
+    assert kinds.index(TextDelta) > kinds.index(PromptProgress)
+
+
+async def test_stop_string_cuts_the_text_of_the_golden_generation(engine) -> None:
+    """A stop string taken from the middle of a golden text ends the output right before it."""
+    golden = _golden("llama", "greedy_raw")
+    text = golden["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    done = await engine.complete(golden["prompt"], **golden["params"], stop=[stop])
+    assert done.finish_reason == "stop"
+    assert done.text == text[: text.find(stop)]
+    assert stop not in done.text
+
+
+async def test_leaving_the_stream_early_cancels_and_frees_the_kv_cache(engine) -> None:
+    """Breaking out after two deltas ends the request; no KV bytes stay and the decoder serves on."""
+    deltas = 0
+    async for event in engine.generate("Once upon a time there was", max_tokens=200):
+        if isinstance(event, TextDelta):
+            deltas += 1
+            if deltas == 2:
+                break
+    with trio.fail_after(10):
+        while engine.status()["counters"]["kv_bytes"] or engine.status()["counters"]["active_rows"]:
+            await trio.sleep(0.01)
+    decoder = engine._decoder.statistics()
+    assert decoder.requests_cancelled == 1
+    done = await engine.complete("Once upon a time there was", max_tokens=2)
+    assert done.usage.completion_tokens == 2
+
+
+async def test_concurrent_requests_all_finish_with_their_own_answers(engine) -> None:
+    """Three overlapping greedy requests each get exactly their solo answer (serial path, FIFO)."""
+    golden = _golden("llama", "greedy_raw")
+    results: list[str] = []
+
+    async def one() -> None:
+        results.append((await engine.complete(golden["prompt"], **golden["params"])).text)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(one)
+    assert results == [golden["text"]] * 3
+
+
+async def test_status_tree_names_each_actor_and_counts(engine) -> None:
+    """status() shows root → engine (gpu-lease, decode-step) and sessions, all running."""
+    tree = engine.status()["tree"]
+    assert tree["id"] == "root"
+    engine_sup = next(c for c in tree["children"] if c["id"] == "engine")
+    assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", "decode-step"]
+    assert all(c["state"] == "running" for c in engine_sup["children"])
+    assert engine.health() == (True, "ok")
