@@ -30,7 +30,7 @@ from mlx_trio.actors.session import Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.lease_thread import release_thread_streams
 from mlx_trio.engine.model import LoadedModel, load_model
-from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
+from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError, ModelLoadError
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
@@ -193,14 +193,14 @@ class Engine:
 
     async def _load(self, lease: GpuLease) -> None:
         try:
-            self._model = await lease.run(load_model, self.config.model, cache_dir=self.config.cache_dir)
+            self._model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir))
             log.info("model %s loaded from %s", self._model.model_id, self._model.path)
-        except MlxTrioError as exc:
+        except Exception as exc:
             # Retrying cannot fix a missing or broken model: report it instead of restarting.
-            log.error("%s", exc)
-            self._load_error = exc
-        finally:
-            self._model_settled.set()
+            error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")
+            log.error("%s", error)
+            self._load_error = error
+        self._model_settled.set()
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import attrs
 import trio
@@ -82,10 +83,10 @@ class SerialDecodeActor:
         gen: SerialGeneration | None = None
         with cmd.reply:
             try:
-                gen = await self._lease.run(
+                gen = await self._lease.run(partial(
                     SerialGeneration, self._model.model, cmd.prompt_ids, cmd.params,
                     prefill_step_size=self._prefill_step_size,
-                )
+                ))
                 self._active_gen = gen
                 await self._generate(cmd, gen)
                 self._done += 1

@@ -1,15 +1,11 @@
 """The GPU lease: one dedicated OS thread that runs every MLX call of the process.
 
-MLX binds streams and command encoders to the thread that created them (a lazy
-array built in one thread cannot be evaluated in another), and a thread that
-used MLX must release its streams before it exits. `trio.to_thread` moves work
-between pooled threads, so it cannot be the lease. `GpuLease` owns one daemon
-thread for its whole life and feeds it jobs in FIFO order; Trio callers park
-with `trio.lowlevel.wait_task_rescheduled` and are woken through the run's
-`trio.lowlevel.TrioToken`. See docs/gpu-lease.md for the contract and numbers.
-
-This module never imports MLX: MLX thread set-up and tear-down are injected as
-``on_thread_start`` / ``on_thread_exit`` (see `mlx_trio.engine.lease_thread`).
+MLX binds streams to the thread that made them (a lazy array built in one thread
+cannot be evaluated in another), and `trio.to_thread` moves work between pooled
+threads, so the lease owns one daemon thread for its whole life and feeds it jobs
+in FIFO order. Callers park in `trio.lowlevel.wait_task_rescheduled` and are woken
+through the run's `TrioToken`. No MLX import here: MLX thread set-up and tear-down
+are injected (`mlx_trio.engine.lease_thread`). Contract and numbers: docs/gpu-lease.md.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from mlx_trio.errors import LeaseClosed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_STOP = object()  # queue sentinel: the lease thread runs on_thread_exit and ends
 
 
 class _State(enum.Enum):
@@ -40,95 +37,72 @@ class _State(enum.Enum):
     SKIPPED = "skipped"  # withdrawn by a cancelled caller or failed at close; never runs
 
 
+@attrs.define(eq=False)
 class _Job:
     """One call waiting for or running on the lease thread."""
 
-    __slots__ = ("fn", "args", "name", "task", "state", "detached")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> None:
-        self.fn: Callable[..., Any] | None = fn
-        self.args: tuple[Any, ...] = args
-        self.name: str = getattr(fn, "__qualname__", None) or repr(fn)  # for logs
-        # None for submit_nowait jobs: nobody waits, failures are logged.
-        self.task = task
-        # Invariant: changed only under GpuLease._lock; QUEUED -> RUNNING -> DONE
-        # by the lease thread, QUEUED -> SKIPPED by the Trio thread.
-        self.state = _State.QUEUED
-        # Set (Trio thread only) when the waiter left: the result must be dropped.
-        self.detached = False
+    fn: Callable[..., Any] | None  # None once run, so its arguments die on the lease thread
+    args: tuple[Any, ...]
+    task: trio.lowlevel.Task | None  # None for submit_nowait: nobody waits, failures are logged
+    name: str  # for log messages
+    # Invariant: changed only under GpuLease._lock; QUEUED -> RUNNING -> DONE by the
+    # lease thread, QUEUED -> SKIPPED by the Trio thread (cancelled caller, close).
+    state: _State = _State.QUEUED
+    # Set on the Trio thread when the waiter has left: the outcome must be dropped.
+    detached: bool = False
 
 
-_STOP = object()  # queue sentinel: the lease thread runs on_thread_exit and ends
+def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> _Job:
+    return _Job(fn, args, task, getattr(fn, "__qualname__", None) or repr(fn))
 
 
 @attrs.frozen
 class LeaseStatistics:
-    """A snapshot of a `GpuLease`, for the status tree and the watchdog.
+    """A snapshot of a `GpuLease`, for the status tree and the watchdog."""
 
-    Attributes:
-      queue_depth: jobs waiting in the queue, not counting the running one.
-      mailbox_depth: the same number, under the name the supervision tree reads.
-      jobs_run: jobs whose function was called and returned or raised.
-      jobs_failed: of those, the jobs whose function raised.
-      jobs_cancelled_queued: jobs withdrawn by a cancelled caller before they ran.
-      jobs_abandoned: running jobs whose caller left (``abandon_on_cancel``).
-      busy_s: seconds spent running jobs, the current one included.
-      busy_fraction: ``busy_s`` divided by the thread's uptime (0 before start).
-      running_since: `time.monotonic` at which the current job started, or None
-        when idle; a value far in the past means the thread is wedged.
-      thread_id: `threading.get_ident` of the lease thread, None before start.
-      alive: whether the lease thread is running.
-      closed: whether the lease refuses new jobs.
-    """
-
-    queue_depth: int
-    mailbox_depth: int
-    jobs_run: int
-    jobs_failed: int
-    jobs_cancelled_queued: int
-    jobs_abandoned: int
-    busy_s: float
-    busy_fraction: float
+    queue_depth: int  # jobs waiting in the queue, not counting the running one
+    mailbox_depth: int  # the same number, under the name the supervision tree reads
+    jobs_run: int  # jobs whose function was called (and returned or raised)
+    jobs_failed: int  # of those, the jobs whose function raised
+    jobs_cancelled_queued: int  # jobs withdrawn by a cancelled caller before they ran
+    jobs_abandoned: int  # running jobs whose caller left (abandon_on_cancel=True)
+    busy_s: float  # seconds spent running jobs, the current one included
+    busy_fraction: float  # busy_s over the thread's uptime; 0 before it starts
+    # time.monotonic() at which the current job started, None when idle: a value
+    # far in the past means the thread is wedged.
     running_since: float | None
-    thread_id: int | None
-    alive: bool
-    closed: bool
+    thread_id: int | None  # threading.get_ident() of the lease thread; None before start
+    alive: bool  # whether the lease thread is running
+    closed: bool  # whether the lease refuses new jobs
 
 
 class GpuLease:
-    """Runs callables, one at a time and in submission order, on one dedicated thread.
+    """Runs callables one at a time, in submission order, on one dedicated thread.
 
-    Every MLX call of the process (weight loading, graph building, eval,
-    freeing) goes through `run` or `submit_nowait`, so it all happens on the
-    same OS thread and therefore on the same MLX streams. The thread starts
-    when `serve` starts and ends when `serve` is cancelled; a closed lease
-    never reopens (make a new one; only *evaluated* arrays survive the switch).
+    Every MLX call of the process (loading, graph building, eval, freeing) goes
+    through `run` or `submit_nowait`, so all of it runs on one OS thread and its
+    streams, from `serve`'s start to its cancellation. A closed lease never
+    reopens: serve a new one (a new thread; only *evaluated* arrays carry over).
 
     Args:
       name: the thread's name, also used in log messages.
-      on_thread_start: called first in the lease thread; if it raises, `serve`
-        raises that error instead of starting.
-      on_thread_exit: called last in the lease thread, also after a failed
-        start; for MLX pass `mlx_trio.engine.lease_thread.release_thread_streams`.
-      close_timeout_s: how long closing waits for the running job to finish and
-        the thread to exit before it declares the thread wedged.
+      on_thread_exit: called last on the lease thread, also after a failed start.
+        For MLX pass `mlx_trio.engine.lease_thread.release_thread_streams`.
+      on_thread_start: called first on the lease thread; if it raises, `serve`
+        raises that error instead of reporting started.
+      close_timeout_s: how long closing waits for the running job and the
+        thread's exit before declaring the thread wedged.
     """
 
-    def __init__(
-        self,
-        *,
-        name: str = "gpu-lease",
-        on_thread_exit: Callable[[], object] | None = None,
-        on_thread_start: Callable[[], object] | None = None,
-        close_timeout_s: float = 10.0,
-    ) -> None:
+    def __init__(self, *, name: str = "gpu-lease", on_thread_exit: Callable[[], object] | None = None,
+                 on_thread_start: Callable[[], object] | None = None, close_timeout_s: float = 10.0) -> None:
         self.name = name
         self._on_thread_start = on_thread_start
         self._on_thread_exit = on_thread_exit
         self._close_timeout_s = close_timeout_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # Guards every job's state, the counters below and _closed: the lease
-        # thread and the Trio thread (and submit_nowait from any thread) race.
+        # Guards job states, _closed, _current and the counters: the lease thread,
+        # the Trio thread and submit_nowait callers on any thread all touch them.
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -136,39 +110,34 @@ class GpuLease:
         self._thread_id: int | None = None
         self._start_error: BaseException | None = None
         self._current: _Job | None = None
-        self._queue_depth = 0
-        self._jobs_run = self._jobs_failed = 0
+        self._queue_depth = self._jobs_run = self._jobs_failed = 0
         self._jobs_cancelled_queued = self._jobs_abandoned = 0
         self._busy_s = 0.0
         self._running_since: float | None = None
         self._started_at: float | None = None
         self._stopped_at: float | None = None
 
-    # ---- the Trio side ------------------------------------------------------
-
     async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
-        """Run ``fn(*args)`` on the lease thread and return its result.
+        """Run ``fn(*args)`` on the lease thread, after every job submitted before it.
 
-        The job waits behind every job submitted before it (FIFO). An exception
-        from ``fn`` is re-raised here as the same object, its traceback still
-        holding ``fn``'s frames; the lease keeps serving.
+        Returns ``fn``'s result, or re-raises its exception: the same object,
+        its traceback still holding ``fn``'s frames. The lease keeps serving.
 
         Cancellation: a job still queued is withdrawn and never runs, and
-        `trio.Cancelled` is raised at once. A running job cannot be interrupted.
-        By default the caller waits for it, gets its result or error, and
+        `trio.Cancelled` is raised at once. A running job cannot be interrupted:
+        by default the caller waits for it, gets its result or error, and
         `trio.Cancelled` is raised at the next checkpoint, so nothing the job
-        touches changes after `run` has left. With ``abandon_on_cancel=True``
-        the caller leaves at once; the job still completes on the lease thread
-        (later jobs still queue behind it), its result is dropped and its
-        exception, if any, is logged and counted. Use it only when the job's
-        state is then cleaned up through the lease (`submit_nowait`).
+        touches changes after `run` returns. With ``abandon_on_cancel=True`` the
+        caller leaves at once; the job completes on the thread (later jobs still
+        wait for it), its result is dropped, its exception logged and counted.
+        Clean up such a job's state through the lease (`submit_nowait`).
 
         Raises:
-          LeaseClosed: the lease is not serving, is closing, or closed while the
-            job was queued (or while it was running on a wedged thread).
+          LeaseClosed: the lease is not serving, or closed while the job was
+            queued, or the thread was declared wedged while the job ran.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        job = _Job(fn, args, trio.lowlevel.current_task())
+        job = _job(fn, args, trio.lowlevel.current_task())
         if not self._enqueue(job):
             await trio.lowlevel.cancel_shielded_checkpoint()
             raise LeaseClosed(f"{self.name} is not serving")
@@ -182,7 +151,7 @@ class GpuLease:
                     return trio.lowlevel.Abort.SUCCEEDED
                 if not abandon_on_cancel:
                     return trio.lowlevel.Abort.FAILED
-                # RUNNING, or DONE with delivery pending: _deliver drops it.
+                # RUNNING, or DONE with delivery pending: _deliver drops the outcome.
                 job.detached = True
                 self._jobs_abandoned += 1
                 return trio.lowlevel.Abort.SUCCEEDED
@@ -190,17 +159,16 @@ class GpuLease:
         return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
 
     def submit_nowait(self, fn: Callable[..., object], *args: Any) -> None:
-        """Queue ``fn(*args)`` on the lease thread without waiting for it.
+        """Queue ``fn(*args)`` on the lease thread and return at once; safe from any thread.
 
         For cleanup that must happen on the lease thread, such as dropping a
-        request's KV arrays. Runs in FIFO order with `run` jobs; its result is
-        discarded and its exception logged and counted. Closing the lease still
-        runs nowait jobs already queued. Safe to call from any thread.
+        request's KV arrays. FIFO with `run` jobs; the result is discarded, an
+        exception is logged and counted. Closing still runs queued nowait jobs.
 
         Raises:
           LeaseClosed: the lease is not serving or is closing.
         """
-        if not self._enqueue(_Job(fn, args, None)):
+        if not self._enqueue(_job(fn, args, None)):
             raise LeaseClosed(f"{self.name} is not serving")
 
     def on_lease_thread(self) -> bool:
@@ -211,51 +179,41 @@ class GpuLease:
         """Return a consistent snapshot of the counters (see `LeaseStatistics`)."""
         now = time.monotonic()
         with self._lock:
-            busy_s = self._busy_s
-            if self._running_since is not None:
-                busy_s += now - self._running_since
-            uptime_s = 0.0
-            if self._started_at is not None:
-                uptime_s = (self._stopped_at or now) - self._started_at
+            busy_s = self._busy_s + (now - self._running_since if self._running_since is not None else 0.0)
+            uptime_s = (self._stopped_at or now) - self._started_at if self._started_at is not None else 0.0
             return LeaseStatistics(
-                queue_depth=self._queue_depth,
-                mailbox_depth=self._queue_depth,
-                jobs_run=self._jobs_run,
-                jobs_failed=self._jobs_failed,
-                jobs_cancelled_queued=self._jobs_cancelled_queued,
-                jobs_abandoned=self._jobs_abandoned,
-                busy_s=busy_s,
-                busy_fraction=min(1.0, busy_s / uptime_s) if uptime_s > 0 else 0.0,
-                running_since=self._running_since,
-                thread_id=self._thread_id,
-                alive=self._thread is not None and self._thread.is_alive(),
-                closed=self._closed,
+                queue_depth=self._queue_depth, mailbox_depth=self._queue_depth,
+                jobs_run=self._jobs_run, jobs_failed=self._jobs_failed,
+                jobs_cancelled_queued=self._jobs_cancelled_queued, jobs_abandoned=self._jobs_abandoned,
+                busy_s=busy_s, busy_fraction=min(1.0, busy_s / uptime_s) if uptime_s > 0 else 0.0,
+                running_since=self._running_since, thread_id=self._thread_id,
+                alive=self._thread is not None and self._thread.is_alive(), closed=self._closed,
             )
 
     async def serve(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the lease thread, report ``started(self)``, serve until cancelled.
+        """Start the lease thread, report ``started(self)``, and serve until cancelled.
 
-        ``task_status.started`` is called once the thread has run
-        ``on_thread_start``. On cancellation the lease closes: new submissions
-        raise `LeaseClosed`, queued `run` callers get `LeaseClosed` at once,
-        queued `submit_nowait` jobs and the running job finish, then the thread
-        runs ``on_thread_exit`` and ends. The wait for that is shielded and
-        bounded by ``close_timeout_s``; if the thread is wedged the error is
-        logged, the caller of the running job gets `LeaseClosed`, and the
-        daemon thread is left behind (only a process restart recovers it).
+        ``started`` is reported once the thread has run ``on_thread_start``. On
+        cancellation the lease closes: new submissions raise `LeaseClosed`,
+        queued `run` callers get `LeaseClosed` at once, queued `submit_nowait`
+        jobs and the running job finish, then the thread runs ``on_thread_exit``
+        and ends. That wait is shielded and bounded by ``close_timeout_s``; past
+        it the thread is declared wedged: an error is logged, the running job's
+        caller gets `LeaseClosed`, and the daemon thread is left behind (only a
+        process restart recovers the device).
 
         Raises:
-          RuntimeError: this lease was already served once.
+          RuntimeError: this lease was already served.
           BaseException: whatever ``on_thread_start`` raised.
         """
         if self._thread is not None:
             raise RuntimeError(f"{self.name} was already served; make a new GpuLease")
         self._token = trio.lowlevel.current_trio_token()
-        thread_ready = trio.Event()
-        self._thread = threading.Thread(target=self._thread_main, args=(thread_ready.set,), name=self.name, daemon=True)
+        ready = trio.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready.set,), name=self.name, daemon=True)
         try:
             self._thread.start()
-            await thread_ready.wait()
+            await ready.wait()
             if self._start_error is not None:
                 raise self._start_error
             task_status.started(self)
@@ -263,7 +221,7 @@ class GpuLease:
         finally:
             with trio.move_on_after(self._close_timeout_s, shield=True):
                 self._close()
-                # Joining is not MLX work, but polling keeps Trio's thread pool out.
+                # Poll rather than join: joining would block the loop or take a to_thread worker.
                 while self._thread.is_alive():
                     await trio.sleep(0.002)
             if self._thread.is_alive():
@@ -274,15 +232,14 @@ class GpuLease:
             if self._closed or self._thread is None:
                 return False
             self._queue_depth += 1
-            # Under the lock so that _close's sentinel is always the last item.
-            self._queue.put(job)
+            self._queue.put(job)  # under the lock, so _close's _STOP is always last
         return True
 
     def _close(self) -> None:
-        """Stop intake, fail queued waiters with LeaseClosed, queue the stop sentinel."""
+        """Stop intake, fail queued `run` callers with LeaseClosed, queue _STOP."""
         with self._lock:
             self._closed = True
-        nowait_jobs = []
+        keep: list[_Job] = []  # nowait cleanup jobs still run, in their order
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -291,25 +248,21 @@ class GpuLease:
             if job is _STOP:
                 continue
             if job.task is None:
-                nowait_jobs.append(job)
+                keep.append(job)
                 continue
             with self._lock:
                 if job.state is not _State.QUEUED:
-                    continue  # withdrawn by its cancelled caller, already woken
+                    continue  # its cancelled caller withdrew it and was already woken
                 job.state = _State.SKIPPED
                 self._queue_depth -= 1
             trio.lowlevel.reschedule(job.task, outcome.Error(LeaseClosed(f"{self.name} closed")))
-        for job in nowait_jobs:
+        for job in keep:
             self._queue.put(job)
         self._queue.put(_STOP)
 
     def _fail_wedged_job(self) -> None:
-        log.error(
-            "%s: lease thread still running a job %.1f s after close; it is wedged "
-            "and only a process restart recovers it",
-            self.name,
-            self._close_timeout_s,
-        )
+        log.error("%s: the lease thread is still busy %.1f s after close: wedged; only a process "
+                  "restart recovers it", self.name, self._close_timeout_s)
         with self._lock:
             job = self._current
             if job is None or job.task is None or job.detached or job.state is not _State.RUNNING:
@@ -318,15 +271,13 @@ class GpuLease:
         trio.lowlevel.reschedule(job.task, outcome.Error(LeaseClosed(f"{self.name} wedged")))
 
     def _deliver(self, job: _Job, result: outcome.Outcome[Any]) -> None:
-        # Runs on the Trio thread (run_sync_soon), so `detached` needs no lock;
-        # it must not raise, or the Trio run crashes.
+        # Runs on the Trio thread (run_sync_soon), as does every write of `detached`,
+        # so no lock. It must not raise: that would crash the Trio run.
         if not job.detached:
             assert job.task is not None
             trio.lowlevel.reschedule(job.task, result)
         elif isinstance(result, outcome.Error):
             log.error("%s: abandoned job %s failed", self.name, job.name, exc_info=result.error)
-
-    # ---- the lease thread ---------------------------------------------------
 
     def _thread_main(self, report_ready: Callable[[], None]) -> None:
         assert self._token is not None
@@ -338,15 +289,14 @@ class GpuLease:
                     self._on_thread_start()
                 except BaseException as exc:
                     self._start_error = exc
-            try:
-                self._token.run_sync_soon(report_ready)
-            except trio.RunFinishedError:
-                return
+            self._token.run_sync_soon(report_ready)
             if self._start_error is None:
                 self._serve_jobs()
+        except trio.RunFinishedError:
+            pass  # the Trio run is gone: nobody is left to serve or to deliver to
         finally:
             with self._lock:
-                self._closed = True  # a job queued now would never run
+                self._closed = True  # a job queued from now on would never run
             if self._on_thread_exit is not None:
                 try:
                     self._on_thread_exit()
@@ -356,10 +306,7 @@ class GpuLease:
                 self._stopped_at = time.monotonic()
 
     def _serve_jobs(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
+        while (job := self._queue.get()) is not _STOP:
             with self._lock:
                 if job.state is not _State.QUEUED:
                     continue
@@ -367,44 +314,33 @@ class GpuLease:
                 self._queue_depth -= 1
                 self._current = job
                 self._running_since = time.monotonic()
-            if not self._run_job(job):
-                return
+            self._run_job(job)
 
-    def _run_job(self, job: _Job) -> bool:
-        """Run one job and hand its outcome over; False once the Trio run is gone.
-
-        A separate frame so that the arguments and the outcome are released on
-        this thread when it returns: MLX objects that only the job kept alive
-        are freed here, not wherever the last reference happens to go.
-        """
-        assert self._token is not None and job.fn is not None
+    def _run_job(self, job: _Job) -> None:
+        # A frame of its own, so the arguments and the outcome are released on this
+        # thread when it returns: MLX objects only the job kept alive are freed here.
+        assert self._token is not None and job.fn is not None and self._running_since is not None
         result = outcome.capture(job.fn, *job.args)
         job.fn, job.args = None, ()
         with self._lock:
             job.state = _State.DONE
             self._current = None
-            assert self._running_since is not None
             self._busy_s += time.monotonic() - self._running_since
             self._running_since = None
             self._jobs_run += 1
-            if isinstance(result, outcome.Error):
-                self._jobs_failed += 1
-        if job.task is None:
-            if isinstance(result, outcome.Error):
-                log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
-            return True
-        try:
+            self._jobs_failed += isinstance(result, outcome.Error)
+        if job.task is not None:
             self._token.run_sync_soon(self._deliver, job, result)
-        except trio.RunFinishedError:
-            return False  # nobody is left to deliver to
-        return True
+        elif isinstance(result, outcome.Error):
+            log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
 
 
 @asynccontextmanager
 async def open_gpu_lease(**kwargs: Any) -> AsyncIterator[GpuLease]:
-    """Serve a `GpuLease` (built from ``kwargs``) for the duration of the block.
+    """Serve a `GpuLease(**kwargs)` for the duration of the block, then close it.
 
-    Leaving the block closes the lease as described in `GpuLease.serve`.
+    Closing follows `GpuLease.serve`; it is shielded and bounded, so leaving the
+    block on cancellation still stops the thread.
     """
     async with trio.open_nursery() as nursery:
         lease: GpuLease = await nursery.start(GpuLease(**kwargs).serve)

@@ -74,13 +74,14 @@ def convert_gguf(
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
     report = progress or (lambda _msg: None)
-    label = f"converting {gguf_path.name} → mlx ({dtype})"
+    label = f"converting {gguf_path.name} → mlx {dtype}"
     started_s = time.monotonic()
 
     weights, metadata = _read_gguf(gguf_path)
     config = _model_config(metadata, has_output="output.weight" in weights)
     converted, quantization = _convert_weights(weights, config, dtype, lambda m: report(f"{label} {m}"))
     if quantization is not None:
+        # mlx-lm's own save_config writes the block under both keys; do the same.
         config["quantization"] = quantization
         config["quantization_config"] = quantization
     tokenizer = _build_tokenizer(metadata)
@@ -88,6 +89,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        tmp_dir.chmod(0o755)  # mkdtemp makes it 0o700; the result is an ordinary directory
         report(f"{label} (writing)")
         mx.save_safetensors(str(tmp_dir / "model.safetensors"), converted, metadata={"format": "mlx"})
         _write_json(tmp_dir / "config.json", config)
@@ -138,7 +140,15 @@ def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     return value.item() if isinstance(value, mx.array) else value
 
 
+def _float32_value(value: float) -> float:
+    # GGUF stores these as float32; 1e-5 would otherwise read back as 9.999999747378752e-06.
+    return float(f"{value:.7g}")
+
+
 def _model_config(metadata: dict[str, Any], *, has_output: bool) -> dict[str, Any]:
+    rope_scaling = metadata.get("llama.rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ModelLoadError(f"GGUF rope scaling {rope_scaling!r} is not supported")
     heads = _scalar(metadata, "llama.attention.head_count")
     hidden = _scalar(metadata, "llama.embedding_length")
     return {
@@ -150,13 +160,16 @@ def _model_config(metadata: dict[str, Any], *, has_output: bool) -> dict[str, An
         "num_attention_heads": heads,
         "num_key_value_heads": _scalar(metadata, "llama.attention.head_count_kv", heads),
         "head_dim": _scalar(metadata, "llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": _scalar(metadata, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _scalar(metadata, "llama.rope.freq_base", 10000.0),
+        "rms_norm_eps": _float32_value(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(_scalar(metadata, "llama.rope.freq_base", 10000.0)),
         "vocab_size": len(metadata["tokenizer.ggml.tokens"]),
         "max_position_embeddings": _scalar(metadata, "llama.context_length"),
         "tie_word_embeddings": not has_output,
-        "bos_token_id": _scalar(metadata, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(metadata, "tokenizer.ggml.eos_token_id"),
+        **{
+            f"{kind}_token_id": int(token_id.item())
+            for kind in ("bos", "eos")
+            if (token_id := metadata.get(f"tokenizer.ggml.{kind}_token_id")) is not None
+        },
     }
 
 
@@ -190,6 +203,7 @@ def _convert_weights(
         if kind in heads:
             params = {p: unpermute_rope_rows(v, heads[kind]) for p, v in params.items()}
         name = _hf_name(f"{module}.weight").rpartition(".")[0]
+        num_done = len(out)
         if "scales" in params:
             # Group size is fixed at 32, so the packed-column ratio gives the bit width.
             bits = params["weight"].shape[-1] // params["scales"].shape[-1]
@@ -205,7 +219,7 @@ def _convert_weights(
                 out[f"{name}.weight"] = full.astype(float_dtype)
         else:
             out[f"{name}.weight"] = params["weight"].astype(float_dtype)
-        mx.eval(*(out[k] for k in out if k.startswith(name + ".")))
+        mx.eval(*list(out.values())[num_done:])  # per module, so progress reports track real work
         if i == len(modules) or i % max(1, len(modules) // 4) == 0:
             report(f"(tensors {i}/{len(modules)})")
     return out, _quantization_block(bits_by_module)

@@ -86,9 +86,9 @@ class _Handshake:
     forever on a child that ``started()`` left behind in a cancelled starter.
     """
 
-    def __init__(self, inner: trio.TaskStatus[object], scope: trio.CancelScope) -> None:
+    def __init__(self, inner: trio.TaskStatus[object], child: Child) -> None:
         self._inner = inner
-        self._scope = scope
+        self._child = child
         self._task = trio.lowlevel.current_task()
         self._target = self._task.eventual_parent_nursery
         self.is_started = False
@@ -96,8 +96,13 @@ class _Handshake:
     def started(self, value: object = None) -> None:
         self._inner.started(value)
         self.is_started = True
-        if self._task.parent_nursery is self._target:
-            self._scope.shield = True
+        if self._task.parent_nursery is not self._target:
+            return  # the starter was cancelled; this child is being cancelled with it
+        # Recorded here, in the child's own step, so an exit right after started()
+        # can never be overwritten by the starter resuming later.
+        child = self._child
+        child.scope.shield = True
+        child.handle, child.state, child.started_at = value, "running", trio.current_time()
 
 
 async def run_child(
@@ -114,7 +119,7 @@ async def run_child(
     (see `_Handshake`), which ends the task quietly; a return or an ``Exception`` is
     sent as `Exited` on `exits`. No ``Exception`` ever reaches the nursery.
     """
-    handshake = _Handshake(task_status, child.scope)
+    handshake = _Handshake(task_status, child)
     incarnation, finished = child.incarnation, child.finished
     try:
         with child.scope:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -229,8 +230,9 @@ class Supervisor:
             child.mark_exited("failed")
             logger.warning("child %r of %r failed to start: %s", child.spec.id, self.id, child.last_error)
             raise
-        child.handle, child.state, child.started_at = handle, "running", trio.current_time()
-        logger.debug("child %r of %r started (restarts: %d)", child.spec.id, self.id, child.restarts)
+        # Sessions start by the thousand: their starts are debug noise, not news.
+        level = logging.DEBUG if child.spec.restart is Restart.TEMPORARY else logging.INFO
+        logger.log(level, "child %r of %r started (restarts: %d)", child.spec.id, self.id, child.restarts)
         return handle
 
     async def _start_in_order(self, run: _Run, children: list[Child]) -> tuple[Child, Exception] | None:
@@ -243,6 +245,7 @@ class Supervisor:
         return None
 
     async def _start_initial(self, run: _Run) -> Exception | None:
+        """Start the static children in order; return the first start failure, if any."""
         failed = await self._start_in_order(run, list(run.children.values()))
         if failed is None:
             return None
@@ -255,22 +258,27 @@ class Supervisor:
             await stop_child(child)
 
     def _forget(self, run: _Run, child: Child) -> None:
+        """Drop `child` for good; an ended temporary child leaves only a count behind."""
         del run.children[child.spec.id]
         if child.spec.restart is Restart.TEMPORARY:
             run.ended_temporary += 1
 
     async def _supervise(self, run: _Run, exits: trio.MemoryReceiveChannel[Exited]) -> None:
         """The control loop: handle each child's exit, one at a time, until cancelled."""
-        async for exited in exits:
-            async with run.lock:
-                child = exited.child
-                if run.children.get(child.spec.id) is not child or child.incarnation != exited.incarnation:
-                    continue  # terminated while its exit was on its way
-                restart = child.spec.restart
-                if restart is Restart.TEMPORARY or (restart is Restart.TRANSIENT and exited.error is None):
-                    if restart is Restart.TEMPORARY:
-                        self._forget(run, child)
-                    continue
+        # Not `async for`: its loop variable would pin the last ended child in memory.
+        while True:
+            await self._on_exit(run, await exits.receive())
+
+    async def _on_exit(self, run: _Run, exited: Exited) -> None:
+        """Apply the child's restart type, then the strategy if it must restart."""
+        async with run.lock:
+            child = exited.child
+            if run.children.get(child.spec.id) is not child or child.incarnation != exited.incarnation:
+                return  # terminated while its exit was on its way
+            restart = child.spec.restart
+            if restart is Restart.TEMPORARY:
+                self._forget(run, child)
+            elif restart is Restart.PERMANENT or exited.error is not None:
                 await self._restart(run, child, exited.error)
 
     async def _restart(self, run: _Run, child: Child, error: Exception | None) -> None:
@@ -281,7 +289,8 @@ class Supervisor:
         """
         while True:
             if not run.intensity.add(trio.current_time()):
-                logger.error("supervisor %r gave up after child %r exited", self.id, child.spec.id)
+                reason = describe_error(error) if error is not None else "returned"
+                logger.error("supervisor %r gave up after child %r exited: %s", self.id, child.spec.id, reason)
                 gave_up = SupervisorGaveUp(self.id, child.spec.id, self.max_restarts, self.period_s)
                 gave_up.__cause__ = error
                 raise gave_up

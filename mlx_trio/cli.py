@@ -1,0 +1,204 @@
+"""`mlx-trio serve`: the OpenAI-compatible server on one model.
+
+Flags keep mlx_lm.server's names where they mean the same thing. The server
+process is one `trio.run`: the engine's supervision tree with the HTTP server
+as an extra child, so `/health` answers (503) while the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from mlx_trio.api import Engine
+from mlx_trio.config import EngineConfig
+from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
+from mlx_trio.http import HttpServer, ServerConfig
+from mlx_trio.http.config import DEFAULT_MAX_BODY_BYTES
+from mlx_trio.params import SamplingParams
+
+log = logging.getLogger("mlx_trio.cli")
+
+# How often "still loading" is logged while the model loads (a first default-model
+# start converts a GGUF, which takes a while on a small machine).
+LOAD_PROGRESS_EVERY_S = 5.0
+# trio-mlx.md §2.5: bounds how long the Trio thread waits for the GIL held by the lease thread.
+SWITCH_INTERVAL_S = 0.001
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-trio", description="An LLM serving engine on MLX and Trio.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    arg = serve.add_argument
+    arg("--model", default=None,
+        help="mlx-lm model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
+    arg("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    arg("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    arg("--batch", "--decode-concurrency", dest="batch", type=_positive_int, default=1,
+        help="requests decoded together; only 1 is implemented so far, larger values are accepted "
+             "(default: %(default)s)")
+    arg("--max-tokens", type=_positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
+    arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
+    arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
+    arg("--top-k", type=int, default=0, help="default top-k; 0 is off (default: %(default)s)")
+    arg("--min-p", type=float, default=0.0, help="default min-p; 0 is off (default: %(default)s)")
+    arg("--chat-template-args", type=_json_object, default={},
+        help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    arg("--api-key", default=os.environ.get("MLX_TRIO_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY; unset: no key)")
+    arg("--allowed-origins", nargs="*", default=[],
+        help="browser origins allowed by CORS, space- or comma-separated; '*' for any (default: same-origin only)")
+    arg("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted; larger gets 413 (default: %(default)s)")
+    arg("--prefill-step-size", type=_positive_int, default=2048,
+        help="prompt tokens per prefill chunk (default: %(default)s)")
+    arg("--max-queue", type=_positive_int, default=256,
+        help="requests waiting for the decoder before new ones get 503 + Retry-After (default: %(default)s)")
+    arg("--cache-dir", type=Path, default=None,
+        help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
+    arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="(default: %(default)s)")
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Split the flags into the engine's and the HTTP server's configuration; raises InvalidParameter."""
+    defaults = SamplingParams.from_kwargs({
+        "max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p,
+    })
+    engine = EngineConfig(model=args.model, cache_dir=args.cache_dir, prefill_step_size=args.prefill_step_size,
+                          max_queue=args.max_queue, defaults=defaults)
+    origins = [o for item in args.allowed_origins for o in item.split(",")]
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
+                          max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
+                          batch=args.batch)
+    return engine, server
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
+                task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the engine with the HTTP server as its child until cancelled.
+
+    `started(server)` once the model is loaded and the server listens. Raises
+    `ModelLoadError` if the model cannot be loaded (after stopping the tree).
+    """
+    server = HttpServer(server_config)
+    engine = Engine(engine_config, extra_children=[server.child_spec])
+    server.attach(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        log.info("listening on %s; loading model %s", server.url, engine_config.model or "(default)")
+        try:
+            await _wait_ready_with_progress(engine)
+        except ModelLoadError:
+            nursery.cancel_scope.cancel()
+            raise
+        print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 (health: {server.url}/health)", flush=True)
+        task_status.started(server)
+
+
+async def _wait_ready_with_progress(engine: Engine) -> None:
+    start_s = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        async def ticker() -> None:
+            while True:
+                await trio.sleep(LOAD_PROGRESS_EVERY_S)
+                log.info("still loading the model (%.0f s)", trio.current_time() - start_s)
+
+        nursery.start_soon(ticker)
+        await engine.wait_ready()
+        nursery.cancel_scope.cancel()
+    log.info("model %s ready in %.1f s", engine.model_id, trio.current_time() - start_s)
+
+
+async def serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """`serve` until SIGINT or SIGTERM, then stop the tree gracefully (HTTP drains first)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, engine_config, server_config)
+            async for signum in signals:
+                log.info("%s received: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_config, server_config = configs_from_args(args)
+    except (InvalidParameter, ValueError, TypeError) as exc:
+        print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
+        return 2
+    if server_config.batch > 1:
+        log.warning("--batch %d: batching is not implemented yet; requests are decoded one at a time",
+                    server_config.batch)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        trio.run(serve_until_signalled, engine_config, server_config)
+    except KeyboardInterrupt:
+        log.info("stopped")
+        return 0
+    except BaseException as exc:  # noqa: BLE001  (a CLI turns every failure into a message and an exit code)
+        print(f"mlx-trio: {_describe(exc, server_config)}", file=sys.stderr)
+        log.debug("details", exc_info=exc)
+        return 1
+    return 0
+
+
+def _describe(exc: BaseException, config: ServerConfig) -> str:
+    leaves = list(_leaves(exc))
+    # Most specific first: a supervisor's "gave up" wraps the error that made it give up.
+    for leaf in leaves:
+        if isinstance(leaf, ModelLoadError):
+            return f"the model failed to load: {leaf}"
+    for leaf in leaves:
+        if isinstance(leaf, OSError):
+            return f"cannot listen on {config.host}:{config.port}: {leaf.strerror or leaf}"
+    for leaf in leaves:
+        if isinstance(leaf, MlxTrioError):
+            return str(leaf)
+    return "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(exc)
+
+
+def _leaves(exc: BaseException) -> Any:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        # Supervisors wrap a child's failure; its cause is the useful part.
+        yield exc
+        if exc.__cause__ is not None:
+            yield from _leaves(exc.__cause__)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions (and /chat/completions) and POST /v1/completions.
+
+Each handler: read and decode the body (413 / 400 before anything else),
+parse it into a `CompletionCall`, let `Engine.prepare` validate and tokenize
+(400 naming the field), then either stream SSE or collect the whole answer.
+Leaving early, by a client disconnect (quart-trio cancels the handler) or a
+closed stream body, closes `Engine.stream`, which cancels the request in the
+engine and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from quart import Quart, Response, request
+
+from mlx_trio.errors import ActorCrashed, RequestError
+from mlx_trio.events import Finished, GenerationEvent, TextDelta
+from mlx_trio.http.errors import api_error, draining
+from mlx_trio.http.metrics import RequestLog
+from mlx_trio.http.requests import CompletionCall, decode_json_object, parse_chat, parse_text
+from mlx_trio.http.responses import ResponseShape
+from mlx_trio.http.sse import HEADERS as SSE_HEADERS
+from mlx_trio.http.sse import sse_stream
+from mlx_trio.http.state import AppState
+
+Parser = Callable[..., CompletionCall]
+
+
+def register_completions(app: Quart, state: AppState) -> None:
+    async def chat() -> Response:
+        return await _complete(state, parse_chat)
+
+    async def text() -> Response:
+        return await _complete(state, parse_text)
+
+    app.add_url_rule("/v1/chat/completions", "chat_completions", chat, methods=["POST"])
+    app.add_url_rule("/chat/completions", "chat_completions_unversioned", chat, methods=["POST"])
+    app.add_url_rule("/v1/completions", "completions", text, methods=["POST"])
+
+
+async def _complete(state: AppState, parse: Parser) -> Response:
+    body = decode_json_object(await request.get_data(as_text=False))
+    call = parse(body, template_defaults=state.config.chat_template_args)
+    if state.draining:
+        raise draining()
+    try:
+        prepared = state.engine.prepare(call.prompt, **call.prepare_kwargs())
+    except RequestError as exc:
+        raise call.in_wire_terms(exc) from None
+    shape = ResponseShape.new(chat=call.chat, model=state.model_name())
+    request_log = RequestLog(shape.id, kind="chat" if call.chat else "text", stream=call.stream)
+    state.submitted_rows += 1
+    events = state.engine.stream(prepared)
+    if call.stream:
+        response = Response(sse_stream(events, shape, include_usage=call.include_usage, request_log=request_log),
+                            status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
+        # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
+        response.timeout = None
+        return response
+    outcome = "cancelled"
+    try:
+        text, finished = await _collect(events, request_log)
+        outcome = finished.finish_reason
+    except Exception as exc:
+        error = api_error(exc)
+        outcome = error.code or error.type
+        raise
+    finally:
+        request_log.done(outcome)
+    return _json(shape.complete(text, finished.finish_reason, finished.usage))
+
+
+async def _collect(events: AsyncGenerator[GenerationEvent, None], request_log: RequestLog) -> tuple[str, Finished]:
+    texts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            request_log.saw(event)
+            if isinstance(event, TextDelta):
+                texts.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(texts), event
+    raise ActorCrashed("the generation ended without a finish event")
+
+
+def _json(payload: Any) -> Response:
+    return Response(json.dumps(payload, ensure_ascii=False), status=200, mimetype="application/json")

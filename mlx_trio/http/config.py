@@ -1,0 +1,51 @@
+"""`ServerConfig`: everything the HTTP layer needs besides the engine, as one frozen value."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+# OpenAI bodies are small; 4 MiB leaves room for long chats while bounding memory per request.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def _origins(value: Iterable[str] | str | None) -> tuple[str, ...]:
+    """Accept mlx_lm.server's comma list as well as a sequence of origins."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(o.strip().rstrip("/") for o in items if o.strip())
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen
+class ServerConfig:
+    """How the OpenAI-compatible server listens and what it lets through.
+
+    `port` 0 binds a free port (read it back from `HttpServer.port`).
+    `api_key` None means no authentication; otherwise every endpoint but
+    `/health` (and CORS preflights) needs `Authorization: Bearer <api_key>`.
+    `allowed_origins` are the browser origins given CORS headers; `"*"` allows
+    any; empty means same-origin only. `model_name` is the id reported in
+    `/v1/models` and responses (None: the engine's model id).
+    `chat_template_args` are defaults under each request's
+    `chat_template_kwargs` (mlx_lm.server's `--chat-template-args`).
+    `batch` is the configured decode concurrency, reported by `/stats`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8080, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=attrs.validators.gt(0))
+    model_name: str | None = None
+    chat_template_args: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+    batch: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # How long in-flight requests get to finish after a graceful shutdown starts.
+    graceful_timeout_s: float = 3.0

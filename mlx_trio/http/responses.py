@@ -1,0 +1,97 @@
+"""OpenAI response objects and stream chunks for chat and text completions.
+
+One `ResponseShape` per request holds what every chunk repeats (id, created,
+model) so a stream's chunks all agree. Builders return plain dicts; framing
+them as SSE is `sse.py`'s job.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import uuid
+from importlib import metadata
+from typing import Any
+
+import attrs
+
+import mlx_trio
+from mlx_trio.events import Usage
+
+
+def _version(dist: str) -> str:
+    # Package metadata, not imports: this layer never imports MLX.
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# Like mlx_lm.server's: changes whenever the code that produced the tokens changes.
+SYSTEM_FINGERPRINT = (
+    f"mlx-trio-{mlx_trio.__version__}-mlx-{_version('mlx')}-mlx-lm-{_version('mlx-lm')}-{platform.machine()}"
+)
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@attrs.frozen
+class ResponseShape:
+    """The fields shared by a response and all its chunks."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, *, chat: bool, model: str) -> ResponseShape:
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat=chat, model=model, id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()))
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def complete(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """The whole non-streamed response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage_object(usage)}
+
+    def chunk(self, text: str, *, first: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
+        """One stream chunk. The chat role is sent in the first delta only (OpenAI's framing)."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text or first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self._chunk_object), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The extra last chunk for `stream_options.include_usage`: no choices, only usage.
+
+        Its object is the chunk object (mlx_lm.server sends "chat.completion"
+        here, even for text completions; OpenAI sends the chunk object).
+        """
+        return {**self._head(self._chunk_object), "choices": [], "usage": usage_object(usage)}

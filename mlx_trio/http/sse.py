@@ -1,0 +1,77 @@
+"""Server-sent events: an engine event stream → OpenAI-framed SSE bytes.
+
+Framing (OpenAI's, which the `openai` SDK parses): `data: <json>\\n\\n` per
+chunk; the first chunk carries the chat role; `PromptProgress` becomes an SSE
+comment (`: keepalive processed/total`), which clients ignore but which keeps
+proxies and idle timeouts from closing a long prefill; the last content chunk
+carries `finish_reason`; an optional usage chunk follows; `data: [DONE]` is
+always the last event, even after an error, which is sent in-band as
+`data: {"error": {...}}` because the headers (200) are already out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
+from mlx_trio.http.errors import api_error
+from mlx_trio.http.metrics import RequestLog
+from mlx_trio.http.responses import ResponseShape
+
+log = logging.getLogger("mlx_trio.http")
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {
+    "Cache-Control": "no-cache",
+    # nginx and similar proxies buffer responses unless told not to.
+    "X-Accel-Buffering": "no",
+}
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def comment(text: str) -> bytes:
+    # A comment line must not contain a newline, or the rest would be parsed as fields.
+    return b": " + text.replace("\n", " ").encode() + b"\n\n"
+
+
+async def sse_stream(events: AsyncGenerator[GenerationEvent, None], shape: ResponseShape, *,
+                     include_usage: bool, request_log: RequestLog) -> AsyncIterator[bytes]:
+    """Frame one request's events as SSE.
+
+    Closing this generator early (the client went away: quart closes the body
+    iterator, or cancels the task writing it) closes `events`, which cancels
+    the request in the engine and frees its KV cache.
+    """
+    outcome = "cancelled"
+    try:
+        async with aclosing(events):
+            if shape.chat:
+                yield event(shape.chunk("", first=True))
+            async for item in events:
+                request_log.saw(item)
+                if isinstance(item, PromptProgress):
+                    yield comment(f"keepalive {item.processed}/{item.total}")
+                elif isinstance(item, TextDelta):
+                    if item.text:
+                        yield event(shape.chunk(item.text))
+                elif isinstance(item, Finished):
+                    outcome = item.finish_reason
+                    yield event(shape.chunk("", finish_reason=item.finish_reason))
+                    if include_usage:
+                        yield event(shape.usage_chunk(item.usage))
+    except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
+        error = api_error(exc)
+        outcome = error.code or error.type
+        if error.status >= 500:
+            log.warning("stream %s failed: %r", shape.id, exc)
+        yield event(error.body())
+    finally:
+        request_log.done(outcome)
+    yield DONE

@@ -1,0 +1,91 @@
+"""A fake engine with the small surface the HTTP layer uses, for tests that need no model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from mlx_trio.errors import ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
+from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
+from mlx_trio.params import SamplingParams
+
+
+@attrs.frozen
+class FakeRequest:
+    prompt_tokens: int
+    params: SamplingParams
+
+
+class FakeEngine:
+    """Streams the words "w0 w1 w2 ..." one per token; loading, failures and delays are switches.
+
+    `loaded` False: health is 503 "loading model" and prepare raises EngineFailure.
+    `fail_with`: an error `stream` raises after its first progress event.
+    `token_delay_s`: sleep per token, so a client can disconnect mid-stream.
+    `active` / `kv_bytes` mimic the engine counters and drop when a stream is closed.
+    """
+
+    def __init__(self, *, loaded: bool = True, context_length: int = 64) -> None:
+        self.loaded = loaded
+        self.context_length = context_length
+        self.fail_with: MlxTrioError | None = None
+        self.token_delay_s = 0.0
+        self.active = 0
+        self.kv_bytes = 0
+        self.closed_streams = 0
+        self.prepared: list[tuple[Any, dict[str, Any]]] = []
+
+    def health(self) -> tuple[bool, str]:
+        return (True, "ok") if self.loaded else (False, "loading model")
+
+    def status(self) -> dict[str, Any]:
+        return {"tree": {"id": "root", "state": "running", "children": []}, "model": "fake",
+                "counters": {"active_rows": self.active, "pending_rows": 0, "lease_queue_depth": 0,
+                             "lease_busy_fraction": 0.0, "kv_bytes": self.kv_bytes}}
+
+    @property
+    def model_id(self) -> str:
+        if not self.loaded:
+            raise EngineFailure("the model is not loaded yet")
+        return "fake-model"
+
+    def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                **sampling: Any) -> FakeRequest:
+        if not self.loaded:
+            raise EngineFailure("the model is not loaded yet")
+        self.prepared.append((prompt, {"chat_template_kwargs": chat_template_kwargs, **sampling}))
+        params = SamplingParams.from_kwargs(sampling).validate(vocab_size=100)
+        n = len(prompt) if isinstance(prompt, (list, tuple)) else len(prompt.split())
+        if n + params.max_tokens > self.context_length:
+            raise ContextTooLong(f"{n} + {params.max_tokens} tokens is over the context of {self.context_length}")
+        if isinstance(prompt, str) and "bad-prompt" in prompt:
+            raise InvalidParameter("prompt", "contains bad-prompt")
+        return FakeRequest(n, params)
+
+    async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
+        self.active += 1
+        self.kv_bytes += 1000
+        try:
+            yield PromptProgress(0, request.prompt_tokens)
+            if self.fail_with is not None:
+                raise self.fail_with
+            yield PromptProgress(request.prompt_tokens, request.prompt_tokens)
+            text = ""
+            for i in range(request.params.max_tokens):
+                await trio.sleep(self.token_delay_s)
+                word = f"w{i} "
+                stop = next((s for s in request.params.stop if s in text + word), None)
+                if stop is not None:
+                    yield TextDelta((text + word)[len(text):(text + word).index(stop)], (i,))
+                    yield Finished("stop", Usage(request.prompt_tokens, i + 1))
+                    return
+                text += word
+                yield TextDelta(word, (i,))
+            yield Finished("length", Usage(request.prompt_tokens, request.params.max_tokens))
+        finally:
+            self.active -= 1
+            self.kv_bytes -= 1000
+            self.closed_streams += 1

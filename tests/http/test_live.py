@@ -1,0 +1,110 @@
+"""Raw HTTP against a tiny real model: SSE framing, disconnects freeing KV, status and stats."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
+
+CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def http(live_server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        yield client
+
+
+def _wait_for(http: httpx.Client, condition: Callable[[dict[str, Any]], bool],
+              timeout_s: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = http.get("/stats").json()
+        if condition(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def _cancelled(http: httpx.Client) -> int:
+    """Requests the decoder dropped because their caller left (from the supervision tree's stats)."""
+    def find(node: dict[str, Any]) -> dict[str, Any] | None:
+        if node.get("id") == "decode-step":
+            return node
+        return next((hit for child in node.get("children", []) if (hit := find(child))), None)
+
+    decoder = find(http.get("/v1/status").json()["tree"])
+    assert decoder is not None
+    return int(decoder["stats"]["requests_cancelled"])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/chat/completions"])
+def test_chat_sse_framing_on_a_real_model(http: httpx.Client, path: str) -> None:
+    """Keepalive comments for the prompt, role only first, one finish_reason, usage chunk, [DONE] last."""
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    response = http.post(path, json=body)
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    assert events[-1] == "data: [DONE]"
+    assert events.count("data: [DONE]") == 1
+    comments = [e for e in events if e.startswith(": keepalive ")]
+    assert comments and comments[0].startswith(": keepalive 0/")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1] if e.startswith("data: ")]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:] if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_disconnect_mid_stream_frees_the_row_and_its_kv(http: httpx.Client) -> None:
+    """Closing a long stream early: /stats shows the row leave and kv_bytes return to 0."""
+    cancelled = _cancelled(http)
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+        busy = http.get("/stats").json()
+        assert busy["active_rows"] == 1 and busy["kv_bytes"] > 0
+    stats = _wait_for(http, lambda s: s["active_rows"] == 0 and s["kv_bytes"] == 0)
+    assert stats["active_rows"] == 0 and stats["pending_rows"] == 0 and stats["kv_bytes"] == 0
+    counters = http.get("/v1/status").json()["counters"]
+    assert counters["kv_bytes"] == 0 and counters["active_rows"] == 0
+    assert _cancelled(http) == cancelled + 1
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_disconnect_of_a_non_streamed_request_cancels_it(live_server: ServerThread, http: httpx.Client) -> None:
+    """A client timing out on a non-streamed request cancels it in the engine (not run to max_tokens)."""
+    cancelled = _cancelled(http)
+    with httpx.Client(base_url=live_server.url, timeout=0.3) as impatient, pytest.raises(httpx.TimeoutException):
+        impatient.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3000})
+    stats = _wait_for(http, lambda s: s["active_rows"] == 0 and s["kv_bytes"] == 0)
+    assert stats["active_rows"] == 0 and stats["kv_bytes"] == 0
+    assert _cancelled(http) == cancelled + 1
+
+
+def test_stats_and_status_shapes(http: httpx.Client) -> None:
+    """/stats has the batch fields; /v1/status has the supervision tree with the http child in it."""
+    stats = http.get("/stats").json()
+    assert set(stats) == {"configured", "mode", "active_rows", "pending_rows", "submitted_rows", "kv_bytes",
+                          "kv_budget_bytes"}
+    assert stats["configured"] == 1 and stats["mode"] == "serial" and stats["kv_budget_bytes"] is None
+    status = http.get("/v1/status").json()
+    children = {c["id"]: c for c in status["tree"]["children"]}
+    assert children["http"]["state"] == "running" and children["http"]["kind"] == "http"
+    assert {"engine", "sessions"} <= set(children)
+    assert status["counters"]["lease_queue_depth"] >= 0
+
+
+def test_health_is_ok_when_loaded(http: httpx.Client) -> None:
+    """With the model loaded and every actor up, /health is exactly 200 {"status": "ok"}."""
+    response = http.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
