@@ -124,3 +124,28 @@ async def test_status_tree_names_each_actor_and_counts(engine) -> None:
     assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", "decode-step"]
     assert all(c["state"] == "running" for c in engine_sup["children"])
     assert engine.health() == (True, "ok")
+
+
+async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monkeypatch) -> None:
+    """Prefill, steps and the final free all run on the lease's own OS thread."""
+    import threading
+
+    from mlx_trio.engine.serial import SerialGeneration
+
+    seen: list[tuple[str, int]] = []
+    for name in ("__init__", "prefill_chunk", "step", "close"):
+        original = getattr(SerialGeneration, name)
+
+        def wrapper(self, *args, _original=original, _name=name, **kwargs):
+            seen.append((_name, threading.get_ident()))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(SerialGeneration, name, wrapper)
+    await engine.complete("Once upon a time there was " * 4, max_tokens=3)
+    with trio.fail_after(5):
+        while not any(name == "close" for name, _ in seen):
+            await trio.sleep(0.01)
+    lease_thread = engine._lease.statistics().thread_id
+    assert {name for name, _ in seen} == {"__init__", "prefill_chunk", "step", "close"}
+    assert {ident for _, ident in seen} == {lease_thread}
+    assert lease_thread != threading.get_ident()
