@@ -317,8 +317,8 @@ class GpuLease:
             self._run_job(job)
 
     def _run_job(self, job: _Job) -> None:
-        # A frame of its own, so the arguments and the outcome are released on this
-        # thread when it returns: MLX objects only the job kept alive are freed here.
+        # Drops fn and args right after the call, so MLX objects that only the job
+        # kept alive (a bound method's owner, say) are freed on this thread.
         assert self._token is not None and job.fn is not None and self._running_since is not None
         result = outcome.capture(job.fn, *job.args)
         job.fn, job.args = None, ()

@@ -21,7 +21,7 @@ def thread_default_stream() -> mx.Stream:
 
     Used as the lease's ``on_thread_start`` hook this creates the stream (and,
     on the CPU backend, its scheduler OS thread) when the lease opens, so the
-    first job does not pay for it and a failing backend is reported at start.
+    first job does not pay for it.
     """
     return mx.default_stream(mx.default_device())
 
@@ -35,6 +35,10 @@ def release_thread_streams() -> None:
     cleanup; mlx PR #4110 recommends exactly this). Arrays that were already
     evaluated stay valid and usable from other threads; lazy arrays recorded on
     this thread's streams cannot be evaluated afterwards.
+
+    Call it once, last: afterwards this thread cannot run MLX at all (measured
+    with mlx 0.32.4: the next op raises ``There is no Stream(cpu, N) in current
+    thread``: its default stream was destroyed and is not recreated).
 
     Raises whatever `mx.synchronize` raises for a pending stream error; the
     streams are cleared in any case.

@@ -23,7 +23,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # ASGI is duck-typed; quart's own types are narrower
 
 # Long enough for a client to finish uploading a body it already started; bounded so a
 # client trickling an endless body cannot hold the task forever.

@@ -11,8 +11,7 @@ engine and frees its KV cache.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from quart import Quart, Response, request
@@ -25,7 +24,7 @@ from mlx_trio.http.requests import CompletionCall, decode_json_object, parse_cha
 from mlx_trio.http.responses import ResponseShape
 from mlx_trio.http.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.sse import sse_stream
-from mlx_trio.http.state import AppState
+from mlx_trio.http.state import AppState, closing
 
 Parser = Callable[..., CompletionCall]
 
@@ -43,7 +42,7 @@ def register_completions(app: Quart, state: AppState) -> None:
 
 
 async def _complete(state: AppState, parse: Parser) -> Response:
-    body = decode_json_object(await request.get_data(as_text=False))
+    body = decode_json_object(await request.get_data())
     call = parse(body, template_defaults=state.config.chat_template_args)
     if state.draining:
         raise draining()
@@ -74,9 +73,9 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     return _json(shape.complete(text, finished.finish_reason, finished.usage))
 
 
-async def _collect(events: AsyncGenerator[GenerationEvent, None], request_log: RequestLog) -> tuple[str, Finished]:
+async def _collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
     texts: list[str] = []
-    async with aclosing(events):
+    async with closing(events):
         async for event in events:
             request_log.saw(event)
             if isinstance(event, TextDelta):

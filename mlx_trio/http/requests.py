@@ -75,7 +75,7 @@ class CompletionCall:
         return exc
 
 
-def decode_json_object(raw: bytes) -> dict[str, Any]:
+def decode_json_object(raw: bytes | str) -> dict[str, Any]:
     """Parse a request body; anything but a JSON object is a 400 naming the problem."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
@@ -167,7 +167,7 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
     _check_seed(sampling.get("seed"))
     for name in INT32_FIELDS:
         value = sampling.get(name)
-        if _is_int(value) and not -MAX_INT32 - 1 <= value <= MAX_INT32:
+        if isinstance(value, int) and not -MAX_INT32 - 1 <= value <= MAX_INT32:
             raise InvalidParameter(name, f"must fit in 32 bits (at most {MAX_INT32}), got {value}")
     _check_logit_bias(sampling.get("logit_bias"))
     return CompletionCall(chat=chat, prompt=prompt, sampling=sampling,

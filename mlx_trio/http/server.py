@@ -9,11 +9,13 @@ in-flight requests get `graceful_timeout_s` to finish, then are cancelled.
 from __future__ import annotations
 
 import logging
+from typing import cast
 from urllib.parse import urlsplit
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
+from hypercorn.typing import ASGIFramework
 
 from mlx_trio.http.app import create_app
 from mlx_trio.http.asgi import DrainRequestBody
@@ -76,7 +78,8 @@ class HttpServer:
             # Shielded, so our cancellation turns into a graceful shutdown instead of cutting
             # every connection; the deadline set below bounds the drain.
             with serve_scope:
-                await serve(DrainRequestBody(app), _hypercorn_config(self.config), mode="asgi",
+                asgi_app = cast(ASGIFramework, DrainRequestBody(app))
+                await serve(asgi_app, _hypercorn_config(self.config), mode="asgi",
                             shutdown_trigger=shutdown.wait, task_status=task_status)
 
         try:

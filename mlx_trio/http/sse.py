@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 from typing import Any
 
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.errors import api_error
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.responses import ResponseShape
+from mlx_trio.http.state import closing
 
 log = logging.getLogger("mlx_trio.http")
 
@@ -41,7 +41,7 @@ def comment(text: str) -> bytes:
     return b": " + text.replace("\n", " ").encode() + b"\n\n"
 
 
-async def sse_stream(events: AsyncGenerator[GenerationEvent, None], shape: ResponseShape, *,
+async def sse_stream(events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
                      include_usage: bool, request_log: RequestLog) -> AsyncIterator[bytes]:
     """Frame one request's events as SSE.
 
@@ -51,7 +51,7 @@ async def sse_stream(events: AsyncGenerator[GenerationEvent, None], shape: Respo
     """
     outcome = "cancelled"
     try:
-        async with aclosing(events):
+        async with closing(events):
             if shape.chat:
                 yield event(shape.chunk("", first=True))
             async for item in events:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
@@ -26,7 +27,23 @@ class EngineLike(Protocol):
     def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                 **sampling: Any) -> Any: ...
 
-    def stream(self, request: Any) -> AsyncGenerator[GenerationEvent, None]: ...
+    def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
+
+
+@asynccontextmanager
+async def closing(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[AsyncIterator[GenerationEvent]]:
+    """Close an `Engine.stream` on exit, however the block is left.
+
+    `Engine.stream` is an async generator: closing it is how a request is
+    cancelled in the engine (its KV cache freed), so a client that goes away
+    must never leave it to the garbage collector.
+    """
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 @attrs.define

@@ -259,6 +259,7 @@ async def test_close_fails_queued_and_new_callers_and_runs_thread_exit() -> None
 
     async with trio.open_nursery() as outer:
         async with open_gpu_lease(on_thread_exit=on_exit) as lease:
+            await lease.run(mlx_ident_and_lazy_sum)  # leaves MLX work for the exit hook to release
             outer.start_soon(call, "running", gate, "finished")
             await gate.wait_entered()
             outer.start_soon(call, "queued1", pow, 2, 2)

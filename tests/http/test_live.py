@@ -66,13 +66,14 @@ def test_disconnect_mid_stream_frees_the_row_and_its_kv(http: httpx.Client) -> N
     cancelled = _cancelled(http)
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
-        seen = 0
+        seen = []
         for line in response.iter_lines():
-            seen += line.startswith("data: {")
-            if seen == 3:
+            if line.startswith("data: {"):
+                seen.append(line)
+            if len(seen) == 3:
                 break
         busy = http.get("/stats").json()
-        assert busy["active_rows"] == 1 and busy["kv_bytes"] > 0
+        assert busy["active_rows"] == 1 and busy["kv_bytes"] > 0, (busy, http.get("/v1/status").json()["tree"]["children"][0]["children"][1], seen[-1][-80:])
     stats = _wait_for(http, lambda s: s["active_rows"] == 0 and s["kv_bytes"] == 0)
     assert stats["active_rows"] == 0 and stats["pending_rows"] == 0 and stats["kv_bytes"] == 0
     counters = http.get("/v1/status").json()["counters"]
