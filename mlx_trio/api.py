@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -24,11 +24,16 @@ from typing import Any
 import attrs
 import trio
 
-from mlx_trio.actors.decode import SerialDecodeActor
+from mlx_trio.actors.admission import AdmissionActor, Limits
+from mlx_trio.actors.batch_decode import BatchDecodeActor
+from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
+from mlx_trio.actors.messages import Generate
+from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.session import Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.lease_thread import release_thread_streams
+from mlx_trio.engine.kv_layout import default_kv_budget
 from mlx_trio.engine.model import LoadedModel, load_model
 from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError, ModelLoadError
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
@@ -49,14 +54,13 @@ class Engine:
         self._load_error: MlxTrioError | None = None
         self._model_settled = trio.Event()  # set once loading succeeded or failed for good
         self._lease: GpuLease | None = None
-        self._decoder: SerialDecodeActor | None = None
+        self._decoder: SerialDecodeActor | BatchDecodeActor | None = None
+        self._prefill: PrefillActor | None = None
+        self._admission: AdmissionActor | None = None
         self._request_ids = itertools.count(1)
         self._engine_sup = Supervisor(
             "engine",
-            [
-                ChildSpec("gpu-lease", self._run_lease, kind="gpu-lease", shutdown_s=15.0),
-                ChildSpec("decode-step", self._run_decoder, kind="decode-step"),
-            ],
+            [ChildSpec("gpu-lease", self._run_lease, kind="gpu-lease", shutdown_s=15.0), *self._lane_children()],
             strategy=Strategy.REST_FOR_ONE,
             max_restarts=config.max_restarts,
             period_s=config.restart_period_s,
@@ -72,6 +76,20 @@ class Engine:
             max_restarts=config.max_restarts,
             period_s=config.restart_period_s,
         )
+
+    def _lane_children(self) -> list[ChildSpec]:
+        """--batch 1: the strict serial lane. Otherwise the batch lane: decode-step ← prefill ← admission."""
+        if self.config.batch == 1:
+            return [ChildSpec("decode-step", self._run_serial_decoder, kind="decode-step")]
+        return [
+            ChildSpec("decode-step", self._run_batch_decoder, kind="decode-step"),
+            ChildSpec("prefill", self._run_prefill, kind="prefill"),
+            ChildSpec("admission", self._run_admission, kind="admission"),
+        ]
+
+    @property
+    def _submit_target(self) -> SerialDecodeActor | AdmissionActor | None:
+        return self._decoder if self.config.batch == 1 else self._admission  # type: ignore[return-value]
 
     # -- facts ---------------------------------------------------------------
 
@@ -100,17 +118,38 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """The live supervision tree plus engine counters, as plain data."""
         lease = self._lease.statistics() if self._lease is not None else None
-        decoder = self._decoder.statistics() if self._decoder is not None else None
         return {
             "tree": self._root.status(),
             "model": self._model.model_id if self._model else None,
             "counters": {
-                "active_rows": 1 if decoder and decoder.active_request else 0,
-                "pending_rows": decoder.mailbox_depth if decoder else 0,
+                **self._lane_counters(),
                 "lease_queue_depth": lease.queue_depth if lease else 0,
                 "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
-                "kv_bytes": decoder.active_kv_bytes if decoder else 0,
             },
+        }
+
+    def _lane_counters(self) -> dict[str, Any]:
+        """Rows and KV bytes of whichever lane runs (`/stats.batch` reads these)."""
+        decoder = self._decoder.statistics() if self._decoder is not None else None
+        if isinstance(decoder, DecodeStatistics) or decoder is None:
+            return {
+                "configured": self.config.batch, "mode": "serial",
+                "active_rows": 1 if decoder and decoder.active_request else 0,
+                "pending_rows": decoder.mailbox_depth if decoder else 0,
+                "submitted_rows": decoder.submitted if decoder else 0,
+                "kv_bytes": decoder.active_kv_bytes if decoder else 0,
+                "kv_budget_bytes": None,
+            }
+        prefill = self._prefill.statistics() if self._prefill is not None else None
+        admission = self._admission.statistics() if self._admission is not None else None
+        batchable = self._model is None or self._model.kv_layout.batchable
+        return {
+            "configured": self.config.batch, "mode": "batch" if batchable else "serial",
+            "active_rows": decoder.active_rows + (1 if prefill and prefill.active_request else 0),
+            "pending_rows": admission.mailbox_depth if admission else 0,
+            "submitted_rows": admission.submitted if admission else 0,
+            "kv_bytes": decoder.kv_bytes + (prefill.active_kv_bytes if prefill else 0),
+            "kv_budget_bytes": admission.budget_bytes if admission else None,
         }
 
     # -- requests -------------------------------------------------------------
@@ -132,12 +171,13 @@ class Engine:
         if limit is not None and len(ids) + params.max_tokens > limit:
             raise ContextTooLong(
                 f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"together over the model's context of {limit} tokens; shorten the prompt or lower max_tokens"
+                f"together over the model's context of {limit} tokens; shorten the prompt or lower max_tokens",
+                field="prompt" if isinstance(prompt, str) or isinstance(prompt[0], int) else "messages",
             )
         return Request(f"req-{next(self._request_ids)}", tuple(ids), params)
 
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                       **sampling: Any) -> AsyncIterator[GenerationEvent]:
+                       **sampling: Any) -> AsyncGenerator[GenerationEvent, None]:
         """Stream a generation: `PromptProgress`*, `TextDelta`*, then one `Finished`.
 
         Sampling keywords are `SamplingParams` fields. Leaving the loop early
@@ -147,15 +187,19 @@ class Engine:
         async for event in self.stream(request):
             yield event
 
-    async def stream(self, request: Request) -> AsyncIterator[GenerationEvent]:
+    async def stream(self, request: Request) -> AsyncGenerator[GenerationEvent, None]:
         """Run an already prepared request (see `prepare`)."""
-        if self._decoder is None:
+        target = self._submit_target
+        if target is None:
             raise EngineFailure("the engine is not running")
         send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
-        actor = SessionActor(request, decoder=self._decoder, model=self.model, out=send)
-        await self._sessions.start_child(
-            ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
-        )
+        actor = SessionActor(request, decoder=target, model=self.model, out=send)
+        try:
+            await self._sessions.start_child(
+                ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
+            )
+        except RuntimeError as exc:  # the sessions supervisor is not running: the tree is stopped
+            raise EngineFailure("the engine is not running") from exc
         finished = False
         async with recv:
             async for item in recv:
@@ -208,15 +252,60 @@ class Engine:
         if self._load_error is not None:
             raise self._load_error
 
-    async def _run_decoder(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_serial_decoder(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._lease is not None  # rest_for_one: the lease started first
         decoder = SerialDecodeActor(self._lease, self._wait_model, max_queue=self.config.max_queue,
                                     prefill_step_size=self.config.prefill_step_size)
         self._decoder = decoder
         await decoder.run(task_status=task_status)
 
+    def _release(self, request_id: str) -> None:
+        if self._admission is not None:
+            self._admission.release(request_id)
+
+    async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._lease is not None
+        decoder = BatchDecodeActor(self._lease, self._wait_model, release=self._release, max_rows=self.config.batch)
+        self._decoder = decoder
+        await decoder.run(task_status=task_status)
+
+    async def _run_prefill(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._lease is not None and isinstance(self._decoder, BatchDecodeActor)
+        prefill = PrefillActor(self._lease, self._wait_model, join=self._decoder.join_send, release=self._release,
+                               max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size)
+        self._prefill = prefill
+        await prefill.run(task_status=task_status)
+
+    async def _run_admission(self, *, task_status: trio.TaskStatus[AdmissionActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert isinstance(self._decoder, BatchDecodeActor) and self._prefill is not None
+        decoder, prefill = self._decoder, self._prefill
+        admission = AdmissionActor(
+            prefill.inbox_send, get_limits=self._admission_limits, max_rows=self.config.batch,
+            max_queue=self.config.max_queue, in_flight=lambda: decoder.in_flight() + prefill.in_flight(),
+        )
+        self._admission = admission
+        await admission.run(task_status=task_status)
+
+    async def _admission_limits(self) -> Limits:
+        model = await self._wait_model()
+        layout, step = model.kv_layout, self.config.prefill_step_size
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            budget = default_kv_budget(model.weights_bytes)
+            log.info("KV budget %.1f GiB (device memory minus weights and headroom; set --kv-budget to change)",
+                     budget / 2**30)
+        return Limits(
+            project_bytes=lambda cmd: layout.request_bytes(len(cmd.prompt_ids), cmd.params.max_tokens, step),
+            budget_bytes=budget,
+            # A model whose caches cannot merge runs the batch lane one row at a time.
+            max_rows=self.config.batch if layout.batchable else 1,
+        )
+
     async def _wait_model(self) -> LoadedModel:
-        await self.wait_ready()
+        """The loaded model; if loading failed for good, wait forever (health reports why) instead of crash-looping."""
+        await self._model_settled.wait()
+        if self._model is None:
+            await trio.sleep_forever()
         return self.model
 
     async def run(self, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:

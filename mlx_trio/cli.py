@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="mlx-lm model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
     arg("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     arg("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
-    arg("--batch", "--decode-concurrency", dest="batch", type=_positive_int, default=1,
-        help="requests decoded together; only 1 is implemented so far, larger values are accepted "
-             "(default: %(default)s)")
+    arg("--batch", "--decode-concurrency", dest="batch", type=_positive_int, default=8,
+        help="requests decoded together (the concurrency cap); 1 is the strict serial lane (default: %(default)s)")
+    arg("--kv-budget", dest="kv_budget", type=_positive_int, default=None,
+        help="bytes of KV cache admission may reserve (default: device memory minus weights and headroom)")
     arg("--max-tokens", type=_positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
@@ -78,7 +79,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         "top_k": args.top_k, "min_p": args.min_p,
     })
     engine = EngineConfig(model=args.model, cache_dir=args.cache_dir, prefill_step_size=args.prefill_step_size,
-                          max_queue=args.max_queue, defaults=defaults)
+                          max_queue=args.max_queue, defaults=defaults, batch=args.batch,
+                          kv_budget_bytes=args.kv_budget)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
@@ -141,9 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidParameter, ValueError, TypeError) as exc:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
-    if server_config.batch > 1:
-        log.warning("--batch %d: batching is not implemented yet; requests are decoded one at a time",
-                    server_config.batch)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         trio.run(serve_until_signalled, engine_config, server_config)

@@ -20,6 +20,11 @@ class EngineConfig:
     """
 
     model: str | None = None
+    # Concurrency cap = batch size (mlx_lm.server's --decode-concurrency). 1 runs
+    # the strict serial lane, the determinism pin.
+    batch: int = 8
+    # KV budget for admission; None derives it from device memory minus weights.
+    kv_budget_bytes: int | None = None
     cache_dir: Path | None = None
     prefill_step_size: int = 2048
     max_queue: int = 256

@@ -86,8 +86,10 @@ class SamplingParams:
         if self.repetition_penalty < 0:
             raise InvalidParameter("repetition_penalty", f"must be >= 0 (0 disables it), got {self.repetition_penalty}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-            if getattr(self, name) < 1:
-                raise InvalidParameter(name, f"must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= _MAX_INT32:
+                raise InvalidParameter(name, f"must be in [1, {_MAX_INT32}], got {getattr(self, name)}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidParameter("seed", f"must be in [0, 2**64), got {self.seed}")
         for token_id, _ in self.logit_bias:
             if not 0 <= token_id < vocab_size:
                 raise InvalidParameter("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
@@ -95,6 +97,8 @@ class SamplingParams:
             raise InvalidParameter("stop", "stop strings must be non-empty")
         return self
 
+
+_MAX_INT32 = 2**31 - 1  # MLX slices and gathers take 32-bit indices
 
 _INT_FIELDS = {"max_tokens", "top_k", "repetition_context_size", "presence_context_size", "frequency_context_size", "seed"}
 _FLOAT_FIELDS = {

@@ -21,10 +21,15 @@ def _golden(model: str, name: str) -> dict[str, Any]:
     return next(c for c in GOLDENS["cases"] if c["model"] == model and c["name"] == name)
 
 
-@pytest.fixture
-async def engine():
-    async with open_engine(str(tiny_model(LLAMA))) as engine:
+@pytest.fixture(params=[1, 8], ids=["serial-lane", "batch-lane"])
+async def engine(request):
+    async with open_engine(str(tiny_model(LLAMA)), batch=request.param) as engine:
         yield engine
+
+
+def _cancelled(engine) -> int:
+    stats = engine._decoder.statistics()
+    return stats.requests_cancelled if engine.config.batch == 1 else stats.cancelled + engine._prefill.statistics().cancelled
 
 
 def _restarts(tree: dict[str, Any]) -> int:
@@ -96,8 +101,7 @@ async def test_leaving_the_stream_early_cancels_and_frees_the_kv_cache(engine) -
     with trio.fail_after(10):
         while engine.status()["counters"]["kv_bytes"] or engine.status()["counters"]["active_rows"]:
             await trio.sleep(0.01)
-    decoder = engine._decoder.statistics()
-    assert decoder.requests_cancelled == 1
+    assert _cancelled(engine) == 1
     done = await engine.complete("Once upon a time there was", max_tokens=2)
     assert done.usage.completion_tokens == 2
 
@@ -117,11 +121,12 @@ async def test_concurrent_requests_all_finish_with_their_own_answers(engine) -> 
 
 
 async def test_status_tree_names_each_actor_and_counts(engine) -> None:
-    """status() shows root → engine (gpu-lease, decode-step) and sessions, all running."""
+    """status() shows root → engine (gpu-lease, then the lane's actors) and sessions, all running."""
     tree = engine.status()["tree"]
     assert tree["id"] == "root"
     engine_sup = next(c for c in tree["children"] if c["id"] == "engine")
-    assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", "decode-step"]
+    lane = ["decode-step"] if engine.config.batch == 1 else ["decode-step", "prefill", "admission"]
+    assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", *lane]
     assert all(c["state"] == "running" for c in engine_sup["children"])
     assert engine.health() == (True, "ok")
 
@@ -130,22 +135,31 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
     """Prefill, steps and the final free all run on the lease's own OS thread."""
     import threading
 
+    from mlx_trio.engine.batch import DecodeBatch
+    from mlx_trio.engine.rows import SoloRow
     from mlx_trio.engine.serial import SerialGeneration
 
+    if engine.config.batch == 1:
+        watched = {SerialGeneration: ("__init__", "prefill_chunk", "step", "close")}
+    else:
+        watched = {SoloRow: ("__init__", "prefill_chunk", "first_token"),
+                   DecodeBatch: ("join", "step", "flush", "leave")}
     seen: list[tuple[str, int]] = []
-    for name in ("__init__", "prefill_chunk", "step", "close"):
-        original = getattr(SerialGeneration, name)
+    for cls, names in watched.items():
+        for name in names:
+            original = getattr(cls, name)
 
-        def wrapper(self, *args, _original=original, _name=name, **kwargs):
-            seen.append((_name, threading.get_ident()))
-            return _original(self, *args, **kwargs)
+            def wrapper(self, *args, _original=original, _name=name, **kwargs):
+                seen.append((_name, threading.get_ident()))
+                return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(SerialGeneration, name, wrapper)
+            monkeypatch.setattr(cls, name, wrapper)
     await engine.complete("Once upon a time there was " * 4, max_tokens=3)
+    last = "close" if engine.config.batch == 1 else "leave"
     with trio.fail_after(5):
-        while not any(name == "close" for name, _ in seen):
+        while not any(name == last for name, _ in seen):
             await trio.sleep(0.01)
     lease_thread = engine._lease.statistics().thread_id
-    assert {name for name, _ in seen} == {"__init__", "prefill_chunk", "step", "close"}
+    assert {name for name, _ in seen} == {n for names in watched.values() for n in names}
     assert {ident for _, ident in seen} == {lease_thread}
     assert lease_thread != threading.get_ident()

@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, TokensDecoded
+from mlx_trio.actors.messages import DecodeEvent, Generate, close_replies, GenerationEnded, PrefillProgressed, TokensDecoded
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.errors import LeaseClosed, Overloaded
@@ -29,6 +29,7 @@ class DecodeStatistics:
     mailbox_depth: int
     active_request: str | None
     active_kv_bytes: int
+    submitted: int
     requests_done: int
     requests_cancelled: int
     requests_failed: int
@@ -48,12 +49,13 @@ class SerialDecodeActor:
         self._send, self._inbox = trio.open_memory_channel[Generate](max_queue)
         self._active: Generate | None = None
         self._active_gen: SerialGeneration | None = None
-        self._done = self._cancelled = self._failed = self._tokens = 0
+        self._done = self._cancelled = self._failed = self._tokens = self._submitted = 0
 
     def submit_nowait(self, cmd: Generate) -> None:
         """Queue a request; raises `Overloaded` when the inbox is full."""
         try:
             self._send.send_nowait(cmd)
+            self._submitted += 1
         except trio.WouldBlock:
             raise Overloaded("the decode queue is full; retry shortly") from None
         except trio.ClosedResourceError:
@@ -65,6 +67,7 @@ class SerialDecodeActor:
             mailbox_depth=self._inbox.statistics().current_buffer_used,
             active_request=self._active.request_id if self._active else None,
             active_kv_bytes=gen.nbytes if gen is not None else 0,
+            submitted=self._submitted,
             requests_done=self._done,
             requests_cancelled=self._cancelled,
             requests_failed=self._failed,
@@ -73,10 +76,13 @@ class SerialDecodeActor:
 
     async def run(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
-        self._model = await self._get_model()
-        async with self._inbox:
+        try:
+            self._model = await self._get_model()
             async for cmd in self._inbox:
                 await self._serve(cmd)
+        finally:
+            self._send.close()
+            close_replies(self._inbox)
 
     async def _serve(self, cmd: Generate) -> None:
         self._active = cmd

@@ -59,3 +59,39 @@ class Generate:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     reply: trio.MemorySendChannel[DecodeEvent] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
+class Admitted:
+    """Admission let `request` in, holding `reserved_bytes` of the KV budget until it is released."""
+
+    request: Generate
+    reserved_bytes: int
+
+
+@attrs.frozen
+class JoinRow:
+    """A prefilled row, ready to join the running batch.
+
+    `row` is an opaque engine handle (a SoloRow whose arrays live on the lease
+    thread); `token0` was already sent to the session.
+    """
+
+    request: Generate
+    row: object = attrs.field(eq=False, repr=False)
+    token0: int
+
+
+def close_replies(pending: trio.MemoryReceiveChannel[Generate | Admitted | JoinRow]) -> None:
+    """Close the reply channel of every command still queued in `pending`.
+
+    An actor that exits (crash or stop) must not leave sessions waiting on
+    replies that will never come: a closed reply tells the session at once.
+    """
+    while True:
+        try:
+            item = pending.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return
+        request = item if isinstance(item, Generate) else item.request
+        request.reply.close()

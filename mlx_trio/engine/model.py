@@ -19,8 +19,13 @@ from mlx_lm import load as mlx_lm_load
 
 from mlx_trio.errors import InvalidParameter, ModelLoadError
 from mlx_trio.engine.default_model import resolve_model_path
+from mlx_trio.engine.kv_layout import KvLayout, measure_layout, weights_bytes
 
 Message = Mapping[str, Any]
+
+# apply_chat_template's own parameters: a request may not change how we call it.
+_TEMPLATE_OWN_ARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
+                                "continue_final_message", "padding", "truncation", "max_length", "tools", "documents"})
 
 
 @attrs.frozen
@@ -34,6 +39,8 @@ class LoadedModel:
     vocab_size: int
     context_length: int | None
     eos_token_ids: frozenset[int]
+    kv_layout: KvLayout
+    weights_bytes: int
 
     def encode(self, prompt: str | Sequence[Message] | Sequence[int], *,
                chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
@@ -70,6 +77,9 @@ class LoadedModel:
     def _encode_chat(self, messages: list[Message], template_kwargs: dict[str, Any]) -> list[int]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise InvalidParameter("messages", f"model {self.model_id} has no chat template; send a raw prompt instead")
+        reserved = sorted(set(template_kwargs) & _TEMPLATE_OWN_ARGS)
+        if reserved:
+            raise InvalidParameter("chat_template_kwargs", f"may not set {', '.join(reserved)}; the engine sets those")
         for i, message in enumerate(messages):
             if not isinstance(message.get("role"), str):
                 raise InvalidParameter(f"messages[{i}].role", "must be a string")
@@ -83,7 +93,9 @@ class LoadedModel:
             raise
         except Exception as exc:  # jinja raises arbitrary errors for bad chats
             raise InvalidParameter("messages", f"the chat template rejected these messages: {exc}") from exc
-        return list(ids)
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise InvalidParameter("chat_template_kwargs", "the chat template did not produce token ids")
+        return ids
 
 
 def _flatten_content(message: Message, index: int) -> dict[str, Any]:
@@ -123,6 +135,8 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> Lo
         vocab_size=_vocab_size(loaded_model, config),
         context_length=_context_length(config),
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        kv_layout=measure_layout(loaded_model),
+        weights_bytes=weights_bytes(loaded_model),
     )
 
 

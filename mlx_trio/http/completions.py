@@ -55,8 +55,11 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     state.submitted_rows += 1
     events = state.engine.stream(prepared)
     if call.stream:
-        response = Response(sse_stream(events, shape, include_usage=call.include_usage, request_log=request_log),
-                            status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
+        # Wait for the first event before sending headers, so that errors before any output
+        # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
+        first = await _first_event(events, request_log)
+        frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log)
+        response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
@@ -71,6 +74,22 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     finally:
         request_log.done(outcome)
     return _json(shape.complete(text, finished.finish_reason, finished.usage))
+
+
+async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
+    # Whatever ends this await (an error, the client leaving) also ends the generator: nothing to close.
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise ActorCrashed("the generation ended without any event") from None
+    except Exception as exc:
+        request_log.done(api_error(exc).code or "error")
+        raise
+    except BaseException:
+        request_log.done("cancelled")
+        raise
+    request_log.saw(first)
+    return first
 
 
 async def _collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:

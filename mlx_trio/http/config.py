@@ -36,7 +36,8 @@ class ServerConfig:
     `/v1/models` and responses (None: the engine's model id).
     `chat_template_args` are defaults under each request's
     `chat_template_kwargs` (mlx_lm.server's `--chat-template-args`).
-    `batch` is the configured decode concurrency, reported by `/stats`.
+    `batch` is the configured decode concurrency, reported by `/stats` when
+    the engine does not report it itself.
     """
 
     host: str = "127.0.0.1"

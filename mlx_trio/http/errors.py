@@ -162,6 +162,9 @@ def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
                 log.warning("%s %s failed: %s", request.method, request.path, exc)
             else:  # a bug: keep the traceback
                 log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        else:  # the one line for a request refused before it reached the engine
+            log.info("%s %s refused: %d %s%s", request.method, request.path, error.status, error.code,
+                     f" ({error.param})" if error.param else "")
         return error_response(error)
 
     # Both registrations: quart looks HTTPException handlers up by status code first.

@@ -45,17 +45,13 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/stats")
     async def stats() -> Response:
+        """`{"batch": {...}}`: the engine's lane counters where it reports them, the HTTP layer's view otherwise."""
         counters = state.engine.status().get("counters", {})
-        return json_response({
-            "configured": state.config.batch,
-            # Only the serial decoder exists so far; --batch N is accepted and reported.
-            "mode": "serial",
-            "active_rows": counters.get("active_rows", 0),
-            "pending_rows": counters.get("pending_rows", 0),
-            "submitted_rows": state.submitted_rows,
-            "kv_bytes": counters.get("kv_bytes", 0),
-            "kv_budget_bytes": None,
-        })
+        fallback = {
+            "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,
+            "submitted_rows": state.submitted_rows, "kv_bytes": 0, "kv_budget_bytes": None,
+        }
+        return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()}})
 
 
 def _model_object(state: AppState) -> dict[str, Any]:

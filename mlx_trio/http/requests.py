@@ -93,8 +93,10 @@ def decode_json_object(raw: bytes | str) -> dict[str, Any]:
 def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:
     """`POST /v1/chat/completions`: `messages` plus the common fields."""
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidParameter("messages", f"must be a non-empty list of message objects, got {_json_type(messages)}")
+    if not isinstance(messages, list):
+        raise InvalidParameter("messages", f"must be a list of message objects, got {_json_type(messages)}")
+    if not messages:
+        raise InvalidParameter("messages", "must not be empty")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidParameter(f"messages[{i}]", f"must be an object, got {_json_type(message)}")

@@ -105,8 +105,6 @@ def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hyper.accesslog = None  # one line per completion comes from RequestLog instead
     hyper.errorlog = logging.getLogger("hypercorn.error")
     hyper.graceful_timeout = config.graceful_timeout_s
-    # Bodies are bounded by quart's MAX_CONTENT_LENGTH (→ 413), not by hypercorn.
-    hyper.h11_max_incomplete_size = 64 * 1024
     return hyper
 
 

@@ -41,9 +41,9 @@ def comment(text: str) -> bytes:
     return b": " + text.replace("\n", " ").encode() + b"\n\n"
 
 
-async def sse_stream(events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
+async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
                      include_usage: bool, request_log: RequestLog) -> AsyncIterator[bytes]:
-    """Frame one request's events as SSE.
+    """Frame one request's events as SSE: `first` (already taken from `events`), then the rest.
 
     Closing this generator early (the client went away: quart closes the body
     iterator, or cancels the task writing it) closes `events`, which cancels
@@ -54,18 +54,14 @@ async def sse_stream(events: AsyncIterator[GenerationEvent], shape: ResponseShap
         async with closing(events):
             if shape.chat:
                 yield event(shape.chunk("", first=True))
+            for chunk in _frames(first, shape, include_usage):
+                yield chunk
             async for item in events:
                 request_log.saw(item)
-                if isinstance(item, PromptProgress):
-                    yield comment(f"keepalive {item.processed}/{item.total}")
-                elif isinstance(item, TextDelta):
-                    if item.text:
-                        yield event(shape.chunk(item.text))
-                elif isinstance(item, Finished):
+                for chunk in _frames(item, shape, include_usage):
+                    yield chunk
+                if isinstance(item, Finished):
                     outcome = item.finish_reason
-                    yield event(shape.chunk("", finish_reason=item.finish_reason))
-                    if include_usage:
-                        yield event(shape.usage_chunk(item.usage))
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
         error = api_error(exc)
         outcome = error.code or error.type
@@ -75,3 +71,14 @@ async def sse_stream(events: AsyncIterator[GenerationEvent], shape: ResponseShap
     finally:
         request_log.done(outcome)
     yield DONE
+
+
+def _frames(item: GenerationEvent, shape: ResponseShape, include_usage: bool) -> list[bytes]:
+    if isinstance(item, PromptProgress):
+        return [comment(f"keepalive {item.processed}/{item.total}")]
+    if isinstance(item, TextDelta):
+        return [event(shape.chunk(item.text))] if item.text else []
+    frames = [event(shape.chunk("", finish_reason=item.finish_reason))]
+    if include_usage:
+        frames.append(event(shape.usage_chunk(item.usage)))
+    return frames

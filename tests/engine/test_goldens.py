@@ -32,11 +32,16 @@ def test_goldens_cover_every_architecture_and_sampling_mode() -> None:
     assert all(len(c["tokens"]) > 0 for c in GOLDENS["cases"])
 
 
+@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
 @pytest.mark.parametrize("case", GOLDENS["cases"], ids=lambda c: f"{c['model']}-{c['name']}")
-async def test_engine_matches_mlx_lm_token_for_token(case: dict[str, Any]) -> None:
-    """Same prompt ids, same generated ids (EOS included in the count), same text, same finish reason."""
+async def test_engine_matches_mlx_lm_token_for_token(case: dict[str, Any], batch: int) -> None:
+    """Same prompt ids, same generated ids (EOS included in the count), same text, same finish reason.
+
+    On both lanes: `--batch 1` (the serial path) and the batch lane, where a
+    lone row adopts its solo caches and so runs the serial graph (B=1).
+    """
     path = tiny_model(_spec(case["model"]))
-    async with open_engine(str(path), prefill_step_size=case.get("prefill_step_size", 2048)) as engine:
+    async with open_engine(str(path), batch=batch, prefill_step_size=case.get("prefill_step_size", 2048)) as engine:
         request = engine.prepare(case["prompt"], **case["params"])
         assert list(request.prompt_ids) == case["prompt_ids"]
         ids: list[int] = []

@@ -23,7 +23,8 @@ class FakeEngine:
     """Streams the words "w0 w1 w2 ..." one per token; loading, failures and delays are switches.
 
     `loaded` False: health is 503 "loading model" and prepare raises EngineFailure.
-    `fail_with`: an error `stream` raises after its first progress event.
+    `fail_with`: an error `stream` raises after its first progress event;
+    `fail_before_start`: one it raises before any event (as a full queue does).
     `token_delay_s`: sleep per token, so a client can disconnect mid-stream.
     `active` / `kv_bytes` mimic the engine counters and drop when a stream is closed.
     """
@@ -32,6 +33,7 @@ class FakeEngine:
         self.loaded = loaded
         self.context_length = context_length
         self.fail_with: MlxTrioError | None = None
+        self.fail_before_start: MlxTrioError | None = None
         self.token_delay_s = 0.0
         self.active = 0
         self.kv_bytes = 0
@@ -66,6 +68,8 @@ class FakeEngine:
         return FakeRequest(n, params)
 
     async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
+        if self.fail_before_start is not None:
+            raise self.fail_before_start
         self.active += 1
         self.kv_bytes += 1000
         try:

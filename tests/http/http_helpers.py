@@ -97,6 +97,7 @@ class ServerThread:
 
 
 def tiny_engine_config(**defaults: Any) -> EngineConfig:
+    """A tiny Llama on the batch lane (the CLI's default --batch 8), 8 tokens per request unless asked."""
     from mlx_trio.testing.tiny_models import LLAMA, tiny_model  # noqa: PLC0415
 
     return EngineConfig(model=str(tiny_model(LLAMA)), defaults=SamplingParams(**{"max_tokens": 8, **defaults}))
@@ -123,27 +124,3 @@ def sse_events(text: str) -> list[str]:
     """The events of an SSE body, comments included, in order (each without its blank-line terminator)."""
     assert text.endswith("\n\n"), text[-200:]
     return text[:-2].split("\n\n")
-
-
-def _work_around_lease_kwargs() -> None:
-    """TEMPORARY (remove once fixed): api.py:196 and actors/decode.py:85 pass keyword arguments
-    to `GpuLease.run(fn, *args)`, which takes none, so no model loads. Wrap them in a partial."""
-    import functools  # noqa: PLC0415
-    import inspect  # noqa: PLC0415
-
-    from mlx_trio.actors.gpu_lease import GpuLease  # noqa: PLC0415
-
-    params = inspect.signature(GpuLease.run).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return
-    original = GpuLease.run
-
-    async def run(self: Any, fn: Any, *args: Any, abandon_on_cancel: bool = False, **kwargs: Any) -> Any:
-        if kwargs:
-            fn = functools.partial(fn, **kwargs)
-        return await original(self, fn, *args, abandon_on_cancel=abandon_on_cancel)
-
-    GpuLease.run = run  # type: ignore[method-assign]
-
-
-_work_around_lease_kwargs()

@@ -30,10 +30,11 @@ def _configs(*argv: str):  # type: ignore[no-untyped-def]
 
 
 def test_defaults_match_mlx_lm_server() -> None:
-    """No flags: loopback:8080, 512 max tokens, greedy, no key, no CORS origins, batch 1."""
+    """No flags: loopback:8080, 512 max tokens, greedy, no key, no CORS origins, batch 8, derived KV budget."""
     engine, server = _configs()
     assert (server.host, server.port, server.api_key, server.allowed_origins, server.batch) == (
-        "127.0.0.1", 8080, None, (), 1)
+        "127.0.0.1", 8080, None, (), 8)
+    assert engine.batch == 8 and engine.kv_budget_bytes is None
     assert engine.model is None and engine.defaults.max_tokens == 512 and engine.defaults.temperature == 0.0
     assert engine.prefill_step_size == 2048 and engine.max_queue == 256
 
@@ -57,9 +58,10 @@ def test_flags_reach_the_configs() -> None:
 
 @pytest.mark.parametrize("flag", ["--batch", "--decode-concurrency"])
 def test_batch_and_its_alias_are_accepted(flag: str) -> None:
-    """--batch N and mlx_lm.server's --decode-concurrency N both set the configured batch."""
-    _, server = _configs(flag, "8")
-    assert server.batch == 8
+    """--batch N and mlx_lm.server's --decode-concurrency N both set the configured batch (and the engine's)."""
+    engine, server = _configs(flag, "3")
+    assert server.batch == 3
+    assert getattr(engine, "batch", 3) == 3
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
@@ -89,22 +91,12 @@ def test_a_port_in_use_exits_1_saying_so(capsys: pytest.CaptureFixture[str]) -> 
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_batch_above_one_logs_that_batching_is_not_implemented(caplog: pytest.LogCaptureFixture,
-                                                               tmp_path: Path) -> None:
-    """--batch 4 is accepted with a warning that requests are still decoded one at a time."""
-    with caplog.at_level(logging.WARNING, logger="mlx_trio.cli"):
-        main(["serve", "--batch", "4", "--model", str(tmp_path), "--port", "0", "--log-level", "ERROR"])
-    assert any("batching is not implemented yet" in r.getMessage() for r in caplog.records)
-
-
 def test_serve_prints_the_url_and_stops_cleanly_on_sigterm() -> None:
     """The real entry point: prints the URL once ready, serves /health, exits 0 on SIGTERM."""
-    # http_helpers is imported for its temporary GpuLease work-around (a no-op once the engine is fixed).
-    runner = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import http_helpers; "
-              "from mlx_trio.cli import main; sys.exit(main())")
+    runner = "import sys; from mlx_trio.cli import main; sys.exit(main())"
     model = str(tiny_engine_config().model)
     proc = subprocess.Popen(
-        [sys.executable, "-c", runner, str(Path(__file__).parent), "serve", "--model", model, "--port", "0",
+        [sys.executable, "-c", runner, "serve", "--model", model, "--port", "0",
          "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
     )

@@ -144,12 +144,13 @@ async def test_api_key_is_required_except_for_health() -> None:
         assert (await client.get("/health")).status_code == 200
 
 
-async def test_overloaded_is_503_with_retry_after() -> None:
-    """A full engine queue is 503 with Retry-After, before any header of the response is sent."""
+@pytest.mark.parametrize("stream", [False, True])
+async def test_overloaded_is_503_with_retry_after(stream: bool) -> None:
+    """A full engine queue is 503 with Retry-After, for streams too (no 200 is sent before the first event)."""
     engine = FakeEngine()
-    engine.fail_with = Overloaded("the decode queue is full; retry shortly", retry_after_s=2.5)
+    engine.fail_before_start = Overloaded("the decode queue is full; retry shortly", retry_after_s=2.5)
     async with serve_fake(engine) as (_, client):
-        response = await client.post("/v1/chat/completions", json=CHAT)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
         assert_openai_error(response, 503, code="overloaded")
         assert response.headers["retry-after"] == "3"
 

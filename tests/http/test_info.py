@@ -56,10 +56,10 @@ async def test_stats_reports_the_batch_fields() -> None:
     """/stats has every batch field; submitted_rows counts requests handed to the engine."""
     async with serve_fake(batch=4) as (_, client):
         await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
-        assert (await client.get("/stats")).json() == {
+        assert (await client.get("/stats")).json() == {"batch": {
             "configured": 4, "mode": "serial", "active_rows": 0, "pending_rows": 0, "submitted_rows": 1,
             "kv_bytes": 0, "kv_budget_bytes": None,
-        }
+        }}
 
 
 async def test_no_cors_headers_by_default() -> None:

@@ -1,0 +1,144 @@
+"""The admission actor: FIFO, head-of-line, never reordered (batching-design.md §4.1).
+
+A queued request is admitted when fewer than `max_rows` rows are in flight
+(prefilling or decoding) and its projected worst-case KV bytes fit the budget
+next to those already reserved. A request that could never fit, even alone,
+is refused at once with an actionable error instead of blocking the queue
+forever. Reserved bytes are released when the row is gone, so admission
+holds nothing for finished or evicted rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import trio
+
+from mlx_trio.actors.messages import Admitted, Generate
+from mlx_trio.errors import EngineFailure, LeaseClosed, Overloaded, RequestError
+
+log = logging.getLogger("mlx_trio.admission")
+
+
+
+@attrs.frozen
+class Limits:
+    """What admission enforces, known once the model is loaded."""
+
+    project_bytes: Callable[[Generate], int]  # worst-case KV bytes of a request
+    budget_bytes: int
+    max_rows: int  # 1 for a model whose caches cannot batch
+
+
+GetLimits = Callable[[], Awaitable[Limits]]
+
+
+class KvBudgetExceeded(RequestError):
+    """The request's worst-case KV cache cannot fit the budget even with nothing else running."""
+
+
+@attrs.frozen
+class AdmissionStatistics:
+    mailbox_depth: int
+    in_flight_rows: int
+    max_rows: int
+    reserved_bytes: int
+    budget_bytes: int
+    submitted: int
+    admitted: int
+
+
+class AdmissionActor:
+    """Owns the pending queue and the KV budget; hands admitted requests to the prefill actor."""
+
+    def __init__(self, prefill: trio.MemorySendChannel[Admitted], *, get_limits: GetLimits,
+                 max_rows: int, max_queue: int = 256, in_flight: Callable[[], Sequence[Generate]] = list) -> None:
+        # The projection and the budget depend on the model's KV layout, so they
+        # arrive (from `get_limits`) once the model is loaded.
+        self._prefill = prefill
+        self._get_limits = get_limits
+        self._in_flight = in_flight
+        self._project: Callable[[Generate], int] | None = None
+        self._budget = 0
+        self._max_rows = max_rows
+        self._max_queue = max_queue
+        # Invariant: _pending holds every submitted, not yet admitted request, in arrival order.
+        self._pending: collections.deque[Generate] = collections.deque()
+        self._reserved: dict[str, int] = {}
+        self._wake = trio.Event()
+        self._closed = False
+        self._submitted = self._admitted = 0
+
+    def submit_nowait(self, cmd: Generate) -> None:
+        """Queue a request; `Overloaded` when the queue is full, `KvBudgetExceeded` when it can never fit."""
+        if self._closed:
+            raise LeaseClosed("admission is stopping")
+        if self._project is None:
+            raise EngineFailure("the model is still loading")
+        need = self._project(cmd)
+        if need > self._budget:
+            raise KvBudgetExceeded(
+                f"this request needs up to {need / 2**20:.1f} MiB of KV cache (prompt {len(cmd.prompt_ids)} tokens "
+                f"+ max_tokens {cmd.params.max_tokens}) but the KV budget is {self._budget / 2**20:.1f} MiB; "
+                "lower max_tokens, shorten the prompt, or raise --kv-budget"
+            )
+        if len(self._pending) >= self._max_queue:
+            raise Overloaded(f"{len(self._pending)} requests are already waiting; retry shortly", retry_after_s=1.0)
+        self._pending.append(cmd)
+        self._submitted += 1
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """A row is gone (finished, cancelled or failed): give its bytes and slot back."""
+        if self._reserved.pop(request_id, None) is not None:
+            self._wake.set()
+
+    def statistics(self) -> AdmissionStatistics:
+        return AdmissionStatistics(
+            mailbox_depth=len(self._pending), in_flight_rows=len(self._reserved), max_rows=self._max_rows,
+            reserved_bytes=sum(self._reserved.values()), budget_bytes=self._budget,
+            submitted=self._submitted, admitted=self._admitted,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[AdmissionActor] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        try:
+            limits = await self._get_limits()
+            self._project, self._budget, self._max_rows = limits.project_bytes, limits.budget_bytes, limits.max_rows
+            # A restarted admission inherits the rows still prefilling or decoding, so it never over-admits.
+            self._reserved = {cmd.request_id: self._project(cmd) for cmd in self._in_flight()}
+            while True:
+                await self._admit_head()
+        finally:
+            self._closed = True
+            for cmd in self._pending:
+                cmd.reply.close()
+            self._pending.clear()
+
+    async def _admit_head(self) -> None:
+        while not self._head_fits():
+            self._wake = trio.Event()
+            await self._wake.wait()
+        cmd = self._pending[0]
+        if cmd.reply.statistics().open_receive_channels == 0:
+            # The session already left while queued: drop it, reserve nothing.
+            self._pending.popleft()
+            cmd.reply.close()
+            return
+        assert self._project is not None  # _head_fits checked it
+        need = self._project(cmd)
+        self._pending.popleft()
+        self._reserved[cmd.request_id] = need
+        self._admitted += 1
+        # Bounded by max_rows: admission never has more than that many rows in flight.
+        await self._prefill.send(Admitted(cmd, need))
+
+    def _head_fits(self) -> bool:
+        if not self._pending or self._project is None:
+            return False
+        if len(self._reserved) >= self._max_rows:
+            return False
+        return sum(self._reserved.values()) + self._project(self._pending[0]) <= self._budget

@@ -1,0 +1,192 @@
+"""The decode-step actor of the batch lane: owns the running batch (batching-design.md §4.3–§4.5).
+
+Each loop turn: settle membership if rows want to join or leave (flush the
+pipeline, filter finished rows out, join prefilled rows: adopt into an empty
+batch, extend or merge otherwise), then run one pipelined step for every
+row as one GPU-lease job. Tokens go to each row's session; a row finishes on
+EOS or max_tokens, or leaves when its session went away.
+
+A failed step fails every row of the batch with a typed error and then
+re-raises, so the supervisor restarts this actor with an empty batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded
+from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.model import LoadedModel
+from mlx_trio.errors import ActorCrashed, LeaseClosed
+
+log = logging.getLogger("mlx_trio.decode_step")
+
+
+@attrs.define
+class RunningRow:
+    """Trio-side record of one row in the batch (its arrays live in DecodeBatch)."""
+
+    request: Generate
+    num_generated: int  # tokens already sent, token 0 included
+    done: bool = False
+
+
+@attrs.frozen
+class BatchDecodeStatistics:
+    mailbox_depth: int
+    active_rows: int
+    kv_bytes: int
+    steps: int
+    tokens_decoded: int
+    finished: int
+    cancelled: int
+
+
+class BatchDecodeActor:
+    """Runs the continuous batch; every MLX call goes through the lease."""
+
+    def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
+                 release: Callable[[str], None], max_rows: int) -> None:
+        self._lease = lease
+        self._get_model = get_model
+        self._release = release
+        # Prefill hands over at most max_rows rows at a time (admission's cap).
+        self.join_send, self._joins = trio.open_memory_channel[JoinRow](max_rows)
+        self._batch: DecodeBatch | None = None
+        self._rows: dict[str, RunningRow] = {}
+        self._kv_bytes = 0
+        self._steps = self._tokens = self._finished = self._cancelled = 0
+
+    def in_flight(self) -> list[Generate]:
+        """Requests holding a row here (running or waiting to join)."""
+        return [row.request for row in self._rows.values()]
+
+    def statistics(self) -> BatchDecodeStatistics:
+        return BatchDecodeStatistics(
+            mailbox_depth=self._joins.statistics().current_buffer_used, active_rows=len(self._rows),
+            kv_bytes=self._kv_bytes, steps=self._steps, tokens_decoded=self._tokens,
+            finished=self._finished, cancelled=self._cancelled,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        try:
+            self._model = await self._get_model()
+            self._batch = await self._lease.run(DecodeBatch, self._model.model)
+            while True:
+                if not self._rows:
+                    # Idle: sleep until a row arrives (no busy loop, no lease jobs).
+                    first = await self._joins.receive()
+                    await self._settle([first])
+                else:
+                    await self._settle(self._take_joins())
+                if self._rows:
+                    await self._step()
+        except BaseException as exc:
+            self._fail_all(exc)
+            raise
+        finally:
+            self.join_send.close()
+            for join in self._take_joins():
+                self._end(join.request, GenerationEnded(join.request.request_id, "error",
+                                                        ActorCrashed("the decoder stopped")))
+                _free(self._lease, getattr(join.row, "close"))
+                self._release(join.request.request_id)
+            if self._batch is not None:
+                _free(self._lease, self._batch.close)
+
+    def _take_joins(self) -> list[JoinRow]:
+        joins = []
+        while True:
+            try:
+                joins.append(self._joins.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return joins
+
+    async def _settle(self, joins: list[JoinRow]) -> None:
+        """Change membership: flush the pipeline, drop finished rows, join new ones."""
+        batch = self._batch
+        assert batch is not None
+        leaving = [rid for rid, row in self._rows.items() if row.done]
+        if not joins and not leaving:
+            return
+        if batch.size:
+            tokens = await self._lease.run(batch.flush)
+            if tokens is not None:
+                self._emit(batch.request_ids, tokens)
+            leaving = [rid for rid, row in self._rows.items() if row.done]
+        if leaving:
+            await self._lease.run(batch.leave, leaving)
+            for rid in leaving:
+                del self._rows[rid]
+                self._release(rid)
+        for join in joins:
+            await self._lease.run(batch.join, join.row, join.token0)
+            self._rows[join.request.request_id] = RunningRow(join.request, num_generated=1)
+        self._kv_bytes = batch.nbytes
+
+    async def _step(self) -> None:
+        batch = self._batch
+        assert batch is not None
+        ids = list(batch.request_ids)
+        tokens = await self._lease.run(batch.step)
+        self._steps += 1
+        if tokens is not None:
+            self._emit(ids, tokens)
+        self._kv_bytes = batch.nbytes
+
+    def _emit(self, request_ids: list[str], tokens: list[int]) -> None:
+        eos = self._model.eos_token_ids
+        for rid, token in zip(request_ids, tokens, strict=True):
+            row = self._rows.get(rid)
+            if row is None or row.done:
+                continue  # already finished: this is the pipeline's wasted extra token
+            row.num_generated += 1
+            self._tokens += 1
+            try:
+                row.request.reply.send_nowait(TokensDecoded(rid, (token,)))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                row.done = True
+                self._cancelled += 1
+                continue
+            if token in eos:
+                self._finish(row, "stop")
+            elif row.num_generated >= row.request.params.max_tokens:
+                self._finish(row, "length")
+
+    def _finish(self, row: RunningRow, reason: str) -> None:
+        row.done = True
+        self._finished += 1
+        self._end(row.request, GenerationEnded(row.request.request_id, reason))
+
+    def _end(self, request: Generate, event: GenerationEnded) -> None:
+        try:
+            request.reply.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            pass
+        request.reply.close()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if isinstance(exc, trio.Cancelled):
+            error: BaseException = ActorCrashed("the engine is stopping")
+        else:
+            log.exception("decode step failed; failing %d rows", len(self._rows))
+            error = exc if isinstance(exc, Exception) else ActorCrashed(repr(exc))
+        for rid, row in self._rows.items():
+            if not row.done:
+                self._end(row.request, GenerationEnded(rid, "error", error))
+            self._release(rid)
+        self._rows.clear()
+        self._kv_bytes = 0
+
+
+def _free(lease: GpuLease, close: Callable[[], None]) -> None:
+    try:
+        lease.submit_nowait(close)
+    except LeaseClosed:
+        pass

@@ -1,0 +1,137 @@
+"""The prefill actor: joiners prefill alone, one chunk per lease job (batching-design.md §4.2).
+
+Each chunk is one GPU-lease job, and the decode-step actor submits one job
+per step, so the lease's FIFO interleaves them: running rows stall at most
+one chunk while a long prompt prefills. The last prompt token is fed as an
+L=1 step that samples token 0 on the solo caches (mlx-lm's convention); a
+row that is already finished at token 0 never joins the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import attrs
+import trio
+
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded
+from mlx_trio.engine.model import LoadedModel
+from mlx_trio.engine.rows import SoloRow
+from mlx_trio.errors import LeaseClosed
+
+log = logging.getLogger("mlx_trio.prefill")
+
+
+@attrs.frozen
+class PrefillStatistics:
+    mailbox_depth: int
+    active_request: str | None
+    active_kv_bytes: int
+    prefilled: int
+    cancelled: int
+    failed: int
+
+
+class PrefillActor:
+    """Turns admitted requests into rows that hold token 0, and hands them to the decoder."""
+
+    def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
+                 join: trio.MemorySendChannel[JoinRow], release: Callable[[str], None], max_rows: int,
+                 prefill_step_size: int = 2048) -> None:
+        self._lease = lease
+        self._get_model = get_model
+        self._join = join
+        self._release = release
+        self._prefill_step_size = prefill_step_size
+        # At most max_rows requests are admitted at once, so this never fills.
+        self.inbox_send, self._inbox = trio.open_memory_channel[Admitted](max_rows)
+        self._active: SoloRow | None = None
+        self._active_request: Generate | None = None
+        self._prefilled = self._cancelled = self._failed = 0
+
+    def in_flight(self) -> list[Generate]:
+        """The request being prefilled, if any (queued ones are in the inbox buffer, owned by us too)."""
+        return [self._active_request] if self._active_request is not None else []
+
+    def statistics(self) -> PrefillStatistics:
+        row = self._active
+        return PrefillStatistics(
+            mailbox_depth=self._inbox.statistics().current_buffer_used,
+            active_request=row.request_id if row is not None else None,
+            active_kv_bytes=row.nbytes if row is not None else 0,
+            prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        try:
+            self._model = await self._get_model()
+            async for admitted in self._inbox:
+                await self._prefill(admitted)
+        finally:
+            self.inbox_send.close()
+            for_release = []
+            while True:
+                try:
+                    for_release.append(self._inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            for admitted in for_release:
+                admitted.request.reply.close()
+                self._release(admitted.request.request_id)
+
+    async def _prefill(self, admitted: Admitted) -> None:
+        cmd = admitted.request
+        self._active_request = cmd
+        rid, total = cmd.request_id, len(cmd.prompt_ids)
+        row: SoloRow | None = None
+        joined = False
+        try:
+            row = await self._lease.run(partial(
+                SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
+                prefill_step_size=self._prefill_step_size,
+            ))
+            self._active = row
+            cmd.reply.send_nowait(PrefillProgressed(rid, 0, total))
+            while row.prefill_remaining:
+                remaining = await self._lease.run(row.prefill_chunk)
+                cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total))
+            token0 = await self._lease.run(row.first_token)
+            cmd.reply.send_nowait(TokensDecoded(rid, (token0,)))
+            self._prefilled += 1
+            if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
+                reason = "stop" if token0 in self._model.eos_token_ids else "length"
+                cmd.reply.send_nowait(GenerationEnded(rid, reason))
+                return
+            await self._join.send(JoinRow(cmd, row, token0))
+            joined = True
+        except trio.BrokenResourceError:
+            self._cancelled += 1
+        except LeaseClosed:
+            raise
+        except Exception as exc:
+            self._failed += 1
+            log.exception("prefill of %s failed", rid)
+            try:
+                cmd.reply.send_nowait(GenerationEnded(rid, "error", exc))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass
+        finally:
+            self._active = None
+            self._active_request = None
+            if not joined:
+                # The row never reached the batch: free its caches and its reservation here.
+                cmd.reply.close()
+                if row is not None:
+                    _free(self._lease, row.close)
+                self._release(rid)
+
+
+def _free(lease: GpuLease, close: Callable[[], None]) -> None:
+    try:
+        lease.submit_nowait(close)
+    except LeaseClosed:
+        pass

@@ -1,0 +1,228 @@
+"""The running decode batch: join, pipelined step, flush, leave, extract.
+
+This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
+(engine/rows.py) and with per-row state in one record:
+
+- **Join** takes a `SoloRow` after its token 0. Into an empty batch the row's
+  solo caches are *adopted* (zero copy), so a lone row runs exactly the
+  serial graph (`generate_step`'s, bit for bit). A later joiner merges or
+  extends per layer (engine/batch_caches.py); from then on mlx-lm's batch
+  caches supply the left padding, per-row masks and per-row RoPE offsets.
+- **Step** is `GenerationBatch._step`'s pipeline: forward every row from the
+  unread token register, sample per row, `async_eval` the new register, and
+  only then read the previous one. The device computes step n+1 while the
+  caller handles step n's tokens.
+- **Leave** filters the rows out; full-attention layers drop the padding all
+  survivors share. When one row remains it is extracted back to solo caches,
+  so B=1 is the serial graph again (see `leave`).
+
+Invariant: every row's KV cache holds exactly the tokens fed so far: its
+prompt, then every token that has been a forward's input (`BatchRow.num_fed`
+counts them). The register holds tokens sampled but not yet fed.
+
+Every method runs on the lease thread; none hands out a lazy array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_trio.engine import batch_caches
+from mlx_trio.engine.row_sampler import RowSampler
+from mlx_trio.engine.rows import SoloRow
+
+# mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
+_CLEAR_CACHE_EVERY = 256
+
+
+@attrs.define
+class BatchRow:
+    """One request's state in the batch; the list of them is aligned with the cache's batch axis."""
+
+    request_id: str
+    sampler: RowSampler
+    # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
+    num_fed: int
+
+
+class DecodeBatch:
+    """The rows decoding together and their caches; one instance per decode actor.
+
+    Register protocol: `step()` queues a step and returns the tokens of the
+    step before it (None right after a flush or a join: those were already
+    returned). `flush()` returns the queued step's tokens without queueing
+    another; they become the next inputs. `join` needs a flushed batch (the
+    row set and its inputs are settled); `leave` works either way.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._rows: list[BatchRow] = []
+        # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
+        self._caches: list[Any] = []
+        self._solo = False
+        # The next forward's inputs `[B]` (uint32, like sampled tokens).
+        self._inputs: mx.array | None = None
+        # Invariant: _unread iff _inputs came from a step and were not yet returned.
+        self._unread = False
+        self._num_steps = 0
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row.request_id for row in self._rows]
+
+    @property
+    def size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._caches)
+
+    @property
+    def is_flushed(self) -> bool:
+        return not self._unread
+
+    @property
+    def is_solo(self) -> bool:
+        """One row on serial-class caches: each step is exactly the serial graph."""
+        return self._solo
+
+    def num_fed(self, request_id: str) -> int:
+        """Tokens in the row's KV cache (prompt + fed); what `extract` returns holds exactly these."""
+        return self._rows[self._index(request_id)].num_fed
+
+    def join(self, row: SoloRow, token0: int) -> None:
+        """Add `row` as the last row; `token0` is its next input. Takes the row's caches and sampler.
+
+        Requires `is_flushed`. Raises TypeError if a layer cannot batch (the
+        batch is unchanged then); the caller keeps such models serial.
+        """
+        if self._unread:
+            raise RuntimeError("join() needs a flushed batch")
+        if not row.caches or row.token0 is None:
+            raise RuntimeError("join() takes a row after first_token() and before close()")
+        if row.request_id in self.request_ids:
+            raise ValueError(f"request {row.request_id!r} is already in the batch")
+        if not self._rows:
+            self._caches = row.caches  # adopt: the lone row keeps its serial graph
+            self._solo = True
+        else:
+            if not batch_caches.can_batch(row.caches):
+                raise TypeError("this model's caches cannot batch")
+            self._caches = [
+                batch_caches.join_layer(running, new, running_is_solo=self._solo)
+                for running, new in zip(self._caches, row.caches)
+            ]
+            self._solo = False
+        token = mx.array([token0], dtype=mx.uint32)
+        self._inputs = token if self._inputs is None else mx.concatenate([self._inputs, token])
+        self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
+        row.caches = []  # owned by the batch now (adopted or copied by merge)
+
+    def step(self) -> list[int] | None:
+        """Queue one decode step for every row; return the previous step's tokens (batch order).
+
+        Mutates the caches (one token per row). Returns None when the
+        previous tokens were already returned (by `flush`, or as token 0).
+        """
+        if not self._rows:
+            raise RuntimeError("step() on an empty batch")
+        inputs = self._inputs
+        logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+        sampled, contexts = self._sample(logits, inputs)
+        for row in self._rows:
+            row.num_fed += 1
+        # Start the next step on the device before reading the current one (pipelining).
+        mx.async_eval(sampled, contexts)
+        previous = inputs.tolist() if self._unread else None
+        self._inputs = sampled
+        self._unread = True
+        self._num_steps += 1
+        if self._num_steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return previous
+
+    def flush(self) -> list[int] | None:
+        """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""
+        if not self._unread:
+            return None
+        self._unread = False
+        return self._inputs.tolist()
+
+    def leave(self, request_ids: Collection[str]) -> None:
+        """Drop these rows (unknown ids raise KeyError, leaving the batch unchanged).
+
+        Unflushed, the leavers' queued tokens are discarded and the others'
+        stay unread (mlx-lm's `filter` after `next()`). When exactly one row
+        remains it is extracted to fresh serial-class caches: one copy of its
+        KV, after which each step is the serial graph again (no per-row mask
+        or RoPE offset arrays), the common case for a batch that drains.
+        """
+        leaving = set(request_ids)
+        unknown = leaving - set(self.request_ids)
+        if unknown:
+            raise KeyError(f"not in the batch: {sorted(unknown)}")
+        keep = [i for i, row in enumerate(self._rows) if row.request_id not in leaving]
+        if not keep:
+            self.close()
+            return
+        if len(keep) == len(self._rows):
+            return
+        if not self._solo:
+            if len(keep) == 1 and batch_caches.can_extract(self._caches):
+                self._caches = [batch_caches.extract_layer(c, keep[0]) for c in self._caches]
+                self._solo = True
+            else:
+                for cache in self._caches:
+                    batch_caches.filter_layer(cache, keep)
+        self._rows = [self._rows[i] for i in keep]
+        self._inputs = self._inputs[mx.array(keep)]
+
+    def extract(self, request_id: str) -> list[Any]:
+        """A copy of the row's per-layer caches without padding; they hold `num_fed(request_id)` tokens."""
+        index = self._index(request_id)
+        if self._solo:
+            return [batch_caches.snapshot_layer(c) for c in self._caches]
+        return [batch_caches.extract_layer(c, index) for c in self._caches]
+
+    def close(self) -> None:
+        """Drop every row and array (in the lease thread, which owns them)."""
+        self._rows = []
+        self._caches = []
+        self._solo = False
+        self._inputs = None
+        self._unread = False
+
+    def _index(self, request_id: str) -> int:
+        for i, row in enumerate(self._rows):
+            if row.request_id == request_id:
+                return i
+        raise KeyError(request_id)
+
+    def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """The next token of every row `[B]` and the processor contexts to evaluate with it."""
+        rows = self._rows
+        greedy: mx.array | None = None
+        if any(row.sampler.is_plain_greedy for row in rows):
+            # One argmax over [B, V] for every plain-greedy row: per-row identical math.
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            greedy = mx.argmax(logprobs, axis=-1)
+            if all(row.sampler.is_plain_greedy for row in rows):
+                return greedy, []
+        pieces: list[mx.array] = []
+        contexts: list[mx.array] = []
+        for i, row in enumerate(rows):
+            if row.sampler.is_plain_greedy:
+                assert greedy is not None
+                pieces.append(greedy[i : i + 1])
+            else:
+                pieces.append(row.sampler.sample(logits[i : i + 1], inputs[i : i + 1]))
+                if row.sampler.context is not None:
+                    contexts.append(row.sampler.context)
+        return mx.concatenate(pieces), contexts

@@ -1,0 +1,119 @@
+"""How many bytes a request's KV cache can grow to: the admission budget's arithmetic.
+
+GPU out-of-memory cannot be caught, so admission projects the worst case
+before a request runs (batching-design.md §4.1, §6): a row's cache at
+`prompt + max_tokens` tokens for this model's cache layout, plus the
+transient of prefilling one chunk. The layout is measured once, at load,
+by running one token through a fresh cache; that way every architecture
+mlx-lm supports is covered by the same code (full attention, sliding
+windows capped at the window, fixed-size recurrent state).
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+# Headroom kept free for activations, the allocator's cache and the OS.
+_HEADROOM_FRACTION = 0.2
+_MIN_HEADROOM_BYTES = 1 << 30
+
+
+@attrs.frozen
+class KvLayout:
+    """Per-token and fixed KV bytes of one row, by layer kind."""
+
+    full_bytes_per_token: int  # all full-attention layers together
+    window_bytes_per_token: int  # all sliding-window layers together
+    window: int  # tokens a sliding-window layer keeps (0 when there are none)
+    fixed_bytes: int  # recurrent state (ArraysCache) and anything that does not grow
+    num_heads: int
+    hidden_size: int
+    activation_bytes: int  # bytes per activation element (dtype size)
+    batchable: bool  # every layer cache can merge into a batch (mlx_lm.server's test)
+
+    def row_bytes(self, num_tokens: int) -> int:
+        """Worst-case KV bytes of one row holding `num_tokens` tokens."""
+        windowed = min(num_tokens, self.window) if self.window else 0
+        return self.full_bytes_per_token * num_tokens + self.window_bytes_per_token * windowed + self.fixed_bytes
+
+    def prefill_transient_bytes(self, prefix_tokens: int, chunk_tokens: int) -> int:
+        """Peak extra bytes while one chunk is prefilled against a prefix.
+
+        Attention scores of the chunk against the whole prefix (float32, all
+        heads: the unfused CPU path materialises them) plus the chunk's
+        activations (a generous 8 hidden-sized tensors per token).
+        """
+        scores = self.num_heads * chunk_tokens * (prefix_tokens + chunk_tokens) * 4
+        activations = 8 * chunk_tokens * self.hidden_size * self.activation_bytes
+        return scores + activations
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int, prefill_step_size: int) -> int:
+        """What admission reserves for a request: its final cache plus its worst prefill chunk."""
+        chunk = min(prefill_step_size, max(prompt_tokens - 1, 1))
+        return self.row_bytes(prompt_tokens + max_tokens) + self.prefill_transient_bytes(prompt_tokens, chunk)
+
+
+def measure_layout(model: nn.Module) -> KvLayout:
+    """Run one token through a fresh cache and read off each layer's bytes. Lease thread only."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    full = window_bytes = fixed = 0
+    window = 0
+    for layer in cache:
+        if isinstance(layer, RotatingKVCache):
+            window_bytes += _bytes_per_token(layer)
+            window = max(window, layer.max_size)
+        elif isinstance(layer, KVCache):
+            full += _bytes_per_token(layer)
+        else:
+            fixed += layer.nbytes
+    args = getattr(model, "args", None)
+    num_heads = int(getattr(args, "num_attention_heads", 1) or 1)
+    hidden = int(getattr(args, "hidden_size", 0) or 0)
+    dtype_bytes = _activation_bytes(model)
+    return KvLayout(
+        full_bytes_per_token=full, window_bytes_per_token=window_bytes, window=window,
+        fixed_bytes=fixed, num_heads=num_heads, hidden_size=hidden, activation_bytes=dtype_bytes,
+        batchable=all(hasattr(c, "merge") for c in cache),
+    )
+
+
+def _bytes_per_token(layer: KVCache | RotatingKVCache) -> int:
+    # Buffers are preallocated in steps; the per-token cost is bytes / capacity.
+    keys, values = layer.keys, layer.values
+    return (keys.nbytes + values.nbytes) // keys.shape[2]
+
+
+def _activation_bytes(model: nn.Module) -> int:
+    # The embedding's dtype is the activations' dtype (quantized models keep float scales).
+    for name, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype.size
+    return 4
+
+
+def weights_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def device_memory_bytes() -> int:
+    """Memory the device can use: the GPU's own size where MLX reports one, else physical RAM."""
+    info = mx.device_info()
+    for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return int(info[key])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_budget(weights: int) -> int:
+    """Device memory minus the weights and headroom: the default `--kv-budget`."""
+    total = device_memory_bytes()
+    headroom = max(int(total * _HEADROOM_FRACTION), _MIN_HEADROOM_BYTES)
+    return max(total - weights - headroom, 0)

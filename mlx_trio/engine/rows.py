@@ -1,0 +1,101 @@
+"""A joiner's prefill on its own caches: the first half of continuous batching.
+
+A request never prefills inside the running batch. It prefills alone, in
+chunks (one lease job each, so the decode steps of the running rows are
+interleaved and stall at most one chunk), then feeds its last prompt token
+as an L=1 step that samples token 0 on the same solo caches (mlx-lm's
+convention, and what keeps B=1 bit-exact with `generate_step`). Only then
+does it join the `DecodeBatch` (engine/batch.py), which takes its caches and
+sampler. Because solo state never sees a pad token, recurrent (SSM) layers
+need no padding mask when they later batch.
+
+Every method runs on the lease thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_trio.engine.row_sampler import RowSampler
+from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
+from mlx_trio.params import SamplingParams
+
+
+class SoloRow:
+    """One request from its prompt to token 0, on caches of its own.
+
+    Lifecycle (one lease job each): `prefill_chunk()` until it returns 0,
+    then `first_token()` once, then either `DecodeBatch.join(row, token0)`
+    (which takes `caches` and `sampler`) or, when token 0 already ends the
+    request, `close()`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        self._model = model
+        self.request_id = request_id
+        self.params = params
+        self.caches: list[Any] = make_prompt_cache(model)
+        self.sampler = RowSampler(params, prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self._prefill_step_size = prefill_step_size
+        # Invariant: _pending holds the prompt tokens whose KV is not yet in `caches`.
+        self._pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+        self.token0: int | None = None
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens still to prefill before token 0 can be sampled (excludes the last)."""
+        return max(int(self._pending.size) - 1, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def prefill_chunk(self) -> int:
+        """Prefill up to `prefill_step_size` prompt tokens into `caches` (in place); returns how many remain.
+
+        The same chunks, evaluation and allocator clearing as mlx-lm's
+        `generate_step` (and `SerialGeneration.prefill_chunk`). The last
+        prompt token is never prefilled here: it is `first_token()`'s input.
+        """
+        n = min(self._prefill_step_size, self.prefill_remaining)
+        if n == 0:
+            return 0
+        self._model(self._pending[:n][None], cache=self.caches)
+        mx.eval([c.state for c in self.caches])
+        self._pending = self._pending[n:]
+        mx.clear_cache()
+        return self.prefill_remaining
+
+    def first_token(self) -> int:
+        """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
+        if self.prefill_remaining:
+            raise RuntimeError("first_token() before the prompt was prefilled")
+        if self.token0 is not None:
+            raise RuntimeError("first_token() was already called")
+        logits = self._model(self._pending[None], cache=self.caches)[:, -1, :]
+        token = self.sampler.sample(logits, self._pending)
+        mx.eval(token, self.sampler.context)
+        self._pending = self._pending[:0]
+        self.token0 = token.item()
+        return self.token0
+
+    def close(self) -> None:
+        """Drop the row's caches (in the lease thread, which owns them); also done by `join`."""
+        self.caches = []
+        self._pending = self._pending[:0]

@@ -1,0 +1,139 @@
+"""The batch lane end to end: admission → prefill → decode-step → sessions, on tiny models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.actors.admission import KvBudgetExceeded
+from mlx_trio.errors import Overloaded
+from mlx_trio.events import TextDelta
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model
+
+PROMPTS = [
+    "Once upon a time there was",
+    "The wind over the water",
+    "A story about a ship and the sea and the long shore",
+    "Hello there",
+    "the the the sea sea",
+    "Item 4 is a small note",
+    "Tell me about the sea.",
+    "What is the capital",
+]
+
+
+async def _solo_tokens(path: Path, prompts: list[str], max_tokens: int) -> list[tuple[int, ...]]:
+    async with open_engine(str(path), batch=1) as engine:
+        return [(await engine.complete(p, max_tokens=max_tokens)).token_ids for p in prompts]
+
+
+def _restarts(tree: dict[str, Any]) -> int:
+    return tree.get("restarts", 0) + sum(_restarts(c) for c in tree.get("children", []))
+
+
+async def _wait_drained(engine) -> None:
+    with trio.fail_after(10):
+        while engine.status()["counters"]["kv_bytes"] or engine.status()["counters"]["active_rows"]:
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("spec", [LLAMA, QWEN3, LLAMA_SWA], ids=["llama", "qwen3", "llama_swa"])
+async def test_overlapping_requests_each_get_their_solo_greedy_tokens(spec: TinyModelSpec) -> None:
+    """8 staggered requests at --batch 4 each produce exactly the tokens of their solo serial run."""
+    path = tiny_model(spec)
+    expected = await _solo_tokens(path, PROMPTS, 24)
+    got: dict[int, tuple[int, ...]] = {}
+    async with open_engine(str(path), batch=4) as engine:
+        async def one(i: int) -> None:
+            await trio.sleep(0.003 * i)  # arrivals spread over the first steps: late joiners mid-decode
+            got[i] = (await engine.complete(PROMPTS[i], max_tokens=24)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+        await _wait_drained(engine)
+        stats = engine.status()["counters"]
+        assert stats["mode"] == "batch" and stats["configured"] == 4
+        assert _restarts(engine.status()["tree"]) == 0
+    assert [got[i] for i in range(len(PROMPTS))] == expected
+
+
+async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
+    """With a budget for one request at a time, four requests still all finish, one after another."""
+    path = tiny_model(LLAMA)
+    prompts = [PROMPTS[0]] * 4  # equal sizes, so "room for one, never two" is one number
+    expected = await _solo_tokens(path, prompts, 8)
+    async with open_engine(str(path), batch=1) as probe:
+        need = probe.model.kv_layout.request_bytes(len(probe.prepare(prompts[0]).prompt_ids), 8, 2048)
+    budget = need + need // 2
+    async with open_engine(str(path), batch=4, kv_budget_bytes=budget) as engine:
+        results: dict[int, tuple[int, ...]] = {}
+        most_in_flight = 0
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.complete(prompts[i], max_tokens=8)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+            while len(results) < 4:
+                most_in_flight = max(most_in_flight, engine._admission.statistics().in_flight_rows)
+                await trio.sleep(0)
+        assert engine._admission.statistics().admitted == 4
+        assert most_in_flight == 1
+    assert [results[i] for i in range(4)] == expected
+
+
+async def test_a_request_that_can_never_fit_is_refused_with_an_actionable_error() -> None:
+    """A request whose worst case exceeds the whole budget fails at once, naming the budget flag."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, kv_budget_bytes=100_000) as engine:
+        with pytest.raises(KvBudgetExceeded, match="--kv-budget"):
+            await engine.complete(PROMPTS[0], max_tokens=500)
+        assert _restarts(engine.status()["tree"]) == 0
+
+
+async def test_a_full_queue_answers_overloaded() -> None:
+    """With --max-queue 1 and one slot busy, a third request gets Overloaded (HTTP 503)."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=1, max_queue=1) as engine:
+        errors: list[Exception] = []
+
+        async def one() -> None:
+            try:
+                await engine.complete(PROMPTS[0], max_tokens=40)
+            except Overloaded as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+        assert len(errors) >= 1
+
+
+async def test_a_consumer_that_fails_evicts_only_its_own_row() -> None:
+    """One caller raising mid-stream frees its row; its siblings finish with their solo tokens."""
+    path = tiny_model(LLAMA)
+    expected = await _solo_tokens(path, PROMPTS[:3], 16)
+    async with open_engine(str(path), batch=4) as engine:
+        results: dict[int, tuple[int, ...]] = {}
+
+        async def good(i: int) -> None:
+            results[i] = (await engine.complete(PROMPTS[i], max_tokens=16)).token_ids
+
+        async def bad() -> None:
+            with pytest.raises(RuntimeError):
+                async for event in engine.generate(PROMPTS[3], max_tokens=200):
+                    if isinstance(event, TextDelta):
+                        raise RuntimeError("consumer bug")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(good, i)
+            nursery.start_soon(bad)
+        await _wait_drained(engine)
+        assert engine._admission.statistics().reserved_bytes == 0
+    assert [results[i] for i in range(3)] == expected
