@@ -133,7 +133,7 @@ class Engine:
         decoder = self._decoder.statistics() if self._decoder is not None else None
         if isinstance(decoder, DecodeStatistics) or decoder is None:
             return {
-                "configured": self.config.batch, "mode": "serial",
+                "configured": self.config.batch, "mode": "off",  # --batch 1: the strict serial lane
                 "active_rows": 1 if decoder and decoder.active_request else 0,
                 "pending_rows": decoder.mailbox_depth if decoder else 0,
                 "submitted_rows": decoder.submitted if decoder else 0,

@@ -56,6 +56,9 @@ class SessionActor:
         buffer = request.params.max_tokens + len(request.prompt_ids) + 4
         self._reply_send, self._replies = trio.open_memory_channel[DecodeEvent](buffer)
         self._completion_tokens = 0
+        # Every token id sent to the caller, in order: with the prompt ids, what a
+        # resumed generation needs to pick up exactly where this one stands.
+        self.delivered: list[int] = []
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
@@ -105,6 +108,7 @@ class SessionActor:
                         break
                 if visible or any(pieces):
                     await self._out.send(TextDelta("".join(pieces), tuple(visible)))
+                    self.delivered.extend(visible)
                 if stopped:
                     await self._finish("stop")
                     return
