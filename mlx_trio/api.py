@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -30,7 +31,7 @@ from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
 from mlx_trio.actors.messages import Generate
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.session import Request, SessionActor, SessionOutput
+from mlx_trio.actors.session import MAX_RESUMES, EngineRestarted, Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.lease_thread import release_thread_streams
 from mlx_trio.engine.kv_layout import default_kv_budget
@@ -39,8 +40,13 @@ from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, Invalid
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
+from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
+
+
+class LeaseWedged(EngineFailure):
+    """A lease job ran past the step watchdog; the lease thread was abandoned."""
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
@@ -50,6 +56,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, extra_children: Sequence[ChildSpec] = ()) -> None:
         self.config = config
+        # Armed by tests and by POST /v1/admin/faults; actors check it at each message or step.
+        self.faults = Faults()
         self._model: LoadedModel | None = None
         self._load_error: MlxTrioError | None = None
         self._model_settled = trio.Event()  # set once loading succeeded or failed for good
@@ -188,28 +196,45 @@ class Engine:
             yield event
 
     async def stream(self, request: Request) -> AsyncGenerator[GenerationEvent, None]:
-        """Run an already prepared request (see `prepare`)."""
-        target = self._submit_target
-        if target is None:
-            raise EngineFailure("the engine is not running")
-        send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
-        actor = SessionActor(request, decoder=target, model=self.model, out=send)
-        try:
-            await self._sessions.start_child(
-                ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
-            )
-        except RuntimeError as exc:  # the sessions supervisor is not running: the tree is stopped
-            raise EngineFailure("the engine is not running") from exc
-        finished = False
-        async with recv:
-            async for item in recv:
-                if isinstance(item, MlxTrioError):
-                    raise item
-                yield item
-                if isinstance(item, Finished):
-                    finished = True
-        if not finished:
-            raise ActorCrashed(f"request {request.request_id} ended without a finish event")
+        """Run an already prepared request (see `prepare`).
+
+        If the session actor itself crashes, a new one carries on from the
+        tokens the old one had received (up to `MAX_RESUMES` times), so the
+        caller still sees one uninterrupted stream.
+        """
+        actor: SessionActor | None = None
+        while True:
+            send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
+            actor = SessionActor(request, get_target=self._healthy_target, model=self.model, out=send,
+                                 faults=self.faults, resume_from=actor)
+            try:
+                await self._sessions.start_child(
+                    ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
+                )
+            except RuntimeError as exc:  # the sessions supervisor is not running: the tree is stopped
+                raise EngineFailure("the engine is not running") from exc
+            async with recv:
+                async for item in recv:
+                    if isinstance(item, MlxTrioError):
+                        raise item
+                    yield item
+                    if isinstance(item, Finished):
+                        return
+            if actor.resumes >= MAX_RESUMES:
+                raise ActorCrashed(f"the session of request {request.request_id} crashed {actor.resumes + 1} times")
+            log.warning("request %s: its session crashed; resuming after %d tokens",
+                        request.request_id, len(actor.generated))
+
+    async def _healthy_target(self) -> SerialDecodeActor | AdmissionActor:
+        """What takes requests, once the engine is healthy (waits through a restart, bounded)."""
+        with trio.move_on_after(self.config.resume_timeout_s):
+            while True:
+                target = self._submit_target
+                if target is not None and self.health()[0]:
+                    return target
+                await trio.sleep(0.01)
+        raise EngineRestarted(f"the engine did not recover within {self.config.resume_timeout_s:.0f} s: "
+                              f"{self.health()[1]}")
 
     async def complete(self, prompt: Prompt, **kwargs: Any) -> Completion:
         """Generate to the end and return the whole text."""
@@ -226,7 +251,7 @@ class Engine:
     # -- actors ----------------------------------------------------------------
 
     async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
-        lease = GpuLease(on_thread_exit=release_thread_streams)
+        lease = GpuLease(on_thread_exit=release_thread_streams, faults=self.faults)
         async with trio.open_nursery() as nursery:
             await nursery.start(lease.serve)
             self._lease = lease
@@ -234,6 +259,22 @@ class Engine:
             if self._model is None and self._load_error is None:
                 # Evaluated weights survive a lease restart; only the first start loads them.
                 await self._load(lease)
+            await self._watch(lease)
+
+    async def _watch(self, lease: GpuLease) -> None:
+        """The step watchdog: a job running past `step_watchdog_s` means the thread is wedged.
+
+        The lease is abandoned (its waiters get LeaseClosed) and this actor
+        crashes, so the supervisor starts a new lease thread and, rest_for_one,
+        fresh actors after it; sessions resume on them.
+        """
+        limit = self.config.step_watchdog_s
+        while True:
+            await trio.sleep(min(limit / 4, 1.0))
+            since = lease.statistics().running_since
+            if since is not None and time.monotonic() - since > limit:
+                lease.abandon()
+                raise LeaseWedged(f"a lease job ran longer than the {limit:g} s step watchdog")
 
     async def _load(self, lease: GpuLease) -> None:
         try:
@@ -255,7 +296,7 @@ class Engine:
     async def _run_serial_decoder(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._lease is not None  # rest_for_one: the lease started first
         decoder = SerialDecodeActor(self._lease, self._wait_model, max_queue=self.config.max_queue,
-                                    prefill_step_size=self.config.prefill_step_size)
+                                    prefill_step_size=self.config.prefill_step_size, faults=self.faults)
         self._decoder = decoder
         await decoder.run(task_status=task_status)
 
@@ -265,14 +306,16 @@ class Engine:
 
     async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._lease is not None
-        decoder = BatchDecodeActor(self._lease, self._wait_model, release=self._release, max_rows=self.config.batch)
+        decoder = BatchDecodeActor(self._lease, self._wait_model, release=self._release, max_rows=self.config.batch,
+                                   faults=self.faults)
         self._decoder = decoder
         await decoder.run(task_status=task_status)
 
     async def _run_prefill(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._lease is not None and isinstance(self._decoder, BatchDecodeActor)
         prefill = PrefillActor(self._lease, self._wait_model, join=self._decoder.join_send, release=self._release,
-                               max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size)
+                               max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size,
+                               faults=self.faults)
         self._prefill = prefill
         await prefill.run(task_status=task_status)
 
@@ -282,6 +325,7 @@ class Engine:
         admission = AdmissionActor(
             prefill.inbox_send, get_limits=self._admission_limits, max_rows=self.config.batch,
             max_queue=self.config.max_queue, in_flight=lambda: decoder.in_flight() + prefill.in_flight(),
+            faults=self.faults,
         )
         self._admission = admission
         await admission.run(task_status=task_status)

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for the decoder before new ones get 503 + Retry-After (default: %(default)s)")
     arg("--cache-dir", type=Path, default=None,
         help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
+    arg("--shutdown-timeout", type=_non_negative_float, default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut (default: %(default)s)")
+    arg("--enable-fault-injection", action="store_true",
+        help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="(default: %(default)s)")
     return parser
@@ -84,7 +88,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
-                          batch=args.batch)
+                          batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
+                          enable_fault_injection=args.enable_fault_injection)
     return engine, server
 
 
@@ -125,14 +130,50 @@ async def _wait_ready_with_progress(engine: Engine) -> None:
 
 
 async def serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """`serve` until SIGINT or SIGTERM, then stop the tree gracefully (HTTP drains first)."""
+    """`serve` until SIGINT or SIGTERM, then drain, flush and stop the tree; a second signal stops at once.
+
+    A signal while the model still loads stops at once: nothing is running yet.
+    """
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve, engine_config, server_config)
+            ready: list[HttpServer] = []
+
+            async def start() -> None:
+                ready.append(await nursery.start(serve, engine_config, server_config))
+
+            nursery.start_soon(start)
             async for signum in signals:
-                log.info("%s received: stopping", signal.Signals(signum).name)
+                if ready:
+                    log.info("%s received: draining (send it again to stop at once)", signal.Signals(signum).name)
+                    await _drain_unless_signalled(ready[0], signals)
+                else:
+                    log.info("%s received while loading: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _drain_unless_signalled(server: HttpServer, signals: AsyncIterator[int]) -> None:
+    """Drain the server, then flush what the engine persists; a second signal skips what is left."""
+    async with trio.open_nursery() as nursery:
+        async def second_signal() -> None:
+            async for signum in signals:
+                log.warning("%s received again: stopping now", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                return
+
+        nursery.start_soon(second_signal)
+        report = await server.drain()
+        log.info("drain done in %.1f s: %d request(s) were in flight, %d cut",
+                 report.elapsed_s, report.in_flight_at_start, report.cut)
+        # The SSD write queue of the prompt cache, once the engine has one.
+        drain_persistence = getattr(server.engine, "drain_persistence", None)
+        if drain_persistence is not None:
+            with trio.move_on_after(server.config.shutdown_timeout_s) as flush:
+                await drain_persistence()
+            if flush.cancelled_caught:
+                log.warning("persistence flush still running after %.1f s: stopping anyway",
+                            server.config.shutdown_timeout_s)
+        nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,6 +227,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -33,3 +33,8 @@ class EngineConfig:
     # `max_restarts` within `restart_period_s` gives up and fails the engine.
     max_restarts: int = 3
     restart_period_s: float = 30.0
+    # A lease job running longer than this marks the lease dead: a new lease
+    # thread starts and the engine subtree restarts (--step-watchdog).
+    step_watchdog_s: float = 300.0
+    # How long a request waits for a restarting engine before failing (engine_restarted).
+    resume_timeout_s: float = 60.0

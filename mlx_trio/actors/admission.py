@@ -19,6 +19,7 @@ import trio
 
 from mlx_trio.actors.messages import Admitted, Generate
 from mlx_trio.errors import EngineFailure, LeaseClosed, Overloaded, RequestError
+from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.admission")
 
@@ -55,11 +56,13 @@ class AdmissionActor:
     """Owns the pending queue and the KV budget; hands admitted requests to the prefill actor."""
 
     def __init__(self, prefill: trio.MemorySendChannel[Admitted], *, get_limits: GetLimits,
-                 max_rows: int, max_queue: int = 256, in_flight: Callable[[], Sequence[Generate]] = list) -> None:
+                 max_rows: int, max_queue: int = 256, in_flight: Callable[[], Sequence[Generate]] = list,
+                 faults: Faults | None = None) -> None:
         # The projection and the budget depend on the model's KV layout, so they
         # arrive (from `get_limits`) once the model is loaded.
         self._prefill = prefill
         self._get_limits = get_limits
+        self._faults = faults or Faults()
         self._in_flight = in_flight
         self._project: Callable[[Generate], int] | None = None
         self._budget = 0
@@ -122,6 +125,7 @@ class AdmissionActor:
         while not self._head_fits():
             self._wake = trio.Event()
             await self._wake.wait()
+        self._faults.check("admission")
         cmd = self._pending[0]
         if cmd.reply.statistics().open_receive_channels == 0:
             # The session already left while queued: drop it, reserve nothing.
@@ -133,8 +137,15 @@ class AdmissionActor:
         self._pending.popleft()
         self._reserved[cmd.request_id] = need
         self._admitted += 1
-        # Bounded by max_rows: admission never has more than that many rows in flight.
-        await self._prefill.send(Admitted(cmd, need))
+        try:
+            # Bounded by max_rows: admission never has more than that many rows in flight.
+            await self._prefill.send(Admitted(cmd, need))
+        except BaseException:
+            # Prefill is gone (or we are stopping): the request must not be lost in between.
+            # Closing its reply tells the session at once, and it resumes on the restarted actors.
+            self._reserved.pop(cmd.request_id, None)
+            cmd.reply.close()
+            raise
 
     def _head_fits(self) -> bool:
         if not self._pending or self._project is None:

@@ -23,6 +23,7 @@ from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensD
 from mlx_trio.engine.batch import DecodeBatch
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed, LeaseClosed
+from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.decode_step")
 
@@ -51,14 +52,18 @@ class BatchDecodeActor:
     """Runs the continuous batch; every MLX call goes through the lease."""
 
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
-                 release: Callable[[str], None], max_rows: int) -> None:
+                 release: Callable[[str], None], max_rows: int, faults: Faults | None = None) -> None:
         self._lease = lease
         self._get_model = get_model
+        self._faults = faults or Faults()
         self._release = release
         # Prefill hands over at most max_rows rows at a time (admission's cap).
         self.join_send, self._joins = trio.open_memory_channel[JoinRow](max_rows)
         self._batch: DecodeBatch | None = None
         self._rows: dict[str, RunningRow] = {}
+        # Joins taken from the channel but not yet in the batch: a failure in between must
+        # still end them (their sessions resume), or they would wait forever.
+        self._joining: list[JoinRow] = []
         self._kv_bytes = 0
         self._steps = self._tokens = self._finished = self._cancelled = 0
 
@@ -86,6 +91,7 @@ class BatchDecodeActor:
                 else:
                     await self._settle(self._take_joins())
                 if self._rows:
+                    self._faults.check("decode-step")
                     await self._step()
         except BaseException as exc:
             self._fail_all(exc)
@@ -112,6 +118,7 @@ class BatchDecodeActor:
         """Change membership: flush the pipeline, drop finished rows, join new ones."""
         batch = self._batch
         assert batch is not None
+        self._joining = list(joins)
         leaving = [rid for rid, row in self._rows.items() if row.done]
         if not joins and not leaving:
             return
@@ -125,8 +132,10 @@ class BatchDecodeActor:
             for rid in leaving:
                 del self._rows[rid]
                 self._release(rid)
-        for join in joins:
+        while self._joining:
+            join = self._joining[0]
             await self._lease.run(batch.join, join.row, join.token0)
+            self._joining.pop(0)
             self._rows[join.request.request_id] = RunningRow(join.request, num_generated=1)
         self._kv_bytes = batch.nbytes
 
@@ -182,6 +191,11 @@ class BatchDecodeActor:
                 self._end(row.request, GenerationEnded(rid, "error", error))
             self._release(rid)
         self._rows.clear()
+        for join in self._joining:
+            self._end(join.request, GenerationEnded(join.request.request_id, "error", error))
+            _free(self._lease, getattr(join.row, "close"))
+            self._release(join.request.request_id)
+        self._joining = []
         self._kv_bytes = 0
 
 

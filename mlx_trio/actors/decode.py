@@ -20,6 +20,7 @@ from mlx_trio.actors.messages import DecodeEvent, Generate, close_replies, Gener
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.errors import LeaseClosed, Overloaded
+from mlx_trio.supervision.faults import Faults, InjectedFault
 
 log = logging.getLogger("mlx_trio.decode")
 
@@ -40,10 +41,11 @@ class SerialDecodeActor:
     """Owns the running request's KV cache; everything MLX goes through the lease."""
 
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
-                 max_queue: int = 256, prefill_step_size: int = 2048) -> None:
+                 max_queue: int = 256, prefill_step_size: int = 2048, faults: Faults | None = None) -> None:
         # The model may still be loading when the actor starts: requests queue until it is.
         self._lease = lease
         self._get_model = get_model
+        self._faults = faults or Faults()
         self._prefill_step_size = prefill_step_size
         # Bounded: a full inbox is backpressure the caller turns into 503 + Retry-After.
         self._send, self._inbox = trio.open_memory_channel[Generate](max_queue)
@@ -91,7 +93,7 @@ class SerialDecodeActor:
             try:
                 gen = await self._lease.run(partial(
                     SerialGeneration, self._model.model, cmd.prompt_ids, cmd.params,
-                    prefill_step_size=self._prefill_step_size,
+                    prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
                 ))
                 self._active_gen = gen
                 await self._generate(cmd, gen)
@@ -99,7 +101,7 @@ class SerialDecodeActor:
             except trio.BrokenResourceError:
                 # The session closed its end: the client went away. Not an error.
                 self._cancelled += 1
-            except LeaseClosed:
+            except (LeaseClosed, InjectedFault):
                 raise
             except Exception as exc:
                 # A per-request failure must not take the actor (and the queue) down.
@@ -119,6 +121,7 @@ class SerialDecodeActor:
             cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total))
         reason = "length"
         for _ in range(cmd.params.max_tokens):
+            self._faults.check("decode-step")
             token = await self._lease.run(gen.step)
             self._tokens += 1
             cmd.reply.send_nowait(TokensDecoded(rid, (token,)))

@@ -24,6 +24,7 @@ import outcome
 import trio
 
 from mlx_trio.errors import LeaseClosed
+from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,8 +96,12 @@ class GpuLease:
     """
 
     def __init__(self, *, name: str = "gpu-lease", on_thread_exit: Callable[[], object] | None = None,
-                 on_thread_start: Callable[[], object] | None = None, close_timeout_s: float = 10.0) -> None:
+                 on_thread_start: Callable[[], object] | None = None, close_timeout_s: float = 10.0,
+                 faults: Faults | None = None) -> None:
         self.name = name
+        self._faults = faults
+        # Set by abandon(): releases an injected hang, and tells serve() not to wait for the thread.
+        self._abandoned = threading.Event()
         self._on_thread_start = on_thread_start
         self._on_thread_exit = on_thread_exit
         self._close_timeout_s = close_timeout_s
@@ -137,6 +142,7 @@ class GpuLease:
             queued, or the thread was declared wedged while the job ran.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        fn, args = self._maybe_inject(fn, args)
         job = _job(fn, args, trio.lowlevel.current_task())
         if not self._enqueue(job):
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -157,6 +163,27 @@ class GpuLease:
                 return trio.lowlevel.Abort.SUCCEEDED
 
         return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+
+    def _maybe_inject(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """Swap the job for an injected fault, if one is armed for this lease (tests and drills)."""
+        if self._faults is None:
+            return fn, args
+        if self._faults.take(self.name, FaultKind.RAISE):
+            return _raise_injected, (self.name,)
+        if self._faults.take(self.name, FaultKind.HANG):
+            return self._abandoned.wait, ()  # blocks the thread until the watchdog abandons it
+        return fn, args
+
+    def abandon(self) -> None:
+        """Declare the thread wedged: fail every waiter with `LeaseClosed` and stop waiting for it.
+
+        The watchdog calls this when a job has run far too long. The thread is
+        left behind (a daemon; logged); the supervisor starts a new lease.
+        """
+        log.error("%s: abandoning the lease thread (a job ran past the watchdog)", self.name)
+        self._abandoned.set()
+        self._close()
+        self._fail_wedged_job()
 
     def submit_nowait(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue ``fn(*args)`` on the lease thread and return at once; safe from any thread.
@@ -219,7 +246,7 @@ class GpuLease:
             task_status.started(self)
             await trio.sleep_forever()
         finally:
-            with trio.move_on_after(self._close_timeout_s, shield=True):
+            with trio.move_on_after(0 if self._abandoned.is_set() else self._close_timeout_s, shield=True):
                 self._close()
                 # Poll rather than join: joining would block the loop or take a to_thread worker.
                 while self._thread.is_alive():
@@ -333,6 +360,10 @@ class GpuLease:
             self._token.run_sync_soon(self._deliver, job, result)
         elif isinstance(result, outcome.Error):
             log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
+
+
+def _raise_injected(name: str) -> None:
+    raise InjectedFault(f"fault injected into a {name} job")
 
 
 @asynccontextmanager

@@ -59,6 +59,9 @@ class Generate:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     reply: trio.MemorySendChannel[DecodeEvent] = attrs.field(eq=False, repr=False)
+    # Random draws a resumed request already made: a seeded row skips them, so its
+    # sampling continues exactly where the interrupted run stood.
+    rng_draws: int = 0
 
 
 @attrs.frozen

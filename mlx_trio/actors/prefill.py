@@ -21,6 +21,7 @@ from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded, JoinRo
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.rows import SoloRow
 from mlx_trio.errors import LeaseClosed
+from mlx_trio.supervision.faults import Faults, InjectedFault
 
 log = logging.getLogger("mlx_trio.prefill")
 
@@ -40,9 +41,10 @@ class PrefillActor:
 
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
                  join: trio.MemorySendChannel[JoinRow], release: Callable[[str], None], max_rows: int,
-                 prefill_step_size: int = 2048) -> None:
+                 prefill_step_size: int = 2048, faults: Faults | None = None) -> None:
         self._lease = lease
         self._get_model = get_model
+        self._faults = faults or Faults()
         self._join = join
         self._release = release
         self._prefill_step_size = prefill_step_size
@@ -92,13 +94,15 @@ class PrefillActor:
         try:
             row = await self._lease.run(partial(
                 SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
-                prefill_step_size=self._prefill_step_size,
+                prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
             ))
             self._active = row
             cmd.reply.send_nowait(PrefillProgressed(rid, 0, total))
             while row.prefill_remaining:
+                self._faults.check("prefill")
                 remaining = await self._lease.run(row.prefill_chunk)
                 cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total))
+            self._faults.check("prefill")
             token0 = await self._lease.run(row.first_token)
             cmd.reply.send_nowait(TokensDecoded(rid, (token0,)))
             self._prefilled += 1
@@ -110,7 +114,8 @@ class PrefillActor:
             joined = True
         except trio.BrokenResourceError:
             self._cancelled += 1
-        except LeaseClosed:
+        except (LeaseClosed, InjectedFault):
+            # Not this request's fault: crash, and let the session resume on the restarted actor.
             raise
         except Exception as exc:
             self._failed += 1

@@ -1,28 +1,45 @@
 """The session actor: one per request, a temporary child of the sessions supervisor.
 
-It submits the request to the decoder, turns token ids into text (stop
+It submits the request to the engine, turns token ids into text (stop
 strings included) and usage, and forwards events to the caller. Ending it
 (the caller went away, or a stop string matched) closes its channel from the
 decoder, which drops the request and frees its KV cache at the next token.
+
+Resume: the session holds the prompt ids and every token id it has received.
+When the engine under it fails (an actor crashed and is being restarted), it
+waits for the engine to be healthy again and re-submits prompt + received
+tokens as the new prompt, `max_tokens` reduced by what it already has and the
+random draws already made skipped, so the caller sees one uninterrupted
+stream: the detokenizer and the stop-string matcher simply carry on.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, TokensDecoded
 from mlx_trio.engine.text import TextStream
-from mlx_trio.errors import ActorCrashed, MlxTrioError
+from mlx_trio.errors import ActorCrashed, EngineFailure, MlxTrioError, Overloaded, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.params import SamplingParams
+from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.session")
 
 # What a session hands its caller: events, or the error that ended the request.
 SessionOutput = GenerationEvent | MlxTrioError
+# Awaits a healthy engine and returns what takes requests (submit_nowait(Generate)).
+GetTarget = Callable[[], Awaitable[object]]
+# Resumes allowed per request before it fails with EngineRestarted.
+MAX_RESUMES = 3
+
+
+class EngineRestarted(EngineFailure):
+    """The engine failed under this request more often than resume allows (HTTP 503, `engine_restarted`)."""
 
 
 @attrs.frozen
@@ -40,95 +57,150 @@ class SessionStatistics:
     mailbox_depth: int
     prompt_tokens: int
     completion_tokens: int
+    resumes: int
+
+
+class _EngineFailed(Exception):
+    """Internal: this attempt died with the engine; `cause` says how."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
 
 
 class SessionActor:
-    """Drives one request from submission to `Finished` (or an error)."""
+    """Drives one request from submission to `Finished` (or an error), resuming over engine restarts."""
 
-    def __init__(self, request: Request, *, decoder: object, model: object,
-                 out: trio.MemorySendChannel[SessionOutput]) -> None:
-        # `decoder` has submit_nowait(Generate); `model` has detokenizer() and eos_token_ids.
+    def __init__(self, request: Request, *, get_target: GetTarget, model: object,
+                 out: trio.MemorySendChannel[SessionOutput], faults: Faults | None = None,
+                 resume_from: SessionActor | None = None) -> None:
+        # `model` has detokenizer() and eos_token_ids. `resume_from` is a session of the
+        # same request that crashed: this one carries on from its state.
         self._request = request
-        self._decoder = decoder
+        self._get_target = get_target
         self._model = model
         self._out = out
-        # Every event a request can produce fits, so the decoder never blocks on a slow client.
-        buffer = request.params.max_tokens + len(request.prompt_ids) + 4
-        self._reply_send, self._replies = trio.open_memory_channel[DecodeEvent](buffer)
-        self._completion_tokens = 0
-        # Every token id sent to the caller, in order: with the prompt ids, what a
-        # resumed generation needs to pick up exactly where this one stands.
-        self.delivered: list[int] = []
+        self._faults = faults or Faults()
+        self._id = f"session-{request.request_id}"
+        self._replies: trio.MemoryReceiveChannel[DecodeEvent] | None = None
+        if resume_from is None:
+            self._text = TextStream(model.detokenizer(), request.params.stop)  # type: ignore[attr-defined]
+            # Every token id received from the engine, in order (EOS included): with the
+            # prompt ids, exactly what a resumed attempt must re-feed.
+            self.generated: list[int] = []
+            # Every token id shown to the caller (EOS excluded).
+            self.delivered: list[int] = []
+            self.resumes = 0
+        else:
+            self._text = resume_from._text
+            self.generated, self.delivered = resume_from.generated, resume_from.delivered
+            self.resumes = resume_from.resumes + 1
 
     def statistics(self) -> SessionStatistics:
+        replies = self._replies
         return SessionStatistics(
             request_id=self._request.request_id,
-            mailbox_depth=self._replies.statistics().current_buffer_used,
+            mailbox_depth=replies.statistics().current_buffer_used if replies is not None else 0,
             prompt_tokens=len(self._request.prompt_ids),
-            completion_tokens=self._completion_tokens,
+            completion_tokens=len(self.generated),
+            resumes=self.resumes,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[SessionActor] = trio.TASK_STATUS_IGNORED) -> None:
-        request = self._request
-        async with self._out, self._replies:
-            try:
-                self._decoder.submit_nowait(  # type: ignore[attr-defined]
-                    Generate(request.request_id, request.prompt_ids, request.params, self._reply_send)
-                )
-            except MlxTrioError as exc:
-                self._reply_send.close()
-                task_status.started(self)
-                await self._deliver(exc)
-                return
+        text = self._text
+        async with self._out:
             task_status.started(self)
             try:
-                await self._relay()
+                while True:
+                    try:
+                        await self._attempt(text)
+                        return
+                    except _EngineFailed as failed:
+                        if self.resumes >= MAX_RESUMES:
+                            raise EngineRestarted(
+                                f"the engine failed {self.resumes + 1} times under request "
+                                f"{self._request.request_id}; last: {failed.cause!r}"
+                            ) from failed.cause
+                        self.resumes += 1
+                        log.warning("request %s: engine failed (%r); resuming after %d tokens",
+                                    self._request.request_id, failed.cause, len(self.generated))
+            except MlxTrioError as exc:
+                await self._out.send(exc)
             except trio.BrokenResourceError:
-                log.debug("request %s: caller went away", request.request_id)
+                log.debug("request %s: caller went away", self._request.request_id)
 
-    async def _relay(self) -> None:
-        text = TextStream(self._model.detokenizer(), self._request.params.stop)  # type: ignore[attr-defined]
+    async def _attempt(self, text: TextStream) -> None:
+        """Submit what remains of the request and relay it to the end; `_EngineFailed` if the engine died."""
+        request, done = self._request, len(self.generated)
+        target = await self._get_target()
+        send, self._replies = trio.open_memory_channel[DecodeEvent](
+            # Every event a request can produce fits, so the decoder never blocks on a slow client.
+            request.params.max_tokens + len(request.prompt_ids) + done + 4
+        )
+        command = Generate(
+            request.request_id, request.prompt_ids + tuple(self.generated),
+            attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
+            send, rng_draws=done,
+        )
+        with self._replies:
+            try:
+                target.submit_nowait(command)  # type: ignore[attr-defined]
+            except (RequestError, Overloaded):
+                send.close()
+                raise
+            except MlxTrioError as exc:
+                send.close()
+                raise _EngineFailed(exc) from exc
+            await self._relay(self._replies, text, offset=done)
+
+    async def _relay(self, replies: trio.MemoryReceiveChannel[DecodeEvent], text: TextStream, *, offset: int) -> None:
         eos = self._model.eos_token_ids  # type: ignore[attr-defined]
-        async for event in self._replies:
+        total = len(self._request.prompt_ids)
+        async for event in replies:
+            # Before the event changes any state: a crash here loses nothing a resume can't redo.
+            self._faults.check(self._id)
             if isinstance(event, PrefillProgressed):
-                await self._out.send(PromptProgress(event.processed, event.total))
+                if not offset:  # a resumed attempt's re-prefill is invisible to the caller
+                    await self._out.send(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
-                visible: list[int] = []
-                pieces: list[str] = []
-                stopped = False
-                for token in event.token_ids:
-                    self._completion_tokens += 1
-                    if token in eos:
-                        continue  # counted (as mlx_lm.server does) but never shown
-                    visible.append(token)
-                    update = text.add(token)
-                    pieces.append(update.text)
-                    if update.stopped:
-                        stopped = True
-                        break
-                if visible or any(pieces):
-                    await self._out.send(TextDelta("".join(pieces), tuple(visible)))
-                    self.delivered.extend(visible)
-                if stopped:
-                    await self._finish("stop")
+                if await self._tokens(event.token_ids, text, eos):
                     return
             elif isinstance(event, GenerationEnded):
                 if event.reason == "error":
                     error = event.error
-                    await self._deliver(error if isinstance(error, MlxTrioError)
-                                        else ActorCrashed(f"generation failed: {error!r}"))
-                    return
+                    if isinstance(error, RequestError):
+                        raise error
+                    raise _EngineFailed(error if error is not None else ActorCrashed("unknown error"))
                 tail = text.finish()
                 if tail.text:
                     await self._out.send(TextDelta(tail.text, ()))
                 await self._finish(event.reason)
                 return
-        # The decoder closed our channel without a GenerationEnded: it died mid-request.
-        await self._deliver(ActorCrashed("the decoder stopped before the request finished"))
+        # The channel closed without a GenerationEnded: the decoder died mid-request.
+        raise _EngineFailed(ActorCrashed("the decoder stopped before the request finished"))
+
+    async def _tokens(self, token_ids: tuple[int, ...], text: TextStream, eos: frozenset[int]) -> bool:
+        """Relay new tokens; True when a stop string ended the request."""
+        visible: list[int] = []
+        pieces: list[str] = []
+        stopped = False
+        for token in token_ids:
+            self.generated.append(token)
+            if token in eos:
+                continue  # counted (as mlx_lm.server does) but never shown
+            visible.append(token)
+            update = text.add(token)
+            pieces.append(update.text)
+            if update.stopped:
+                stopped = True
+                break
+        if visible or any(pieces):
+            await self._out.send(TextDelta("".join(pieces), tuple(visible)))
+            self.delivered.extend(visible)
+        if stopped:
+            await self._finish("stop")
+        return stopped
 
     async def _finish(self, reason: str) -> None:
-        usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=self._completion_tokens)
+        usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated))
         await self._out.send(Finished(reason, usage))
-
-    async def _deliver(self, error: MlxTrioError) -> None:
-        await self._out.send(error)

@@ -14,7 +14,7 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   caller handles step n's tokens.
 - **Leave** filters the rows out; full-attention layers drop the padding all
   survivors share. When one row remains it is extracted back to solo caches,
-  so B=1 is the serial graph again (see `leave`).
+  so B=1 is the serial graph again (measured in `leave`).
 
 Invariant: every row's KV cache holds exactly the tokens fed so far: its
 prompt, then every token that has been a forward's input (`BatchRow.num_fed`
@@ -162,7 +162,12 @@ class DecodeBatch:
         stay unread (mlx-lm's `filter` after `next()`). When exactly one row
         remains it is extracted to fresh serial-class caches: one copy of its
         KV, after which each step is the serial graph again (no per-row mask
-        or RoPE offset arrays), the common case for a batch that drains.
+        or RoPE offset arrays). Measured on an H200 (bf16, random weights,
+        scripts/batch_reference.py --bench-b1): a lone row decodes at 1.95 vs
+        3.16 ms/step (Llama-1B shape, 1k context), 2.30 vs 4.05 (8k), 5.54 vs
+        6.59 (8B shape) on solo vs B=1 batch caches; the leave step costs the
+        same either way. A drained batch often runs alone for long, so we pay
+        the copy.
         """
         leaving = set(request_ids)
         unknown = leaving - set(self.request_ids)

@@ -15,9 +15,11 @@ cache, adopted zero-copy: `KVCache`, `RotatingKVCache`, `ArraysCache`,
 | `ArraysCache` (SSM)      | `extend(merge([new]))`: B-axis concat, no temporal axis         |
 | `CacheList`              | the rule above for each child                                  |
 
-Rotating layers re-merge rather than `extend`: a ring that has wrapped is
-laid out by position modulo the window, and `merge` rebuilds every row in
-temporal order with its own offset; the cost is bounded by the window.
+Rotating layers re-merge rather than `extend`: `merge` rebuilds every row in
+temporal order from its own offset, the layout of a freshly merged batch,
+so a join never depends on how far the running ring has rotated; the copy
+is bounded by B x window per layer. (mlx-lm's `extend` gives the same tokens;
+the two layouts only reorder attention sums, measured <= 1e-5 in float32.)
 
 All functions run on the lease thread and build lazy arrays.
 """

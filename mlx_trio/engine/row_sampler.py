@@ -35,7 +35,8 @@ class RowSampler:
     exactly as `generate_step` builds its `tokens`.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], *, rng_draws: int = 0) -> None:
+        # `rng_draws`: samples a resumed request already drew; skipping them continues its key sequence.
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self._processors = build_logits_processors(params)
@@ -45,6 +46,8 @@ class RowSampler:
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             self._key = mx.random.key(seed)
+            for _ in range(rng_draws):
+                self._key, _ = mx.random.split(self._key)
         # Invariant: _context is the row's tokens fed before the next `sample()`'s input
         # (None while there are none); kept only when a processor reads it.
         self._context: mx.array | None = None

@@ -43,6 +43,7 @@ class SoloRow:
         params: SamplingParams,
         *,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+        rng_draws: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -50,7 +51,7 @@ class SoloRow:
         self.request_id = request_id
         self.params = params
         self.caches: list[Any] = make_prompt_cache(model)
-        self.sampler = RowSampler(params, prompt_ids)
+        self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws)
         self.num_prompt_tokens = len(prompt_ids)
         self._prefill_step_size = prefill_step_size
         # Invariant: _pending holds the prompt tokens whose KV is not yet in `caches`.

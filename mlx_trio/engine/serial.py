@@ -44,6 +44,7 @@ class SerialGeneration:
         params: SamplingParams,
         *,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+        rng_draws: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -52,6 +53,7 @@ class SerialGeneration:
         self._sampler = build_sampler(params)
         self._processors = build_logits_processors(params)
         self._seed = params.seed
+        self._rng_draws = rng_draws
         self._max_tokens = params.max_tokens
         self._prefill_step_size = prefill_step_size
         # Invariant: _pending holds the prompt tokens whose KV is not yet in the cache.
@@ -102,13 +104,18 @@ class SerialGeneration:
             if self._seed is not None:
                 # mlx-lm samples from the global key, seeded per request.
                 mx.random.seed(self._seed)
+                for _ in range(self._rng_draws):
+                    # Each random op takes one key from the global sequence, as each sample did.
+                    mx.random.uniform(shape=(1,))
             self._next = self._sample(self._pending)
             mx.async_eval(self._next)
         current = self._next
         self.num_generated += 1
         if self.num_generated < self._max_tokens:
             self._next = self._sample(current)
-            mx.async_eval(self._next)
+            # The context too: a processor that ignores it (logit_bias alone) would
+            # otherwise leave an ever longer lazy concat chain behind.
+            mx.async_eval(self._next, *([self._context] if self._context is not None else []))
         token = current.item()
         if self.num_generated % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()

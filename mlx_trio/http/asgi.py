@@ -1,6 +1,6 @@
-"""An ASGI wrapper that reads a request body to its end after an early response.
+"""ASGI wrappers: count requests in flight (for the drain), and read a body to its end after an early response.
 
-Why: hypercorn (0.18, Trio worker) feeds body chunks to the app through a
+Why `DrainRequestBody`: hypercorn (0.18, Trio worker) feeds body chunks to the app through a
 bounded queue (`max_app_queue_size`, 10 messages). quart-trio stops reading
 it as soon as the response is sent. When we answer before the body is in (413
 for a body over the limit, 401 before reading it), the client keeps sending,
@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
+
+from mlx_trio.http.drain import Drain
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -59,3 +61,23 @@ class DrainRequestBody:
         with trio.move_on_after(self.timeout_s):
             while not finished:
                 await tracked_receive()
+
+
+class CountInFlight:
+    """Wraps an ASGI app; holds `drain.track()` around each HTTP request's whole life.
+
+    At this level a request is counted until its response body has been sent
+    (or the client left), however the handler ended, which the app's own hooks
+    cannot promise for streamed bodies.
+    """
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with self.drain.track():
+            await self.app(scope, receive, send)

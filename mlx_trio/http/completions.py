@@ -5,7 +5,7 @@ parse it into a `CompletionCall`, let `Engine.prepare` validate and tokenize
 (400 naming the field), then either stream SSE or collect the whole answer.
 Leaving early, by a client disconnect (quart-trio cancels the handler) or a
 closed stream body, closes `Engine.stream`, which cancels the request in the
-engine and frees its KV cache.
+engine and frees its KV cache. So does a drain that times out (`drain.py`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
     shape = ResponseShape.new(chat=call.chat, model=state.model_name())
-    request_log = RequestLog(shape.id, kind="chat" if call.chat else "text", stream=call.stream)
+    request_log = RequestLog(shape.id, kind="chat" if call.chat else "text", stream=call.stream,
+                             metrics=state.metrics)
     state.submitted_rows += 1
-    events = state.engine.stream(prepared)
+    # A drain that times out cuts the wait for the next event: a 503 before the headers, else an in-band error.
+    events = state.drain.interruptible(state.engine.stream(prepared))
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.

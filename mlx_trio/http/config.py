@@ -37,7 +37,10 @@ class ServerConfig:
     `chat_template_args` are defaults under each request's
     `chat_template_kwargs` (mlx_lm.server's `--chat-template-args`).
     `batch` is the configured decode concurrency, reported by `/stats` when
-    the engine does not report it itself.
+    the engine does not report it itself. `enable_fault_injection` serves
+    `GET/POST /v1/admin/faults` (404 otherwise). `shutdown_timeout_s` is how
+    long a graceful drain (`HttpServer.drain`, SIGTERM in `mlx-trio serve`)
+    lets running requests finish before it cuts them.
     """
 
     host: str = "127.0.0.1"
@@ -48,5 +51,8 @@ class ServerConfig:
     model_name: str | None = None
     chat_template_args: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
     batch: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    # How long in-flight requests get to finish after a graceful shutdown starts.
+    # How long hypercorn lets in-flight requests finish once the server task is cancelled
+    # (after a drain there are none left; without one, e.g. in tests, this is the only grace).
     graceful_timeout_s: float = 3.0
+    enable_fault_injection: bool = False
+    shutdown_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0.0))

@@ -79,6 +79,15 @@ def draining() -> HttpError:
                      headers={"Retry-After": "1"})
 
 
+def shutdown_cut() -> HttpError:
+    return HttpError(503, "the server shut down before this generation finished (--shutdown-timeout passed)",
+                     type="engine_unavailable", code="shutdown", headers={"Retry-After": "1"})
+
+
+def invalid_value(param: str, message: str) -> HttpError:
+    return HttpError(400, f"{param}: {message}", code="invalid_value", param=param)
+
+
 def unauthorized() -> HttpError:
     return HttpError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                      type="authentication_error", code="invalid_api_key",
@@ -157,8 +166,9 @@ def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
     """Route every exception a handler raises through `api_error` (the only mapping)."""
     async def handle(exc: Exception) -> Response:
         error = api_error(exc, max_body_bytes=max_body_bytes, path=request.path, method=request.method)
-        if error.status >= 500:
-            if isinstance(exc, (MlxTrioError, HttpError, HTTPException)):
+        # HttpError 503s (draining, cut by the drain) are expected during a shutdown: one info line each.
+        if error.status >= 500 and not isinstance(exc, HttpError):
+            if isinstance(exc, (MlxTrioError, HTTPException)):
                 log.warning("%s %s failed: %s", request.method, request.path, exc)
             else:  # a bug: keep the traceback
                 log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)

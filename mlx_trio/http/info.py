@@ -1,4 +1,4 @@
-"""The read-only endpoints: /health, /v1/models, /v1/status, /stats."""
+"""The read-only endpoints: /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def register_info(app: Quart, state: AppState) -> None:
     async def health() -> Response:
         """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise."""
         if state.draining:
-            return json_response({"status": "unavailable", "reason": "draining: the server is shutting down"}, 503)
+            return json_response({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
         ok, reason = state.engine.health()
         if ok:
             return json_response({"status": "ok"})
@@ -40,8 +40,9 @@ def register_info(app: Quart, state: AppState) -> None:
     @app.get("/v1/status")
     async def status() -> Response:
         """The live supervision tree and engine counters (`Engine.status()`), plus HTTP counters."""
-        return json_response({**state.engine.status(), "http": {"submitted_rows": state.submitted_rows,
-                                                                "draining": state.draining}})
+        return json_response({**state.engine.status(), "http": {
+            "submitted_rows": state.submitted_rows, "draining": state.draining,
+            "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}})
 
     @app.get("/stats")
     async def stats() -> Response:

@@ -1,4 +1,4 @@
-"""What the handlers share: the engine (as the small surface they use), the config, counters."""
+"""What the handlers share: the engine (as the small surface they use), the config, counters, drain, metrics."""
 
 from __future__ import annotations
 
@@ -8,14 +8,21 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from mlx_trio.errors import MlxTrioError
 from mlx_trio.events import GenerationEvent
 from mlx_trio.http.config import ServerConfig
+from mlx_trio.http.drain import Drain
+from mlx_trio.http.prometheus import Metrics
+from mlx_trio.supervision.faults import Faults
 
 
 class EngineLike(Protocol):
     """What the HTTP layer needs from `mlx_trio.api.Engine`."""
+
+    # Armed by tests and POST /v1/admin/faults; the HTTP child checks "http" at each request.
+    faults: Faults
 
     def health(self) -> tuple[bool, str]: ...
 
@@ -48,15 +55,47 @@ async def closing(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[Async
 
 @attrs.define
 class AppState:
-    """What the handlers share: the engine, the config, and the HTTP layer's own counters."""
+    """What one incarnation of the app shares: engine, config, counters, drain, metrics, crash signal.
+
+    `drain` and `metrics` belong to the `HttpServer` and outlive a restart of
+    the HTTP child; the rest is per incarnation.
+    """
 
     engine: EngineLike
     config: ServerConfig
+    drain: Drain
+    metrics: Metrics
     started_at: int = attrs.field(factory=lambda: int(time.time()))
     # Requests handed to the engine since start (the /stats `submitted_rows`).
     submitted_rows: int = 0
-    # Set when a graceful shutdown begins: /health turns 503, new completions are refused.
-    draining: bool = False
+    # Set when this incarnation's server task is being stopped (hypercorn's own graceful shutdown).
+    stopping: bool = False
+    # A handler that must crash the HTTP child sets these; `HttpServer.run` raises the error
+    # from the server task, so the supervisor restarts the child (see `crash`).
+    crash_error: BaseException | None = None
+    crashed: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def draining(self) -> bool:
+        """True once a drain or a shutdown began: /health turns 503, new completions are refused."""
+        return self.stopping or self.drain.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.stopping = value
+
+    def crash(self, error: BaseException) -> None:
+        """Make the server task raise `error`: an exception raised in a handler only fails its request.
+
+        Hypercorn runs each request in its own task and turns what a handler
+        raises into a 500, so a handler cannot crash the server by raising.
+        It stashes the error here instead; `HttpServer.run` waits on `crashed`,
+        cancels hypercorn (every connection is cut, as when a process dies)
+        and raises the error from the supervised task.
+        """
+        if self.crash_error is None:
+            self.crash_error = error
+        self.crashed.set()
 
     def model_name(self) -> str:
         """The served model id; never empty, even while the model loads."""

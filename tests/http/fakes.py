@@ -11,6 +11,7 @@ import trio
 from mlx_trio.errors import ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.params import SamplingParams
+from mlx_trio.supervision.faults import Faults
 
 
 @attrs.frozen
@@ -39,6 +40,7 @@ class FakeEngine:
         self.kv_bytes = 0
         self.closed_streams = 0
         self.prepared: list[tuple[Any, dict[str, Any]]] = []
+        self.faults = Faults()
 
     def health(self) -> tuple[bool, str]:
         return (True, "ok") if self.loaded else (False, "loading model")

@@ -37,6 +37,7 @@ def test_defaults_match_mlx_lm_server() -> None:
     assert engine.batch == 8 and engine.kv_budget_bytes is None
     assert engine.model is None and engine.defaults.max_tokens == 512 and engine.defaults.temperature == 0.0
     assert engine.prefill_step_size == 2048 and engine.max_queue == 256
+    assert server.shutdown_timeout_s == 30.0 and server.enable_fault_injection is False
 
 
 def test_flags_reach_the_configs() -> None:
@@ -46,6 +47,7 @@ def test_flags_reach_the_configs() -> None:
         "--top-k", "5", "--min-p", "0.1", "--chat-template-args", '{"enable_thinking": false}', "--api-key", "k",
         "--allowed-origins", "http://a.example,http://b.example", "http://c.example/", "--prefill-step-size", "64",
         "--max-queue", "3", "--cache-dir", "/tmp/x", "--max-body-bytes", "1000",
+        "--shutdown-timeout", "2.5", "--enable-fault-injection",
     )
     assert engine.model == "m" and engine.prefill_step_size == 64 and engine.max_queue == 3
     assert engine.cache_dir == Path("/tmp/x")
@@ -54,6 +56,7 @@ def test_flags_reach_the_configs() -> None:
     assert (server.host, server.port, server.api_key, server.max_body_bytes) == ("0.0.0.0", 0, "k", 1000)
     assert server.allowed_origins == ("http://a.example", "http://b.example", "http://c.example")
     assert dict(server.chat_template_args) == {"enable_thinking": False}
+    assert server.shutdown_timeout_s == 2.5 and server.enable_fault_injection is True
 
 
 @pytest.mark.parametrize("flag", ["--batch", "--decode-concurrency"])
@@ -65,7 +68,8 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
-                                  ["--port", "http"], ["--max-tokens", "-1"]])
+                                  ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
+                                  ["--shutdown-timeout", "nan"]])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""
     with pytest.raises(SystemExit) as info:

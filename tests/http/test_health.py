@@ -94,7 +94,8 @@ async def test_draining_server_reports_503() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             response = await client.get("/health")
             refused = await client.post("/v1/completions", json={"prompt": "hi"})
-        assert response.status_code == 503 and "draining" in response.json()["reason"]
+        assert response.status_code == 503 and response.json()["status"] == "draining"
+        assert "draining" in response.json()["reason"]
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         nursery.cancel_scope.cancel()
     assert server.port is None

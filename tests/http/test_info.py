@@ -49,7 +49,8 @@ async def test_status_is_the_engine_tree_plus_counters() -> None:
         body = (await client.get("/v1/status")).json()
         assert body["tree"]["id"] == "root"
         assert set(body["counters"]) >= {"active_rows", "pending_rows", "lease_queue_depth", "lease_busy_fraction"}
-        assert body["http"] == {"submitted_rows": 0, "draining": False}
+        # in_flight counts this very request.
+        assert body["http"] == {"submitted_rows": 0, "draining": False, "in_flight": 1, "cut_by_drain": 0}
 
 
 async def test_stats_reports_the_batch_fields() -> None:

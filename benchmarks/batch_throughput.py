@@ -1,0 +1,688 @@
+"""Aggregate decode throughput of the batch lane against mlx-lm and a bare loop (issue 4, "Benchmark").
+
+Usage:
+    python benchmarks/batch_throughput.py --shape tiny --batches 1,4,8 --max-tokens 64
+    python benchmarks/batch_throughput.py --model default --batches 1,4,8     # SmolLM2-135M
+    python benchmarks/batch_throughput.py --shape llama-1b --batches 1,4,8,16 --json out.json
+    python benchmarks/batch_throughput.py --shape llama-1b --long-prompts 8x12600
+
+For every B of ``--batches``, in one process, on the same weights and the same
+B prompts (random token ids, equal length, greedy, ``max_tokens`` fixed):
+
+* ``engine``   our batch lane: B concurrent ``engine.generate`` calls on an
+               engine opened with ``batch=max(--batches)`` (so B rows run);
+* ``direct``   the engine's own `DecodeBatch` driven in one lease job with no
+               actors, sessions or lease hops (rows prefilled alone, then all
+               joined before the first step): the graph and per-step host work
+               of the engine without its Trio side;
+* ``batchgen`` mlx-lm ``BatchGenerator`` (insert B prompts, ``next_generated``
+               until every row finished);
+* ``bare``     one batched cache (B=1: mlx-lm ``KVCache``; B>1: ``BatchKVCache``,
+               no padding), model forward + argmax, ``mx.async_eval`` one step
+               ahead, ``tolist`` of the previous step, nothing else;
+* at B=1 also ``serial`` (our strict serial lane, an engine opened with
+               ``batch=1``) and ``stream_gen`` (mlx-lm ``stream_generate``).
+
+Every baseline runs as one job on the engine's GPU-lease thread, so they use the
+engine's evaluated weights, and no two measurements overlap. Each measurement
+is warmed up once (same work, not recorded); then ``--repeats`` rounds run the
+methods in turn (paired: a noisy neighbour hits all of them alike) and the
+tables show medians.
+
+Two rates per run, both counted in generated tokens (token 0 included):
+
+* ``e2e``: all tokens / (first submit -> last token), prefill and ramp included;
+* ``dec``: decode only, the window in which every row is decoding: from the
+  moment the last row got its first token to the moment the first row got its
+  last token, tokens arriving inside the window / its length.
+
+Every model directory is used through a copy whose configs declare no EOS token
+(weights are symlinked), so every run generates exactly ``max_tokens`` tokens per
+row; the generated counts are checked and printed anyway.
+
+``--long-prompts RxN`` instead sends R concurrent requests of N-token prompts
+(``--long-max-tokens``, default 64) to the engine at ``batch=R`` and reports
+completion, peak device memory and the admission / KV-budget behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_trio import open_engine  # noqa: E402
+from mlx_trio.events import Finished, TextDelta  # noqa: E402
+
+# mlx-trio serve sets this (mlx_trio/cli.py SWITCH_INTERVAL_S); open_engine does not.
+SERVE_SWITCH_INTERVAL_S = 0.001
+PROMPT_ID_LIMIT = 512  # the tiny tokenizer's vocabulary: ids below it exist in every model used here
+FIRST_PROMPT_ID = 3  # skip the special tokens 0-2
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B dimensions.
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
+                     rope_theta=500000.0, max_position_embeddings=131072,
+                     rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    # Llama-3.1-8B dimensions.
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, head_dim=128,
+                     rope_theta=500000.0, max_position_embeddings=131072,
+                     rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+}
+
+
+# -- model directories ----------------------------------------------------------------------------
+
+def run_in_mlx_thread(fn: Callable[[], Any]) -> Any:
+    """Run MLX work on a throwaway thread that releases its streams; the main thread stays MLX-free."""
+    from mlx_trio.engine.lease_thread import release_thread_streams
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+        finally:
+            release_thread_streams()
+
+    thread = threading.Thread(target=target, name="mlx-build")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def tiny_tokenizer_dir() -> Path:
+    from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+    return tiny_model(LLAMA)
+
+
+def build_shape(shape: str, out_dir: Path, num_layers: int | None) -> Path:
+    """A random-weight bf16 Llama of `shape` with the tiny model's tokenizer files."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    dims = dict(SHAPES[shape])
+    if num_layers:
+        dims["num_hidden_layers"] = num_layers
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+              "torch_dtype": "bfloat16", **dims}
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def build() -> None:
+        mx.random.seed(0)
+        model = llama.Model(llama.ModelArgs.from_dict(config))
+        model.set_dtype(mx.bfloat16)
+        weights = dict(tree_flatten(model.parameters()))
+        mx.eval(weights)
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+    t0 = time.perf_counter()
+    run_in_mlx_thread(build)
+    src = tiny_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, out_dir / name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"# built random {shape} ({dims['num_hidden_layers']} layers, bf16) in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    return out_dir
+
+
+def no_eos_copy(src: Path, dst: Path) -> Path:
+    """`src` with every EOS declaration removed (weights symlinked), so generation runs to max_tokens."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name.startswith("."):
+            continue
+        target = dst / item.name
+        if item.suffix != ".json":
+            os.symlink(item.resolve(), target)
+            continue
+        data = json.loads(item.read_text())
+        if item.name in ("config.json", "generation_config.json"):
+            data.pop("eos_token_id", None)
+            for sub in ("text_config",):
+                if isinstance(data.get(sub), dict):
+                    data[sub].pop("eos_token_id", None)
+        elif item.name in ("tokenizer_config.json", "special_tokens_map.json"):
+            data.pop("eos_token", None)
+            if item.name == "tokenizer_config.json":
+                data["eos_token"] = None
+        target.write_text(json.dumps(data, indent=2) + "\n")
+    return dst
+
+
+def resolve_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
+    if args.shape == "tiny":
+        src, label = tiny_tokenizer_dir(), "tiny llama (random, f32, 2x64, vocab 512)"
+    elif args.shape:
+        src = build_shape(args.shape, workdir / "weights", args.num_layers)
+        layers = args.num_layers or SHAPES[args.shape]["num_hidden_layers"]
+        label = f"{args.shape} shape (random weights, bf16, {layers} layers)"
+    elif args.model in (None, "default"):
+        from mlx_trio.engine.default_model import ensure_default_model
+
+        src, label = Path(ensure_default_model()), "SmolLM2-135M-Instruct (Q4_1 GGUF -> mlx 4-bit)"
+    else:
+        src, label = Path(args.model).expanduser().resolve(), args.model
+    return no_eos_copy(src, workdir / "model"), label
+
+
+# -- measurement records ---------------------------------------------------------------------------
+
+def summarize(t0: float, t1: float, times: Sequence[Sequence[float]], **extra: Any) -> dict[str, Any]:
+    """Rates of one run from each row's token arrival times (see the module docstring)."""
+    counts = [len(ts) for ts in times]
+    total = sum(counts)
+    out: dict[str, Any] = {"tokens": total, "min_row_tokens": min(counts), "max_row_tokens": max(counts),
+                           "wall_s": t1 - t0, "e2e_tok_s": total / (t1 - t0),
+                           "ttft_ms_mean": 1e3 * statistics.fmean(ts[0] - t0 for ts in times if ts)}
+    start = max(ts[0] for ts in times if ts)
+    end = min(ts[-1] for ts in times if ts)
+    inside = sum(1 for ts in times for t in ts if start < t <= end)
+    out["dec_window_s"] = max(end - start, 0.0)
+    out["dec_tok_s"] = inside / (end - start) if end > start and inside else None
+    out.update(extra)
+    return out
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+# -- baselines: each runs as ONE job on the lease thread ---------------------------------------------
+
+def bare_loop(model: Any, prompts: list[list[int]], max_tokens: int, prefill_step_size: int) -> dict[str, Any]:
+    """Batched prefill, then forward + argmax with async_eval one step ahead; nothing else."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    B = len(prompts)
+    t0 = time.perf_counter()
+    cache = make_prompt_cache(model) if B == 1 else [BatchKVCache([0] * B) for _ in model.layers]
+    x = mx.array(prompts, dtype=mx.int32)
+    pos = 0
+    while x.shape[1] - pos > 1:
+        n = min(prefill_step_size, x.shape[1] - 1 - pos)
+        model(x[:, pos:pos + n], cache=cache)
+        mx.eval([c.state for c in cache])
+        pos += n
+    mx.clear_cache()
+    y = mx.argmax(model(x[:, pos:], cache=cache)[:, -1, :], axis=-1)
+    mx.async_eval(y)
+    stamps: list[float] = []
+    build_s = launch_s = wait_s = 0.0
+    for i in range(max_tokens):
+        a = time.perf_counter()
+        if i + 1 < max_tokens:
+            nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            b = time.perf_counter()
+            mx.async_eval(nxt)
+        else:
+            b = a
+        c = time.perf_counter()
+        y.tolist()
+        stamps.append(time.perf_counter())
+        if i:  # step 0 waits for the prefill's last token
+            build_s, launch_s, wait_s = build_s + b - a, launch_s + c - b, wait_s + stamps[-1] - c
+        y = nxt
+    t1 = time.perf_counter()
+    del cache, y, nxt
+    mx.clear_cache()
+    # Per step, host side: Python graph building, async_eval (encode + launch), waiting for the previous step.
+    n = max(max_tokens - 1, 1)
+    return summarize(t0, t1, [stamps] * B, build_ms=1e3 * build_s / n, launch_ms=1e3 * launch_s / n,
+                     wait_ms=1e3 * wait_s / n)
+
+
+def decode_batch_direct(model: Any, prompts: list[list[int]], max_tokens: int,
+                        prefill_step_size: int) -> dict[str, Any]:
+    """The engine's SoloRow + DecodeBatch without actors: prefill each row alone, join all, step."""
+    import mlx.core as mx
+    from mlx_trio.engine.batch import DecodeBatch
+    from mlx_trio.engine.rows import SoloRow
+    from mlx_trio.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens)
+    times: list[list[float]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    batch = DecodeBatch(model)
+    for i, ids in enumerate(prompts):
+        row = SoloRow(model, f"direct-{i}", ids, params, prefill_step_size=prefill_step_size)
+        while row.prefill_remaining:
+            row.prefill_chunk()
+        token0 = row.first_token()
+        times[i].append(time.perf_counter())
+        batch.join(row, token0)
+    step_host_s = 0.0
+    for _ in range(max_tokens - 1):
+        s = time.perf_counter()
+        tokens = batch.step()
+        now = time.perf_counter()
+        step_host_s += now - s
+        if tokens is not None:
+            for ts in times:
+                ts.append(now)
+    tokens = batch.flush()
+    now = time.perf_counter()
+    if tokens is not None:
+        for ts in times:
+            ts.append(now)
+    t1 = time.perf_counter()
+    batch.close()
+    mx.clear_cache()
+    return summarize(t0, t1, times, step_ms=1e3 * step_host_s / max(max_tokens - 1, 1))
+
+
+def batch_generator(model: Any, prompts: list[list[int]], max_tokens: int,
+                    prefill_step_size: int) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator with its defaults (prefill_batch_size 8), no stop tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    B = len(prompts)
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(32, B),
+                         prefill_step_size=prefill_step_size)
+    uids = gen.insert([list(p) for p in prompts], [max_tokens] * B)
+    index = {uid: i for i, uid in enumerate(uids)}
+    times: list[list[float]] = [[] for _ in prompts]
+    finished = 0
+    while finished < B:
+        responses = gen.next_generated()
+        now = time.perf_counter()
+        if not responses:
+            break
+        for r in responses:
+            times[index[r.uid]].append(now)
+            if r.finish_reason is not None:
+                finished += 1
+    t1 = time.perf_counter()
+    gen.close()
+    del gen
+    mx.clear_cache()
+    return summarize(t0, t1, times)
+
+
+def stream_gen(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int,
+               prefill_step_size: int) -> dict[str, Any]:
+    """mlx-lm's stream_generate (generate_step + detokenizer), B=1."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    for _ in stream_generate(model, tokenizer, list(prompt), max_tokens=max_tokens,
+                             prefill_step_size=prefill_step_size):
+        stamps.append(time.perf_counter())
+    t1 = time.perf_counter()
+    mx.clear_cache()
+    return summarize(t0, t1, [stamps])
+
+
+def machine_info() -> dict[str, Any]:
+    import mlx.core as mx
+
+    info = {k: v for k, v in mx.device_info().items()}
+    return {"device": str(mx.default_device()), "device_info": info}
+
+
+# -- engine runs -----------------------------------------------------------------------------------
+
+async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """B concurrent requests; token arrival times at the consumer; lease and decoder counters."""
+    lease, decoder = engine._lease, engine._decoder
+    l0, d0 = lease.statistics(), decoder.statistics()
+    times: list[list[float]] = [[] for _ in prompts]
+    reasons: list[str | None] = [None] * len(prompts)
+    usage: list[int] = [0] * len(prompts)
+
+    async def one(i: int, ids: list[int]) -> None:
+        async for event in engine.generate(list(ids), max_tokens=max_tokens):
+            now = time.perf_counter()
+            if isinstance(event, TextDelta):
+                times[i].extend([now] * len(event.token_ids))
+            elif isinstance(event, Finished):
+                reasons[i], usage[i] = event.finish_reason, event.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i, ids in enumerate(prompts):
+            nursery.start_soon(one, i, ids)
+    t1 = time.perf_counter()
+    l1, d1 = lease.statistics(), decoder.statistics()
+    jobs = l1.jobs_run - l0.jobs_run
+    busy = l1.busy_s - l0.busy_s
+    steps = getattr(d1, "steps", None)
+    steps = steps - d0.steps if steps is not None else max(usage)  # serial lane: one job per token
+    return summarize(
+        t0, t1, times, lease_jobs=jobs, lease_busy_s=busy, decode_steps=steps,
+        lease_gap_us_per_job=1e6 * (t1 - t0 - busy) / max(jobs, 1),
+        lease_gap_us_per_step=1e6 * (t1 - t0 - busy) / max(steps, 1),
+        finish_reasons=sorted(set(r or "none" for r in reasons)), usage_tokens=sum(usage),
+    )
+
+
+def pick_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = min(PROMPT_ID_LIMIT, vocab)
+    return [[rng.randrange(FIRST_PROMPT_ID, hi) for _ in range(length)] for _ in range(n)]
+
+
+async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    batches = args.batches
+    M, step = args.max_tokens, args.prefill_step_size
+    results: dict[str, Any] = {"rows": []}
+    async with open_engine(str(model_dir), batch=max(batches), kv_budget_bytes=args.kv_budget,
+                           prefill_step_size=step) as engine:
+        async with contextlib.AsyncExitStack() as stack:
+            serial = None
+            if 1 in batches:  # the strict serial lane, for the B=1 comparison
+                serial = await stack.enter_async_context(open_engine(str(model_dir), batch=1, prefill_step_size=step))
+            lease = engine._lease
+            loaded = engine.model
+            results["machine"] = await lease.run(machine_info)
+            model = loaded.model
+            prompts_all = pick_prompts(max(batches), args.prompt_tokens, loaded.vocab_size, args.seed)
+            for B in batches:
+                prompts = prompts_all[:B]
+                methods: dict[str, Callable[[], Any]] = {
+                    "engine": partial(engine_run, engine, prompts, M),
+                    "direct": partial(lease.run, partial(decode_batch_direct, model, prompts, M, step)),
+                    "batchgen": partial(lease.run, partial(batch_generator, model, prompts, M, step)),
+                    "bare": partial(lease.run, partial(bare_loop, model, prompts, M, step)),
+                }
+                if B == 1 and serial is not None:
+                    methods["serial"] = partial(engine_run, serial, prompts, M)
+                    methods["stream_gen"] = partial(lease.run, partial(stream_gen, model, loaded.tokenizer,
+                                                                       prompts[0], M, step))
+                runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
+                t_b = time.perf_counter()
+                for name, fn in methods.items():  # warm-up: the same work, not recorded
+                    await fn()
+                for _ in range(args.repeats):
+                    for name, fn in methods.items():
+                        runs[name].append(await fn())
+                row = {"B": B, "runs": runs, "median": {
+                    name: {k: median_of(rs, k) for k in ("e2e_tok_s", "dec_tok_s", "ttft_ms_mean", "wall_s",
+                                                         "lease_gap_us_per_job", "lease_gap_us_per_step",
+                                                         "lease_jobs", "decode_steps", "step_ms",
+                                                         "build_ms", "launch_ms", "wait_ms")}
+                    for name, rs in runs.items()}}
+                tokens_ok = {name: (min(r["min_row_tokens"] for r in rs), max(r["max_row_tokens"] for r in rs))
+                             for name, rs in runs.items()}
+                row["row_tokens_min_max"] = tokens_ok
+                if "serial" in runs:  # paired ratio per round, then the median
+                    pairs = [e["dec_tok_s"] / s["dec_tok_s"] for e, s in zip(runs["engine"], runs["serial"])
+                             if e["dec_tok_s"] and s["dec_tok_s"]]
+                    row["b1_batch_over_serial_paired"] = statistics.median(pairs) if pairs else None
+                    row["b1_pairs"] = pairs
+                results["rows"].append(row)
+                print_row(row, M, time.perf_counter() - t_b)
+    return results
+
+
+def _r(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def fmt(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_row(row: dict[str, Any], M: int, took: float) -> None:
+    med = row["median"]
+    parts = [f"B={row['B']:>2}"]
+    for name in med:
+        parts.append(f"{name} {fmt(med[name]['e2e_tok_s'])}/{fmt(med[name]['dec_tok_s'])}")
+    print("  " + " | ".join(parts) + f"   (e2e/dec tok/s; {took:.0f} s)", flush=True)
+    bad = {k: v for k, v in row["row_tokens_min_max"].items() if v != (M, M)}
+    if bad:
+        print(f"  !! rows did not all generate {M} tokens: {bad}", flush=True)
+
+
+def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
+    rows = results["rows"]
+    print()
+    print(f"## {results['label']}: prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
+          f"greedy, median of {args.repeats}")
+    print(f"## {results['machine_line']}")
+    print()
+    print("aggregate tok/s, end to end (submit -> last token; prefill included)")
+    print("| B | engine | direct DecodeBatch | BatchGenerator | bare loop | engine/bare | engine/BatchGen |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        m = row["median"]
+        e, d, g, b = (m[k]["e2e_tok_s"] for k in ("engine", "direct", "batchgen", "bare"))
+        print(f"| {row['B']} | {fmt(e)} | {fmt(d)} | {fmt(g)} | {fmt(b)} | {fmt(_r(e, b), '.2f')} | "
+              f"{fmt(_r(e, g), '.2f')} |")
+    print()
+    print("decode tok/s (window in which every row decodes)")
+    print("| B | engine | direct DecodeBatch | BatchGenerator | bare loop | engine/bare | engine/BatchGen "
+          "| direct/bare | lease gap µs/job | lease gap µs/step | lease jobs/step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        m = row["median"]
+        e, d, g, b = (m[k]["dec_tok_s"] for k in ("engine", "direct", "batchgen", "bare"))
+        jobs, steps = m["engine"]["lease_jobs"], m["engine"]["decode_steps"]
+        print(f"| {row['B']} | {fmt(e)} | {fmt(d)} | {fmt(g)} | {fmt(b)} | {fmt(_r(e, b), '.2f')} | "
+              f"{fmt(_r(e, g), '.2f')} | {fmt(_r(d, b), '.2f')} | {fmt(m['engine']['lease_gap_us_per_job'], '.0f')} | "
+              f"{fmt(m['engine']['lease_gap_us_per_step'], '.0f')} | {fmt(_r(jobs, steps), '.2f')} |")
+    print()
+    print("per decode step (ms): bare loop host split, and the engine's DecodeBatch.step() host time (direct)")
+    print("| B | bare step | bare: build graph | bare: async_eval | bare: wait for device | direct step() |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        m = row["median"]
+        b = m["bare"]
+        step = 1e3 * row["B"] / b["dec_tok_s"] if b["dec_tok_s"] else None
+        print(f"| {row['B']} | {fmt(step, '.2f')} | {fmt(b.get('build_ms'), '.2f')} | {fmt(b.get('launch_ms'), '.2f')} | "
+              f"{fmt(b.get('wait_ms'), '.2f')} | {fmt(m['direct'].get('step_ms'), '.2f')} |")
+    for row in rows:
+        if row["B"] == 1 and "serial" in row["median"]:
+            m = row["median"]
+            print()
+            print("B=1: batch lane vs strict serial lane vs mlx-lm stream_generate (decode tok/s; e2e tok/s)")
+            print("| batch lane | serial lane | stream_generate | bare loop | batch/serial (paired median) "
+                  "| serial/bare | stream_generate/bare |")
+            print("|---:|---:|---:|---:|---:|---:|---:|")
+            e, s, sg, b = (m[k]["dec_tok_s"] for k in ("engine", "serial", "stream_gen", "bare"))
+            ee, se = m["engine"]["e2e_tok_s"], m["serial"]["e2e_tok_s"]
+            print(f"| {fmt(e)} ({fmt(ee)}) | {fmt(s)} ({fmt(se)}) | {fmt(sg)} | {fmt(b)} | "
+                  f"{fmt(row['b1_batch_over_serial_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
+                  f"{fmt(_r(sg, b), '.2f')} |")
+            print(f"  paired batch/serial ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
+
+
+# -- long prompts ----------------------------------------------------------------------------------
+
+async def bench_long_prompts(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    import mlx.core as mx
+
+    rows, length = (int(x) for x in args.long_prompts.lower().split("x"))
+    M = args.long_max_tokens
+    out: dict[str, Any] = {"requests": rows, "prompt_tokens": length, "max_tokens": M}
+    async with open_engine(str(model_dir), batch=rows, kv_budget_bytes=args.kv_budget,
+                           prefill_step_size=args.prefill_step_size) as engine:
+        lease, loaded = engine._lease, engine.model
+        out["machine"] = await lease.run(machine_info)
+        prompts = pick_prompts(rows, length, loaded.vocab_size, args.seed + 1)
+        out["projected_bytes_per_request"] = loaded.kv_layout.request_bytes(length, M, args.prefill_step_size)
+        out["kv_bytes_per_row_final"] = loaded.kv_layout.row_bytes(length + M)
+        out["weights_bytes"] = loaded.weights_bytes
+        await lease.run(mx.reset_peak_memory)
+        peaks = {"in_flight_rows": 0, "reserved_bytes": 0, "pending": 0, "decode_rows": 0, "kv_bytes": 0}
+        results: list[dict[str, Any]] = [{} for _ in prompts]
+        done = trio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                a = engine._admission.statistics()
+                d = engine._decoder.statistics()
+                counters = engine.status()["counters"]
+                peaks["in_flight_rows"] = max(peaks["in_flight_rows"], a.in_flight_rows)
+                peaks["reserved_bytes"] = max(peaks["reserved_bytes"], a.reserved_bytes)
+                peaks["pending"] = max(peaks["pending"], a.mailbox_depth)
+                peaks["decode_rows"] = max(peaks["decode_rows"], d.active_rows)
+                peaks["kv_bytes"] = max(peaks["kv_bytes"], counters["kv_bytes"])
+                out["budget_bytes"] = a.budget_bytes
+                await trio.sleep(0.005)
+
+        async def one(i: int, ids: list[int]) -> None:
+            first = None
+            n = 0
+            try:
+                async for event in engine.generate(ids, max_tokens=M):
+                    if isinstance(event, TextDelta) and event.token_ids:
+                        first = first or time.perf_counter()
+                        n += len(event.token_ids)
+                    elif isinstance(event, Finished):
+                        results[i] = {"finish_reason": event.finish_reason,
+                                      "completion_tokens": event.usage.completion_tokens,
+                                      "ttft_s": first - t0 if first else None,
+                                      "done_s": time.perf_counter() - t0}
+            except Exception as exc:  # report, do not hide: a failed request is a result
+                results[i] = {"error": repr(exc)}
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as requests:
+                for i, ids in enumerate(prompts):
+                    requests.start_soon(one, i, ids)
+            done.set()
+        out["wall_s"] = time.perf_counter() - t0
+        out["peak_memory_bytes"] = await lease.run(mx.get_peak_memory)
+        out["active_memory_bytes"] = await lease.run(mx.get_active_memory)
+        out["peaks"] = peaks
+        out["requests_detail"] = results
+        out["completed"] = sum(1 for r in results if r.get("completion_tokens") == M)
+        out["lease"] = {"jobs_run": lease.statistics().jobs_run, "jobs_failed": lease.statistics().jobs_failed}
+    gib = 2**30
+    print(f"\n## long prompts: {rows} x {length} tokens, max_tokens {M}, engine batch={rows}")
+    print(f"completed {out['completed']}/{rows} (reasons {sorted({r.get('finish_reason', r.get('error')) for r in results})})"
+          f" in {out['wall_s']:.1f} s; peak memory {out['peak_memory_bytes'] / gib:.2f} GiB"
+          f" (weights {out['weights_bytes'] / gib:.2f} GiB)")
+    print(f"KV budget {out.get('budget_bytes', 0) / gib:.1f} GiB; projected per request "
+          f"{out['projected_bytes_per_request'] / gib:.2f} GiB (final KV {out['kv_bytes_per_row_final'] / gib:.3f} GiB);"
+          f" max in-flight rows {peaks['in_flight_rows']}, max reserved {peaks['reserved_bytes'] / gib:.2f} GiB,"
+          f" max queued {peaks['pending']}, max decode rows {peaks['decode_rows']},"
+          f" max live KV {peaks['kv_bytes'] / gib:.2f} GiB")
+    ttfts = [r.get("ttft_s") for r in results if r.get("ttft_s") is not None]
+    if ttfts:
+        print(f"TTFT min/median/max {min(ttfts):.2f}/{statistics.median(ttfts):.2f}/{max(ttfts):.2f} s")
+    return out
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in ("mlx", "mlx-lm", "mlx-metal", "mlx-cpu", "mlx-cuda-13", "mlx-cuda-12", "trio"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def machine_line(info: dict[str, Any], vers: dict[str, str]) -> str:
+    di = info.get("device_info", {})
+    name = di.get("device_name") or di.get("architecture") or "?"
+    mem = di.get("total_memory") or di.get("memory_size")
+    mem_s = f", {mem / 2**30:.0f} GiB" if isinstance(mem, int) else ""
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {info.get('device')} = {name}{mem_s}; "
+            f"{', '.join(f'{k} {v}' for k, v in vers.items())}; Python {platform.python_version()}; "
+            f"{datetime.date.today().isoformat()}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="an mlx-lm model directory, or 'default' for SmolLM2-135M (the default)")
+    src.add_argument("--shape", choices=["tiny", *SHAPES], help="a random-weight model of this shape")
+    p.add_argument("--num-layers", type=int, help="override the shape's layer count (smoke tests)")
+    p.add_argument("--batches", default="1,4,8,16", help="comma-separated B values (default 1,4,8,16)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="measured rounds per B after one warm-up (default 3)")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--kv-budget", type=int, default=None, help="engine kv_budget_bytes (default: derived)")
+    p.add_argument("--long-prompts", metavar="RxN", help="e.g. 8x12600: R concurrent N-token prompts instead")
+    p.add_argument("--long-max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--switch-interval", type=float, default=SERVE_SWITCH_INTERVAL_S,
+                   help="sys.setswitchinterval, as `mlx-trio serve` sets it (default 0.001)")
+    p.add_argument("--json", type=Path, help="write every run's numbers here")
+    p.add_argument("--render", type=Path, metavar="JSON", help="print the tables of an earlier --json file and exit")
+    args = p.parse_args(argv)
+    args.batches = sorted({int(b) for b in args.batches.split(",")})
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        results = json.loads(args.render.read_text())
+        if "rows" in results:
+            print_tables(results, argparse.Namespace(**{**results["args"], "batches": results["args"]["batches"]}))
+        else:
+            print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
+        return 0
+    sys.setswitchinterval(args.switch_interval)
+    with tempfile.TemporaryDirectory(prefix="mlx-trio-bench-") as tmp:
+        model_dir, label = resolve_model(args, Path(tmp))
+        vers = versions()
+        print(f"# {label}; {platform.platform()}; {vers}", flush=True)
+        if args.long_prompts:
+            results = trio.run(bench_long_prompts, args, model_dir)
+        else:
+            results = trio.run(bench_batches, args, model_dir)
+        results["label"] = label
+        results["versions"] = vers
+        results["machine_line"] = machine_line(results["machine"], vers)
+        results["platform"] = platform.platform()
+        results["date"] = datetime.date.today().isoformat()
+        results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        if not args.long_prompts:
+            print_tables(results, args)
+        else:
+            print(f"## {results['machine_line']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

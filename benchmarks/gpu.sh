@@ -1,0 +1,244 @@
+#!/bin/bash
+# mlx-trio vs mlx-lm on an NVIDIA H200 (MLX's CUDA backend): random-weight Llama-1B and Llama-8B shaped
+# models (bf16) built on the device, then
+#   engine: B=1 decode (ours, serial lane and batch lane) vs mlx-lm stream_generate; aggregate decode at
+#           B=8/32/64 (ours, batch lane) vs mlx-lm BatchGenerator; the fraction of the HBM bandwidth limit
+#           that B=1 reaches (weights read once per step);
+#   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU).
+#
+# Here, once:       bash ../shared/device/mlx-cuda.sh        (stages .mlxcuda1/ and .mlxcuda2/, git-ignored)
+# On the device:    run(command="bash benchmarks/gpu.sh", carry=[".mlxcuda1", ".mlxcuda2"], timeout_s=600)
+#                   one model per call fits the 10-minute limit: MODELS=1b (about 5 min), then MODELS=8b.
+# Locally (CPU, a shape check of this script):  PYTHON=.venv/bin/python MODELS=tiny bash benchmarks/gpu.sh
+#
+# Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("engine http"), BATCHES (1,8,32,64),
+#   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
+#   about 2000 tokens with these models' small BPE), HTTP_LIMIT_S (per model, 330), ROUNDS, PYTHON.
+# Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
+# engine-<model>.json, http-<model>.json, http-<model>.png; at most 8 files, as the device tool returns.
+set -uo pipefail  # not -e: a part that fails is reported, and the next part still runs
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-$PWD/bench-results}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu-log.txt"
+exec > >(tee -a "$LOG") 2>&1
+MODELS=${MODELS:-1b 8b}
+PARTS=${PARTS:-engine http}
+BATCHES=${BATCHES:-1,8,32,64}
+DECODE_TOKENS=${DECODE_TOKENS:-256}
+CONCURRENCY=${CONCURRENCY:-1,8,32,64}
+REQUESTS=${REQUESTS:-16}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
+SYSTEM_WORDS=${SYSTEM_WORDS:-600}
+HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
+MODEL_ROOT=${MODEL_ROOT:-/tmp/mlx-trio-gpu-models}
+
+if [ -d .mlxcuda2 ]; then
+  mkdir -p "$HOME/.mlxcuda-stage"
+  [ -e "$HOME/.mlxcuda-stage/part.aa" ] || cp .mlxcuda1/* "$HOME/.mlxcuda-stage/"
+  . .mlxcuda2/activate.sh || { echo "gpu.sh: staging MLX CUDA failed"; exit 1; }
+  PY=${PYTHON:-python3}
+else
+  PY=${PYTHON:-python3}
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Single GPU: NCCL is unused, but keep NVLink multicast off as the workplace asks.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) mlx-trio benchmarks/gpu.sh MODELS='$MODELS' PARTS='$PARTS'"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY - <<'EOF'
+import importlib.metadata as md, platform
+import mlx.core as mx
+found = []
+for name in ("mlx", "mlx-cuda-13", "mlx-cpu", "mlx-lm"):
+    try:
+        found.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+print("python", platform.python_version(), "| device", mx.default_device(), "|", " ".join(found))
+EOF
+
+build_model() {  # build_model SHAPE DIR: random bf16 weights, a ChatML tokenizer padded to the shape's vocab
+  $PY - "$1" "$2" <<'EOF'
+import json, math, sys, time
+from pathlib import Path
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_trio.testing.tiny_models import CHATML_TEMPLATE, EOS_TOKEN, train_tokenizer
+
+SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B; "tiny" checks this script on a CPU
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+}
+shape, out = sys.argv[1], Path(sys.argv[2])
+if (out / "model.safetensors").exists():
+    print(f"model {shape}: {out} exists"); sys.exit(0)
+start = time.perf_counter()
+out.mkdir(parents=True, exist_ok=True)
+VOCAB = 128256
+config = {"model_type": "llama", "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "max_position_embeddings": 131072, "torch_dtype": "bfloat16", **SHAPES[shape]}
+# A real byte-level BPE (tiny corpus) whose vocabulary is padded with decodable filler tokens up to VOCAB,
+# so random weights can emit any id and both servers still detokenize it.
+tok = json.loads(train_tokenizer(512).to_str())
+vocab = tok["model"]["vocab"]
+for i in range(len(vocab), VOCAB):
+    vocab[f"\u0120w{i}"] = i
+(out / "tokenizer.json").write_text(json.dumps(tok))
+eos_id = vocab[EOS_TOKEN]
+(out / "tokenizer_config.json").write_text(json.dumps({
+    "bos_token": None, "eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>", "add_bos_token": False,
+    "add_eos_token": False, "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast",
+    "chat_template": CHATML_TEMPLATE}))
+(out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+(out / "config.json").write_text(json.dumps(config))
+model = llama.Model(llama.ModelArgs.from_dict(config))
+weights = {}
+for i, (name, p) in enumerate(sorted(tree_flatten(model.parameters()))):
+    key = mx.random.key(i)
+    if "norm" in name:
+        weights[name] = mx.ones(p.shape, dtype=mx.bfloat16)
+    else:  # small init keeps bf16 activations finite through the layers
+        weights[name] = (mx.random.normal(p.shape, key=key) * (0.5 / math.sqrt(p.shape[-1]))).astype(mx.bfloat16)
+    mx.eval(weights[name])
+mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+nbytes = sum(w.nbytes for w in weights.values())
+print(f"model {shape}: {nbytes / 1e9:.2f} GB of bf16 weights in {out} ({time.perf_counter() - start:.0f} s)")
+EOF
+}
+
+engine_side() {  # engine_side SIDE DIR JSON: one stack's engine-level decode numbers
+  $PY - "$1" "$2" "$3" "$BATCHES" "$DECODE_TOKENS" <<'EOF'
+import json, sys, time
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+side, model_dir, out, batches, T = sys.argv[1], sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4].split(",")], int(sys.argv[5])
+PROMPT_LEN = 32
+prompts = [[10 + (7 * b + j) % 400 for j in range(PROMPT_LEN)] for b in range(max(batches))]
+rows = []
+
+if side == "mlx_lm":
+    from mlx_lm import load, stream_generate
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_logits_processors
+    model, tok = load(model_dir)
+    weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    procs = make_logits_processors(logit_bias={e: -100.0 for e in tok.eos_token_ids})
+    for _ in stream_generate(model, tok, prompts[0], max_tokens=16, logits_processors=procs):
+        pass
+    last = None
+    for last in stream_generate(model, tok, prompts[0], max_tokens=T, logits_processors=procs):
+        pass
+    rows.append({"stack": "mlx_lm", "lane": "stream_generate", "B": 1, "tok_s": last.generation_tps,
+                 "tokens": last.generation_tokens})
+    for B in batches:
+        # stop_tokens=None: no row stops before max_tokens, so every row decodes T tokens.
+        gen = BatchGenerator(model, max_tokens=T, completion_batch_size=B)
+        gen.insert(prompts[:1], [8])
+        while gen.next_generated():
+            pass
+        start = time.perf_counter()
+        gen.insert(prompts[:B], [T] * B)
+        n = 0
+        while responses := gen.next_generated():
+            n += len(responses)
+        wall = time.perf_counter() - start
+        gen.close()
+        rows.append({"stack": "mlx_lm", "lane": "BatchGenerator", "B": B, "tok_s": n / wall, "tokens": n})
+else:
+    import trio
+    from mlx_trio import open_engine
+    from mlx_trio.events import Finished, TextDelta
+
+    async def run_rows(engine, B: int) -> dict:
+        """B concurrent requests of T tokens; B=1 reports the decode rate after the first token."""
+        bias = {e: -100.0 for e in engine.model.eos_token_ids}
+        firsts, ends, counts = [], [], []
+
+        async def one(i: int) -> None:
+            first = None
+            async for event in engine.generate(prompts[i], max_tokens=T, logit_bias=bias):
+                if isinstance(event, TextDelta) and first is None and event.token_ids:
+                    first = time.perf_counter()
+                elif isinstance(event, Finished):
+                    ends.append(time.perf_counter())
+                    counts.append(event.usage.completion_tokens)
+            firsts.append(first)
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(B):
+                nursery.start_soon(one, i)
+        if B == 1:  # as mlx-lm's generation_tps counts it
+            return {"tok_s": (counts[0] - 1) / (ends[0] - firsts[0]), "tokens": counts[0]}
+        return {"tok_s": sum(counts) / (max(ends) - start), "tokens": sum(counts)}
+
+    async def lane(batch: int, Bs: list) -> tuple:
+        async with open_engine(model_dir, batch=batch) as engine:
+            bias = {e: -100.0 for e in engine.model.eos_token_ids}
+            await engine.complete(prompts[0], max_tokens=16, logit_bias=bias)  # warm-up: compile, first allocations
+            return engine.model.weights_bytes, [{"B": B, **await run_rows(engine, B)} for B in Bs]
+
+    weights_bytes, serial = trio.run(lane, 1, [1])
+    rows += [{"stack": "ours", "lane": "serial (--batch 1)", **r} for r in serial]
+    _, batched = trio.run(lane, max(batches), batches)
+    rows += [{"stack": "ours", "lane": f"batch (--batch {max(batches)})", **r} for r in batched]
+json.dump({"side": side, "weights_bytes": weights_bytes, "decode_tokens": T, "prompt_tokens": PROMPT_LEN,
+           "device": str(mx.default_device()), "rows": rows}, open(out, "w"), indent=1)
+for r in rows:
+    print(f"{r['stack']:7s} {r['lane']:22s} B={r['B']:<3d} {r['tok_s']:9.1f} tok/s")
+EOF
+}
+
+engine_table() {  # engine_table MODEL: join both sides into engine-<model>.json and print the table
+  $PY - "$1" "$RESULTS/engine-$1.json" /tmp/engine-"$1"-mlx_lm.json /tmp/engine-"$1"-ours.json <<'EOF'
+import json, sys
+# H200 HBM3e: 4.8 TB/s by the datasheet; a device-to-device copy measured about 4.3 TB/s here (KINDS.md).
+PEAK_BYTES_S = 4.8e12
+model, out, *paths = sys.argv[1:]
+sides = [json.load(open(p)) for p in paths]
+weights = sides[0]["weights_bytes"]
+rows = [r for s in sides for r in s["rows"]]
+print(f"\n### engine, {model}: {weights / 1e9:.2f} GB bf16 weights, {sides[0]['prompt_tokens']}-token prompts, "
+      f"{sides[0]['decode_tokens']} decode tokens, {sides[0]['device']}\n")
+print("| B | stack | lane | tok/s | ours/mlx-lm | weight reads/s ÷ 4.8 TB/s |\n|---|---|---|---|---|---|")
+theirs = {r["B"]: r["tok_s"] for r in rows if r["stack"] == "mlx_lm"}
+for r in sorted(rows, key=lambda r: (r["B"], r["stack"] != "mlx_lm")):
+    ratio = f"{r['tok_s'] / theirs[r['B']]:.2f}×" if r["stack"] == "ours" and theirs.get(r["B"]) else ""
+    # One decode step reads every weight once; at B rows a step yields B tokens.
+    frac = r["tok_s"] / r["B"] * weights / PEAK_BYTES_S
+    print(f"| {r['B']} | {r['stack']} | {r['lane']} | {r['tok_s']:.1f} | {ratio} | {frac:.1%} |")
+json.dump({"model": model, "peak_bytes_s": PEAK_BYTES_S, "sides": sides}, open(out, "w"), indent=1)
+EOF
+}
+
+for m in $MODELS; do
+  dir="$MODEL_ROOT/llama-$m"
+  echo; echo "== model $m"
+  build_model "$m" "$dir" || { echo "gpu.sh: building $m failed"; continue; }
+  case " $PARTS " in *" engine "*)
+    engine_side mlx_lm "$dir" "/tmp/engine-$m-mlx_lm.json" && engine_side ours "$dir" "/tmp/engine-$m-ours.json" \
+      && engine_table "$m" || echo "gpu.sh: engine part for $m failed";;
+  esac
+  case " $PARTS " in *" http "*)
+    rounds=${ROUNDS:-$([ "$m" = 8b ] && echo 1 || echo 2)}
+    max_c=${CONCURRENCY##*,}
+    echo; echo "### http, $m: agents workload"
+    # On time-out (SIGTERM) the bench stops both servers by pid before exiting.
+    timeout -k 30 "$HTTP_LIMIT_S" $PY -m mlx_trio.bench --serve ours --serve mlx_lm --model "$dir" \
+      --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
+      --rounds "$rounds" --output-tokens "$OUTPUT_TOKENS" --system-words "$SYSTEM_WORDS" --task-words 48 \
+      --followup-words 24 --rate 64 \
+      --ours-args "--batch $max_c" --mlx-lm-args "--decode-concurrency $max_c" \
+      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --no-progress --log-dir "/tmp/bench-logs-$m" \
+      || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }
+  ;; esac
+done
+echo; echo "== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"

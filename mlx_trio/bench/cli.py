@@ -1,0 +1,138 @@
+"""`mlx-trio bench`: its flags, and `run(args)`, which hands parsed flags to `orchestrate.main`.
+
+Hooked into `mlx-trio` by `add_parser(subparsers)` and `run(args)`; also runs
+as `python -m mlx_trio.bench`. Exit status: 0 when the bench ran to the end
+(failed requests are reported, not fatal), 1 when a server could not start,
+2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlx_trio.bench import workloads
+
+# The stacks `--serve` can start (servers.py knows their command lines).
+STACKS = ("ours", "mlx_lm")
+
+# Agents arrive as a Poisson process; without --rate they come this fast (sessions per second).
+AGENTS_DEFAULT_RATE_PER_S = 4.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to `mlx-trio`'s subparsers; returns it."""
+    parser = subparsers.add_parser("bench", help="load-test OpenAI-compatible servers, stack against stack",
+                                   description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser
+
+
+class _Target(argparse.Action):
+    """--url and --serve append ("url"|"serve", value) to one list, so their order is the table's order."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        targets = list(getattr(namespace, "targets", None) or [])
+        targets.append(("url" if option_string == "--url" else "serve", values))
+        namespace.targets = targets
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = workloads.WorkloadParams()
+    arg = parser.add_argument
+    parser.set_defaults(targets=[])
+    arg("--url", action=_Target, metavar="[NAME=]URL", help="a running OpenAI-compatible server (repeatable)")
+    arg("--serve", action=_Target, choices=STACKS,
+        help="start this stack on a free loopback port: ours (mlx-trio serve) or mlx_lm (python -m mlx_lm.server); "
+             "repeatable. The first server is A in the A/B ratios")
+    arg("--model", default=None, help="model directory for --serve (default: our SmolLM2, converted once); "
+                                      "also read for EOS ids")
+    arg("--workload", choices=workloads.WORKLOADS, default="agents", help="(default: %(default)s)")
+    arg("--concurrency", type=_int_list, default=[1, 4, 8, 32], help="comma list (default: 1,4,8,32)")
+    arg("--requests", type=_positive_int, default=32, help="requests per run (default: %(default)s)")
+    arg("--requests-per-stream", type=_non_negative_int, default=0,
+        help="raise a run's requests to this many per concurrent stream (default: off)")
+    arg("--rounds", type=_positive_int, default=2, help="runs per server per concurrency, alternated A B A B "
+                                                          "(default: %(default)s)")
+    arg("--seed", type=_non_negative_int, default=0, help="(default: %(default)s)")
+    arg("--rate", type=float, default=None,
+        help=f"session arrivals per second, Poisson; inf: all at once (default: agents {AGENTS_DEFAULT_RATE_PER_S}, "
+             "others all at once)")
+    arg("--output-tokens", type=_positive_int, default=d.output_tokens, help="(default: %(default)s)")
+    arg("--system-words", type=_non_negative_int, default=d.system_words, help="agents (default: %(default)s)")
+    arg("--task-words", type=_positive_int, default=d.task_words, help="agents (default: %(default)s)")
+    arg("--followup-words", type=_positive_int, default=d.followup_words, help="agents (default: %(default)s)")
+    arg("--prompt-words", type=_positive_int, default=d.prompt_words, help="uniform (default: %(default)s)")
+    arg("--long-prompt-words", type=_positive_int, default=d.long_prompt_words,
+        help="long-prompt (default: %(default)s)")
+    arg("--long-output-tokens", type=_positive_int, default=d.long_output_tokens,
+        help="long-prompt: the background streams' length (default: %(default)s)")
+    arg("--eos-id", type=_non_negative_int, action="append", default=None,
+        help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
+    arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
+    arg("--request-model", default=None, help="`model` field to send (default: none, each server's own)")
+    arg("--api-key", default=None, help="bearer token for --url servers")
+    arg("--ours-args", type=shlex.split, default=[], help="extra flags for ours, e.g. --ours-args='--batch 32'")
+    arg("--mlx-lm-args", type=shlex.split, default=[], help="extra flags for mlx_lm.server")
+    arg("--python", default=sys.executable, help="interpreter that runs --serve servers (default: this one)")
+    arg("--timeout-s", type=float, default=600.0, help="per-request read timeout (default: %(default)s)")
+    arg("--startup-timeout-s", type=float, default=600.0, help="(default: %(default)s)")
+    arg("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
+    arg("--out", type=Path, default=None, help="write the JSON document here")
+    arg("--plot", type=Path, default=None, help="write a PNG of TTFT and throughput vs concurrency (matplotlib)")
+    arg("--no-progress", action="store_true", help="no progress bar")
+    arg("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="(default: %(default)s)")
+
+
+def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
+    rate = args.rate if args.rate is not None else (AGENTS_DEFAULT_RATE_PER_S if args.workload == "agents" else None)
+    if rate is not None and (math.isinf(rate) or rate <= 0):
+        rate = None
+    return workloads.WorkloadParams(
+        num_requests=args.requests, seed=args.seed, rate_per_s=rate, output_tokens=args.output_tokens,
+        system_words=args.system_words, task_words=args.task_words, followup_words=args.followup_words,
+        prompt_words=args.prompt_words, long_prompt_words=args.long_prompt_words,
+        long_output_tokens=args.long_output_tokens,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench described by parsed `args`; print the table; return the exit status."""
+    if not args.targets:
+        print("mlx-trio bench: give at least one --url or --serve", file=sys.stderr)
+        return 2
+    try:
+        import httpx  # noqa: F401  (a dependency of the bench only)
+    except ImportError:
+        print("mlx-trio bench: needs httpx: pip install 'mlx-trio[bench]'", file=sys.stderr)
+        return 2
+    # Imported here so that `mlx-trio serve` never loads the bench's HTTP client.
+    from mlx_trio.bench.orchestrate import main
+
+    return main(args)
+
+
+def _int_list(text: str) -> list[int]:
+    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("needs at least one value")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value

@@ -1,0 +1,125 @@
+"""Metric math: percentiles, wall-clock throughput, a summary per (server, concurrency), ratios.
+
+Throughput is wall-clock: output tokens of the completed requests (the servers'
+own `usage.completion_tokens`) divided by the time from the first request's
+send to the last request's end, so bursts of chunks cannot inflate it. A
+summary pools the samples of every round a server ran at one concurrency, and
+its throughput is total tokens over the rounds' total wall time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from mlx_trio.bench.client import RequestResult
+
+# Distinct error messages kept per summary (the rest are counted in `num_failed` only).
+MAX_ERROR_KINDS = 5
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0 ≤ q ≤ 100) with linear interpolation between ranks (numpy's default); None if empty."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be within [0, 100], got {q}")
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def wall_s(results: Sequence[RequestResult]) -> float:
+    """Seconds from the first request's send to the last request's end (0 for no requests)."""
+    if not results:
+        return 0.0
+    return max(r.end_s for r in results) - min(r.start_s for r in results)
+
+
+def throughput_tok_s(total_tokens: int, total_wall_s: float) -> float | None:
+    """Aggregate tokens per wall-clock second; None when no time passed."""
+    return total_tokens / total_wall_s if total_wall_s > 0 else None
+
+
+@attrs.frozen
+class Summary:
+    """One server at one concurrency, pooled over its rounds; latencies in seconds."""
+
+    server: str
+    concurrency: int
+    rounds: int
+    num_ok: int
+    num_failed: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+    e2e_p50_s: float | None
+    e2e_p95_s: float | None
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    # Completed requests that finished with "stop" (EOS not suppressed, or a stop string).
+    num_stopped_early: int = 0
+    # long-prompt only: the background streams' largest gap and the long prompt's TTFT.
+    decode_stall_s: float | None = None
+    long_ttft_s: float | None = None
+    errors: tuple[tuple[str, int], ...] = ()
+    # Set when a managed server process exited during this concurrency's rounds.
+    server_died: bool = False
+
+
+def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestResult]], *,
+              server_died: bool = False) -> Summary:
+    """Pool the results of each round (one list per round) into a `Summary`."""
+    results = [r for run in rounds for r in run]
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [gap for r in ok for gap in r.itl_s]
+    e2e = [r.e2e_s for r in ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    total_wall_s = sum(wall_s(run) for run in rounds)
+    background = [gap for r in ok if r.tag == "background" for gap in r.itl_s]
+    long_ttft = [r.ttft_s for r in ok if r.tag == "long" and r.ttft_s is not None]
+    errors = Counter(r.error or "unknown" for r in failed).most_common(MAX_ERROR_KINDS)
+    return Summary(
+        server=server, concurrency=concurrency, rounds=len(rounds), num_ok=len(ok), num_failed=len(failed),
+        ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95), ttft_p99_s=percentile(ttft, 99),
+        itl_p50_s=percentile(itl, 50), itl_p95_s=percentile(itl, 95),
+        e2e_p50_s=percentile(e2e, 50), e2e_p95_s=percentile(e2e, 95),
+        output_tokens=output_tokens, wall_s=total_wall_s, output_tok_s=throughput_tok_s(output_tokens, total_wall_s),
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in ok), cached_tokens=sum(r.cached_tokens or 0 for r in ok),
+        num_stopped_early=sum(1 for r in ok if r.finish_reason == "stop"),
+        decode_stall_s=max(background) if background else None,
+        long_ttft_s=max(long_ttft) if long_ttft else None,
+        errors=tuple(errors), server_died=server_died,
+    )
+
+
+# Fields compared between servers, and whether higher is better (for the reader; the ratio is always a/b).
+RATIO_FIELDS: tuple[tuple[str, bool], ...] = (
+    ("output_tok_s", True), ("ttft_p50_s", False), ("ttft_p95_s", False), ("ttft_p99_s", False),
+    ("itl_p50_s", False), ("itl_p95_s", False), ("e2e_p50_s", False), ("e2e_p95_s", False),
+    ("decode_stall_s", False), ("long_ttft_s", False),
+)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios(a: Summary, b: Summary) -> dict[str, float | None]:
+    """a/b for each of `RATIO_FIELDS` (ours/theirs when a is ours)."""
+    return {name: ratio(getattr(a, name), getattr(b, name)) for name, _ in RATIO_FIELDS}

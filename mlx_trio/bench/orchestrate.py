@@ -1,0 +1,174 @@
+"""What `mlx-trio bench` does once its flags are parsed: start, warm up, measure, report, stop.
+
+Every exit path stops the servers it started, by pid: the end of the bench,
+a server that could not start, Ctrl-C, and SIGTERM (from `timeout` or a job
+runner), which is taken as a Trio signal so that cancellation unwinds cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from mlx_trio.bench import metrics, report, workloads
+from mlx_trio.bench.cli import workload_params
+from mlx_trio.bench.meta import run_metadata
+from mlx_trio.bench.model_info import eos_logit_bias, eos_token_ids
+from mlx_trio.bench.progress import choose
+from mlx_trio.bench.runner import RunOptions, RunRecord, run_matrix, warmup
+from mlx_trio.bench.servers import ManagedServer, ServerStartError, UrlServer, default_model_path
+
+log = logging.getLogger("mlx_trio.bench")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench described by parsed `args` (targets already checked); print the table; return the exit status."""
+    model = args.model
+    if model is None and any(kind == "serve" for kind, _ in args.targets):
+        try:
+            model = default_model_path(args.python)
+        except (ServerStartError, OSError, subprocess.SubprocessError) as exc:
+            print(f"mlx-trio bench: {exc}", file=sys.stderr)
+            return 1
+    eos_ids = _eos_ids(args, model)
+    log_dir = args.log_dir or Path(tempfile.gettempdir())
+    if any(kind == "serve" for kind, _ in args.targets):
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="mlx-trio-bench-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+    servers = _servers(args, model, log_dir)
+    params = workload_params(args)
+    options = RunOptions(logit_bias=eos_logit_bias(eos_ids), request_model=args.request_model,
+                         read_timeout_s=args.timeout_s, api_key=args.api_key)
+    try:
+        records = trio.run(_bench, args, servers, params, options)
+    except ServerStartError as exc:
+        print(f"mlx-trio bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        records = None
+    finally:
+        # Every exit path stops what we started, by pid.
+        for server in servers:
+            server.stop()
+    if records is None:
+        print("mlx-trio bench: interrupted", file=sys.stderr)
+        return 130
+    summaries = _summaries(records)
+    meta = run_metadata(args, model=model, eos_ids=eos_ids, params=attrs.asdict(params),
+                        servers=[_describe(s) for s in servers], log_dir=str(log_dir))
+    print(f"\nworkload {args.workload}: {meta['workload_line']}\n")
+    print(report.markdown_table(summaries))
+    if text := report.notes(summaries):
+        print("\n" + text)
+    print(f"\n{meta['machine_line']}")
+    if any(isinstance(s, ManagedServer) for s in servers):
+        print(f"server logs: {log_dir}")
+    if args.out is not None:
+        report.write_json(args.out, report.document(summaries, records, meta))
+    if args.plot is not None:
+        report.write_plot(args.plot, summaries, f"mlx-trio bench: {args.workload}")
+    return 0
+
+
+async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
+                 options: RunOptions) -> list[RunRecord] | None:
+    """`_measure`, unless SIGTERM (`timeout`, a job runner) comes first: then None, once everything is cancelled.
+
+    Handled as a Trio signal, not a Python handler raising mid-step, so that the
+    cancellation unwinds cleanly and `run` still stops the servers.
+    """
+    outcome: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        async def watch_sigterm() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async def measure() -> None:
+            try:
+                outcome["records"] = await _measure(args, servers, params, options)
+            except ServerStartError as exc:  # re-raised below, outside the nursery's exception group
+                outcome["error"] = exc
+            nursery.cancel_scope.cancel()
+
+        if threading.current_thread() is threading.main_thread():
+            nursery.start_soon(watch_sigterm)
+        nursery.start_soon(measure)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("records")
+
+
+async def _measure(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
+                   options: RunOptions) -> list[RunRecord]:
+    for server in servers:
+        if isinstance(server, ManagedServer):
+            await server.start()
+    for server in servers:
+        result = await warmup(server.url, options)
+        if not result.ok:
+            log.warning("%s: warmup request failed: %s", server.name, result.error)
+    return await run_matrix(servers, args.workload, params, args.concurrency, args.rounds, options,
+                            requests_per_stream=args.requests_per_stream, progress=choose(not args.no_progress))
+
+
+def _summaries(records: list[RunRecord]) -> list[metrics.Summary]:
+    groups: dict[tuple[int, str], list[RunRecord]] = {}
+    for record in records:
+        groups.setdefault((record.concurrency, record.server), []).append(record)
+    return [metrics.summarize(server, concurrency, [r.results for r in runs],
+                              server_died=any(r.server_died for r in runs))
+            for (concurrency, server), runs in groups.items()]
+
+
+def _servers(args: argparse.Namespace, model: str | None, log_dir: Path) -> list[Any]:
+    servers: list[Any] = []
+    names: set[str] = set()
+    for index, (kind, value) in enumerate(args.targets):
+        if kind == "serve":
+            name = _unique(value, names)
+            extra = args.ours_args if value == "ours" else args.mlx_lm_args
+            servers.append(ManagedServer(name, value, str(model), log_dir / f"{name}.log", python=args.python,
+                                         extra_args=tuple(extra), startup_timeout_s=args.startup_timeout_s))
+        else:
+            name, _, url = value.partition("=") if "=" in value.split("://")[0] else ("", "", value)
+            servers.append(UrlServer(_unique(name or f"url{index + 1}", names), url))
+    return servers
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}-{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _describe(server: Any) -> dict[str, Any]:
+    if isinstance(server, ManagedServer):
+        return {"name": server.name, "stack": server.stack, "extra_args": list(server.extra_args),
+                "restarts": server.restarts}
+    return {"name": server.name, "url": server.url}
+
+
+def _eos_ids(args: argparse.Namespace, model: str | None) -> tuple[int, ...]:
+    if args.no_eos_bias:
+        return ()
+    if args.eos_id:
+        return tuple(sorted(set(args.eos_id)))
+    ids = eos_token_ids(model) if model else ()
+    if not ids:
+        print("mlx-trio bench: warning: no EOS id known (pass --eos-id or --model DIR); outputs may stop early",
+              file=sys.stderr)
+    return ids

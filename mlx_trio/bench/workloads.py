@@ -1,0 +1,185 @@
+"""Benchmark workloads: deterministic lists of sessions for a seed.
+
+A session is one conversation whose turns run in order; each turn resends the
+whole conversation so far (system prompt, earlier user turns and the server's
+own earlier answers), the way an agent loop calls a chat API. Prompts are made
+of common English words so that one word is about one token on BPE tokenizers;
+the servers' `usage.prompt_tokens` gives the exact counts.
+
+* **agents**: every session shares one long system prompt (prose plus tool
+  schemas, the part a prefix cache can reuse), sends a distinct task, then a
+  second turn; sessions arrive as a Poisson process.
+* **uniform**: single-turn requests with fixed prompt and output lengths.
+* **long-prompt**: `concurrency` streams decode while one very long prompt
+  arrives; the streams' largest inter-token gap is the decode stall.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import attrs
+
+WORKLOADS = ("agents", "uniform", "long-prompt")
+
+# Roughly one token each (with the leading space) on Llama/SmolLM-style BPE vocabularies.
+_WORDS = tuple("""
+the of and to in is was for on that with as by at from this be are have not or one all were an which
+they but more other new some time there about many these can like use first two may any most such
+people also year water long make world work day part number place over right back small after good
+city system data file page list name value state group report table record search result order
+check plan task agent tool call step answer query source error update read write open close send
+build test merge review branch commit issue server client request reply token model batch cache
+green blue red light sea river town house road tree stone paper glass metal wind rain snow
+""".split())
+
+TOOL_SCHEMAS = (
+    {"name": "search", "description": "Search the document store and return the best matching passages.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}},
+                    "required": ["query"]}},
+    {"name": "read_file", "description": "Read a file from the workspace and return its text.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "offset": {"type": "integer"}},
+                    "required": ["path"]}},
+    {"name": "run_tests", "description": "Run the test suite and report failures with their messages.",
+     "parameters": {"type": "object", "properties": {"selector": {"type": "string"}}, "required": []}},
+    {"name": "send_message", "description": "Send a short message to another agent of the team.",
+     "parameters": {"type": "object", "properties": {"to": {"type": "string"}, "text": {"type": "string"}},
+                    "required": ["to", "text"]}},
+)
+
+
+@attrs.frozen
+class Turn:
+    """One request of a session: the user message it adds and its fixed output length."""
+
+    user: str
+    max_tokens: int
+
+
+@attrs.frozen
+class Session:
+    """A conversation; `arrival_s` is when it may start, from the run's start.
+
+    `after_first_tokens` > 0 makes it wait instead until that many other streams
+    of the run have received their first token (long-prompt's late arrival).
+    `tag` groups requests in the summary ("task", "background", "long").
+    """
+
+    session_id: str
+    system: str | None
+    turns: tuple[Turn, ...]
+    arrival_s: float = 0.0
+    tag: str = "task"
+    after_first_tokens: int = 0
+
+
+@attrs.frozen
+class Workload:
+    """The sessions of one run and how many may be in flight at once."""
+
+    name: str
+    sessions: tuple[Session, ...]
+    max_in_flight: int
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+@attrs.frozen
+class WorkloadParams:
+    """Sizes shared by the generators (words ≈ tokens; output lengths are exact with EOS suppressed)."""
+
+    num_requests: int = 64
+    seed: int = 0
+    # Sessions (or requests) per second, Poisson; None: all may start at once.
+    rate_per_s: float | None = None
+    output_tokens: int = 128
+    system_words: int = 2000
+    task_words: int = 48
+    followup_words: int = 24
+    prompt_words: int = 512
+    long_prompt_words: int = 7500
+    long_output_tokens: int = 256
+
+
+def words(rng: random.Random, count: int) -> str:
+    """`count` words drawn from the fixed vocabulary, as one sentence-like string."""
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+
+def poisson_arrivals(rng: random.Random, count: int, rate_per_s: float | None) -> list[float]:
+    """Arrival offsets (s) of a Poisson process starting at 0; all zero when `rate_per_s` is None."""
+    if rate_per_s is None or math.isinf(rate_per_s):
+        return [0.0] * count
+    if rate_per_s <= 0:
+        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    arrivals, t = [], 0.0
+    for _ in range(count):
+        arrivals.append(t)
+        t += rng.expovariate(rate_per_s)
+    return arrivals
+
+
+def system_prompt(rng: random.Random, num_words: int) -> str:
+    """The agents' shared system prompt: instructions, prose of `num_words` words, tool schemas."""
+    tools = "\n".join(json.dumps(tool, sort_keys=True) for tool in TOOL_SCHEMAS)
+    return (
+        "You are one agent of a team working on a shared code base. Use the tools below; answer briefly.\n\n"
+        f"Background notes: {words(rng, num_words)}.\n\n# Tools\n{tools}\n"
+    )
+
+
+def agents(params: WorkloadParams, concurrency: int) -> Workload:
+    """K = `concurrency` agents in flight; ceil(N/2) two-turn sessions sharing one system prompt."""
+    rng = random.Random(params.seed)
+    shared = system_prompt(rng, params.system_words)
+    num_sessions = max(1, math.ceil(params.num_requests / 2))
+    arrivals = poisson_arrivals(rng, num_sessions, params.rate_per_s)
+    sessions = []
+    for i, arrival_s in enumerate(arrivals):
+        task = Turn(f"Task {i}: {words(rng, params.task_words)}.", params.output_tokens)
+        followup = Turn(f"Check your answer to task {i}, then continue: {words(rng, params.followup_words)}.",
+                        params.output_tokens)
+        sessions.append(Session(f"agent-{i}", shared, (task, followup), arrival_s=arrival_s))
+    return Workload("agents", tuple(sessions), max_in_flight=concurrency)
+
+
+def uniform(params: WorkloadParams, concurrency: int) -> Workload:
+    """N single-turn requests of `prompt_words` words and `output_tokens` tokens, `concurrency` at once."""
+    rng = random.Random(params.seed)
+    arrivals = poisson_arrivals(rng, params.num_requests, params.rate_per_s)
+    sessions = tuple(
+        Session(f"uniform-{i}", None, (Turn(f"Request {i}: {words(rng, params.prompt_words)}.",
+                                            params.output_tokens),), arrival_s=arrival_s)
+        for i, arrival_s in enumerate(arrivals)
+    )
+    return Workload("uniform", sessions, max_in_flight=concurrency)
+
+
+def long_prompt(params: WorkloadParams, concurrency: int) -> Workload:
+    """`concurrency` background streams decode; once all have a first token, one long prompt arrives.
+
+    `num_requests` is not used: the scenario is one long prompt per run.
+    """
+    rng = random.Random(params.seed)
+    background = tuple(
+        Session(f"background-{i}", None, (Turn(f"Stream {i}: {words(rng, 32)}.", params.long_output_tokens),),
+                tag="background")
+        for i in range(concurrency)
+    )
+    long_turn = Turn(f"Summarize: {words(rng, params.long_prompt_words)}.", params.output_tokens)
+    late = Session("long-0", None, (long_turn,), tag="long", after_first_tokens=concurrency)
+    return Workload("long-prompt", (*background, late), max_in_flight=concurrency + 1)
+
+
+def build(name: str, params: WorkloadParams, concurrency: int) -> Workload:
+    """The named workload (one of `WORKLOADS`) for one run at `concurrency`."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt}
+    if name not in generators:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return generators[name](params, concurrency)

@@ -1,0 +1,64 @@
+"""Fault injection: make an actor fail on purpose, for tests and for ops drills.
+
+An engine owns one `Faults` registry. Actors call `faults.check(actor_id)`
+at each message or step; an armed fault for that id fires there, once. Ids
+are the ones `/v1/status` shows (`decode-step`, `prefill`, `admission`,
+`gpu-lease`, `http`, `session-req-7`); the id `session` matches any session.
+`GET/POST /v1/admin/faults` (only with `--enable-fault-injection`) arms them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class FaultKind(enum.Enum):
+    RAISE = "raise"  # raise InjectedFault inside the actor (or inside a lease job for gpu-lease)
+    HANG = "hang"  # a lease job that never finishes, until the watchdog gives up on it
+    FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault. A RuntimeError, so it crashes an actor like any bug would."""
+
+
+@attrs.frozen
+class ArmedFault:
+    actor: str
+    kind: FaultKind
+
+
+class Faults:
+    """Armed one-shot faults, keyed by actor id. Plain data, Trio-thread only."""
+
+    def __init__(self) -> None:
+        self._armed: list[ArmedFault] = []
+        self.fired: list[ArmedFault] = []
+
+    def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
+        fault = ArmedFault(actor, FaultKind(kind))
+        self._armed.append(fault)
+        return fault
+
+    def armed(self) -> list[ArmedFault]:
+        return list(self._armed)
+
+    def take(self, actor: str, kind: FaultKind) -> bool:
+        """Consume a fault of `kind` armed for `actor` (or for any session); True if there was one."""
+        for fault in self._armed:
+            if fault.kind is kind and _matches(fault.actor, actor):
+                self._armed.remove(fault)
+                self.fired.append(fault)
+                return True
+        return False
+
+    def check(self, actor: str) -> None:
+        """Raise `InjectedFault` if a RAISE fault is armed for `actor`."""
+        if self._armed and self.take(actor, FaultKind.RAISE):
+            raise InjectedFault(f"fault injected into {actor}")
+
+
+def _matches(pattern: str, actor: str) -> bool:
+    return pattern == actor or (pattern == "session" and actor.startswith("session-"))

@@ -1,0 +1,96 @@
+"""bench/metrics.py: percentiles, wall-clock throughput, pooled summaries and ratios."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_trio.bench.client import RequestResult
+from mlx_trio.bench.metrics import percentile, ratio, ratios, summarize, throughput_tok_s, wall_s
+
+
+def _result(start_s: float, end_s: float, *, ok: bool = True, tokens: int | None = 10, ttft_s: float | None = 0.1,
+            itl_s: tuple[float, ...] = (), tag: str = "task", chunks: int = 0, finish: str = "length",
+            error: str | None = None, cached: int | None = 0, prompt: int | None = 100) -> RequestResult:
+    return RequestResult(session_id="s", turn=0, tag=tag, ok=ok, start_s=start_s, end_s=end_s, ttft_s=ttft_s,
+                         itl_s=itl_s, completion_tokens=tokens, content_chunks=chunks, finish_reason=finish,
+                         error=error, cached_tokens=cached, prompt_tokens=prompt)
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([1, 2, 3, 4], 50, 2.5),
+    ([1, 2, 3, 4], 0, 1.0),
+    ([1, 2, 3, 4], 100, 4.0),
+    ([4, 1, 3, 2], 25, 1.75),  # order of the input does not matter
+    (list(range(1, 101)), 95, 95.05),
+    (list(range(1, 101)), 99, 99.01),
+    ([7.0], 99, 7.0),
+])
+def test_percentile_interpolates_linearly_between_ranks(values: list[float], q: float, expected: float) -> None:
+    """Percentiles match numpy's default ('linear') method on hand-checked cases."""
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_of_nothing_is_none_and_q_is_checked() -> None:
+    """No samples give None (shown as '–'); q outside [0, 100] is a programming error."""
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100), st.floats(0, 100))
+def test_percentile_is_monotone_in_q_and_within_the_range(values: list[float], q1: float, q2: float) -> None:
+    """A higher q never gives a lower value, and every percentile lies within [min, max]."""
+    low, high = sorted((q1, q2))
+    p_low, p_high = percentile(values, low), percentile(values, high)
+    assert p_low is not None and p_high is not None
+    assert min(values) - 1e-6 <= p_low <= p_high + 1e-6 <= max(values) + 2e-6
+
+
+def test_wall_clock_spans_first_send_to_last_end() -> None:
+    """Wall time is max(end) - min(start), not the sum of request durations (overlap counts once)."""
+    results = [_result(10.0, 12.0), _result(11.0, 15.0), _result(10.5, 11.0)]
+    assert wall_s(results) == pytest.approx(5.0)
+    assert wall_s([]) == 0.0
+    assert throughput_tok_s(30, 5.0) == pytest.approx(6.0)
+    assert throughput_tok_s(30, 0.0) is None
+
+
+def test_summary_pools_rounds_and_counts_only_completed_tokens() -> None:
+    """Throughput is completed usage tokens over the rounds' summed wall times; failures count separately."""
+    round_a = [_result(0.0, 2.0, tokens=10, itl_s=(0.1, 0.3)), _result(1.0, 4.0, tokens=10),
+               _result(0.0, 1.0, ok=False, tokens=99, error="HTTP 503: busy")]
+    round_b = [_result(100.0, 101.0, tokens=20, ttft_s=0.5, itl_s=(0.2,))]
+    s = summarize("ours", 4, [round_a, round_b])
+    assert (s.num_ok, s.num_failed, s.rounds) == (3, 1, 2)
+    assert s.output_tokens == 40
+    assert s.wall_s == pytest.approx(4.0 + 1.0)  # not 101 - 0: the gap between rounds is not bench time
+    assert s.output_tok_s == pytest.approx(40 / 5.0)
+    assert s.itl_p50_s == pytest.approx(0.2)
+    assert s.ttft_p50_s == pytest.approx(0.1)
+    assert s.errors == (("HTTP 503: busy", 1),)
+
+
+def test_summary_falls_back_to_chunks_without_usage_and_flags_early_stops() -> None:
+    """No usage chunk: tokens are the content chunks seen; a 'stop' finish is counted as an early stop."""
+    s = summarize("x", 1, [[_result(0.0, 1.0, tokens=None, chunks=7, finish="stop")]])
+    assert s.output_tokens == 7 and s.num_stopped_early == 1
+
+
+def test_long_prompt_summary_reports_stall_and_long_ttft() -> None:
+    """The background streams' largest gap is the decode stall; the long request's TTFT is reported apart."""
+    rows = [_result(0, 5, tag="background", itl_s=(0.01, 2.5, 0.02)), _result(0, 5, tag="background", itl_s=(0.4,)),
+            _result(1, 4, tag="long", ttft_s=2.4, itl_s=(9.0,))]
+    s = summarize("ours", 2, [rows])
+    assert s.decode_stall_s == pytest.approx(2.5) and s.long_ttft_s == pytest.approx(2.4)
+
+
+def test_ratios_are_a_over_b_and_none_when_undefined() -> None:
+    """ours/theirs per field; a missing value or a zero denominator gives None instead of a crash."""
+    assert ratio(2.0, 4.0) == 0.5 and ratio(None, 1.0) is None and ratio(1.0, 0.0) is None
+    a = summarize("a", 1, [[_result(0.0, 1.0, tokens=20, ttft_s=0.1)]])
+    b = summarize("b", 1, [[_result(0.0, 2.0, tokens=20, ttft_s=0.4)]])
+    r = ratios(a, b)
+    assert r["output_tok_s"] == pytest.approx(2.0) and r["ttft_p50_s"] == pytest.approx(0.25)
+    assert r["decode_stall_s"] is None

@@ -1,0 +1,141 @@
+"""DecodeBatch's contract: the pipelined register, ownership of caches, errors that leave it unchanged."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import ChunkedKVCache
+
+from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.rows import SoloRow
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, TinyModelSpec, tiny_model
+
+
+@cache
+def _model(spec: TinyModelSpec = LLAMA) -> Any:
+    return load(str(tiny_model(spec)))[0]
+
+
+def _ready_row(request_id: str, n: int, *, spec: TinyModelSpec = LLAMA, **params: Any) -> SoloRow:
+    row = SoloRow(_model(spec), request_id, [(7 * n + 3 * j) % 500 + 3 for j in range(n)],
+                  SamplingParams(**params), prefill_step_size=4)
+    while row.prefill_chunk():
+        pass
+    row.first_token()
+    return row
+
+
+def _batch(*rows: SoloRow, spec: TinyModelSpec = LLAMA) -> DecodeBatch:
+    batch = DecodeBatch(_model(spec))
+    for row in rows:
+        assert row.token0 is not None
+        batch.join(row, row.token0)
+    return batch
+
+
+def test_step_returns_the_previous_step_and_flush_the_queued_one() -> None:
+    """After a join the first step returns None (token 0 was already returned); flush drains once."""
+    batch = _batch(_ready_row("a", 5), _ready_row("b", 9))
+    assert batch.is_flushed and batch.request_ids == ["a", "b"]
+    assert batch.step() is None and not batch.is_flushed
+    first = batch.step()
+    assert first is not None and len(first) == 2
+    queued = batch.flush()
+    assert queued is not None and len(queued) == 2 and batch.is_flushed
+    assert batch.flush() is None
+    assert batch.step() is None  # the flushed tokens are this step's inputs, already returned
+    assert batch.num_fed("a") == 5 + 3 and batch.num_fed("b") == 9 + 3  # three forwards
+
+
+def test_leave_unflushed_equals_leave_flushed() -> None:
+    """Dropping a row with a step in flight (mlx-lm's way) leaves the survivors' tokens unchanged."""
+    results = []
+    for flush_first in (False, True):
+        batch = _batch(_ready_row("a", 5), _ready_row("b", 9), _ready_row("c", 14))
+        tokens: dict[str, list[int]] = {"a": [], "c": []}
+        batch.step()
+        batch.step()
+        if flush_first:
+            for rid, t in zip(batch.request_ids, batch.flush() or []):
+                tokens.setdefault(rid, []).append(t)
+        batch.leave(["b"])
+        for _ in range(6):
+            for rid, t in zip(batch.request_ids, batch.step() or []):
+                tokens[rid].append(t)
+        for rid, t in zip(batch.request_ids, batch.flush() or []):
+            tokens[rid].append(t)
+        results.append({rid: toks[-5:] for rid, toks in tokens.items() if rid != "b"})
+    assert results[0] == results[1]
+
+
+def test_join_takes_the_rows_caches_and_kv_bytes_return_to_zero() -> None:
+    """A joined SoloRow holds no bytes; the batch's nbytes falls to 0 when every row has left."""
+    a, b = _ready_row("a", 6), _ready_row("b", 30)
+    solo_bytes = a.nbytes
+    batch = _batch(a)
+    assert a.nbytes == 0 and batch.nbytes == solo_bytes and batch.is_solo
+    batch.join(b, b.token0 or 0)
+    assert b.nbytes == 0 and batch.nbytes > 0 and not batch.is_solo
+    batch.step()
+    batch.leave(["a"])
+    assert batch.is_solo and batch.request_ids == ["b"]  # extracted back to solo caches
+    batch.step()
+    batch.leave(["b"])
+    assert batch.size == 0 and batch.nbytes == 0 and batch.is_flushed
+
+
+def test_join_needs_a_flushed_batch_and_a_fresh_row() -> None:
+    """join raises on a step in flight, a row before token 0 and a duplicate id, changing nothing."""
+    batch = _batch(_ready_row("a", 5))
+    batch.step()
+    with pytest.raises(RuntimeError):
+        batch.join(_ready_row("b", 5), 0)
+    batch.flush()
+    raw = SoloRow(_model(), "c", [4, 5, 6], SamplingParams())
+    with pytest.raises(RuntimeError):
+        batch.join(raw, 0)
+    with pytest.raises(ValueError):
+        batch.join(_ready_row("a", 7), 0)
+    assert batch.request_ids == ["a"] and batch.is_solo
+
+
+def test_leave_unknown_id_raises_and_changes_nothing() -> None:
+    """An id not in the batch raises KeyError before any row is dropped."""
+    batch = _batch(_ready_row("a", 5), _ready_row("b", 6))
+    with pytest.raises(KeyError):
+        batch.leave(["a", "zzz"])
+    assert batch.request_ids == ["a", "b"]
+
+
+def test_join_of_unbatchable_caches_raises_type_error() -> None:
+    """A layer without merge (llama4's chunked KV) cannot join a running batch; the batch is unchanged."""
+    batch = _batch(_ready_row("a", 5))
+    row = _ready_row("q", 5)
+    row.caches = [ChunkedKVCache(chunk_size=64) for _ in row.caches]
+    with pytest.raises(TypeError):
+        batch.join(row, row.token0 or 0)
+    assert batch.request_ids == ["a"] and batch.is_solo
+
+
+@pytest.mark.parametrize("spec", [LLAMA, LLAMA_SWA], ids=["full", "rotating"])
+def test_extract_is_a_snapshot_of_the_fed_tokens(spec: TinyModelSpec) -> None:
+    """extract copies the row's KV (num_fed tokens); later steps never change the copy."""
+    for rows in (("a",), ("a", "b")):
+        batch = _batch(*(_ready_row(r, 20 + i, spec=spec) for i, r in enumerate(rows)), spec=spec)
+        batch.step()
+        batch.flush()
+        snapshot = batch.extract("a")
+        offsets = [c.offset for c in snapshot]
+        keys = [c.keys[..., : c.offset, :] * 1 for c in snapshot if spec.sliding_window is None]
+        assert all(o == batch.num_fed("a") for o in offsets)
+        for _ in range(3):
+            batch.step()
+        batch.flush()
+        assert [c.offset for c in snapshot] == offsets
+        for c, k in zip((c for c in snapshot if spec.sliding_window is None), keys):
+            assert (c.keys[..., : c.offset, :] == k).all().item()
+        batch.close()

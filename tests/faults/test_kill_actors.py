@@ -1,0 +1,165 @@
+"""Kill any actor mid-generation: it restarts and every stream resumes token-exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.errors import MlxTrioError
+from mlx_trio.events import TextDelta
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+PROMPTS = [
+    "Once upon a time there was",
+    "The wind over the water",
+    "A story about a ship and the sea and the long shore",
+    "Hello there",
+    "the the the sea sea",
+    "Item 4 is a small note",
+    "Tell me about the sea.",
+    "What is the capital",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def solo() -> list[tuple[int, ...]]:
+    """Each prompt's undisturbed greedy tokens on the serial lane."""
+
+    async def main() -> list[tuple[int, ...]]:
+        async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
+            return [(await engine.complete(p, max_tokens=MAX_TOKENS)).token_ids for p in PROMPTS]
+
+    return trio.run(main)
+
+
+def _node(tree: dict[str, Any], node_id: str) -> dict[str, Any] | None:
+    if tree.get("id") == node_id:
+        return tree
+    for child in tree.get("children", []):
+        found = _node(child, node_id)
+        if found is not None:
+            return found
+    return None
+
+
+async def _run_streams(engine, arm, *, after: int = len(PROMPTS)) -> list[tuple[int, ...]]:
+    """Start 8 streams; once `after` of them have text, `arm()` the fault; collect each stream's token ids."""
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    started = trio.Semaphore(0)
+
+    async def one(i: int) -> None:
+        first = True
+        async for event in engine.generate(PROMPTS[i], max_tokens=MAX_TOKENS):
+            if isinstance(event, TextDelta):
+                got[i].extend(event.token_ids)
+                if first:
+                    first = False
+                    started.release()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(PROMPTS)):
+            nursery.start_soon(one, i)
+        for _ in range(after):
+            await started.acquire()
+        arm()
+    return [tuple(got[i]) for i in range(len(PROMPTS))]
+
+
+async def _wait_healthy(engine) -> None:
+    with trio.fail_after(20):
+        while not engine.health()[0] or engine.status()["counters"]["kv_bytes"]:
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("actor", "kind", "batch"),
+    [
+        ("decode-step", "raise", 8),
+        ("admission", "raise", 4),  # 4 of the 8 still queued when it dies
+        ("prefill", "raise", 4),
+        ("gpu-lease", "raise", 8),
+        ("session", "raise", 8),
+        ("decode-step", "raise", 1),
+        ("gpu-lease", "hang", 8),
+    ],
+    ids=["decode-step", "admission", "prefill", "lease-job", "session", "serial-decode-step", "lease-hang-watchdog"],
+)
+async def test_kill_mid_generation_every_stream_completes_token_exact(solo, actor, kind, batch) -> None:
+    """8 greedy streams survive the fault and equal their undisturbed runs; status counts the restart."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, step_watchdog_s=0.5) as engine:
+        streams = await _run_streams(engine, lambda: engine.faults.arm(actor, kind), after=1 if batch == 4 else 8)
+        assert streams == solo
+        assert engine.faults.fired, "the fault never fired"
+        await _wait_healthy(engine)
+        status = engine.status()["tree"]
+        restarted = {"gpu-lease": "gpu-lease" if kind == "hang" else "decode-step"}.get(actor, actor)
+        if actor != "session":
+            node = _node(status, restarted)
+            assert node is not None and node["restarts"] >= 1, status
+
+
+async def test_kill_prefill_of_a_long_prompt_then_twice_in_a_row(solo) -> None:
+    """Prefill dies mid-prompt (twice): the request resumes and the others are untouched."""
+    long_prompt = " ".join(["the sea and the wind"] * 30)
+    async with open_engine(str(tiny_model(LLAMA)), batch=1) as probe:
+        expected_long = (await probe.complete(long_prompt, max_tokens=MAX_TOKENS)).token_ids
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, prefill_step_size=16) as engine:
+        engine.faults.arm("prefill", "raise")
+        engine.faults.arm("prefill", "raise")
+        results: dict[str, tuple[int, ...]] = {}
+
+        async def one(name: str, prompt: str) -> None:
+            results[name] = (await engine.complete(prompt, max_tokens=MAX_TOKENS)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "long", long_prompt)
+            nursery.start_soon(one, "short", PROMPTS[0])
+        assert len(engine.faults.fired) == 2
+        await _wait_healthy(engine)
+        assert _node(engine.status()["tree"], "prefill")["restarts"] == 2
+    assert results == {"long": expected_long, "short": solo[0]}
+
+
+async def test_restart_intensity_exceeded_fails_requests_with_a_typed_error_and_stops() -> None:
+    """Crashing faster than the intensity allows: requests get a typed error, the engine stops, nothing hangs."""
+    failures: list[BaseException] = []
+    with trio.fail_after(30):
+        with pytest.raises(BaseException) as info:
+            async with open_engine(str(tiny_model(LLAMA)), batch=8, max_restarts=1) as engine:
+                for _ in range(20):
+                    engine.faults.arm("decode-step", "raise")
+
+                async def one(i: int) -> None:
+                    try:
+                        await engine.complete(PROMPTS[i], max_tokens=MAX_TOKENS)
+                    except MlxTrioError as exc:
+                        failures.append(exc)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+                ok, reason = engine.health()
+                assert not ok
+                await trio.sleep_forever()  # the root gives up and takes the engine down
+    assert "gave up" in repr(info.value) or "SupervisorGaveUp" in repr(info.value)
+    assert len(failures) == 4
+
+
+@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
+async def test_a_seeded_stream_resumes_its_random_sequence_exactly(batch: int) -> None:
+    """A seeded sampled stream killed mid-way continues from its PRNG state: same tokens as undisturbed."""
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.9, "top_k": 20, "seed": 5}
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch) as engine:
+        undisturbed = (await engine.complete(PROMPTS[1], **params)).token_ids
+        got: list[int] = []
+        async for event in engine.generate(PROMPTS[1], **params):
+            if isinstance(event, TextDelta):
+                got.extend(event.token_ids)
+                if len(got) >= 5 and not engine.faults.fired and not engine.faults.armed():
+                    engine.faults.arm("decode-step", "raise")
+        assert engine.faults.fired
+    assert tuple(got) == undisturbed
