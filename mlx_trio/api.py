@@ -31,12 +31,14 @@ from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
 from mlx_trio.actors.messages import Generate
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.session import MAX_RESUMES, EngineRestarted, Request, SessionActor, SessionOutput
+from mlx_trio.actors.session import MAX_RESUMES, Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.lease_thread import release_thread_streams
 from mlx_trio.engine.kv_layout import default_kv_budget
 from mlx_trio.engine.model import LoadedModel, load_model
-from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError, ModelLoadError
+from mlx_trio.errors import (
+    ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError, ModelLoadError,
+)
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
@@ -209,7 +211,9 @@ class Engine:
                                  faults=self.faults, resume_from=actor)
             try:
                 await self._sessions.start_child(
-                    ChildSpec(f"session-{request.request_id}", actor.run, restart=Restart.TEMPORARY, kind="session")
+                    # A resumed session gets its own id: the crashed one may not be reaped yet.
+                    ChildSpec(f"session-{request.request_id}" + (f".{actor.resumes}" if actor.resumes else ""),
+                              actor.run, restart=Restart.TEMPORARY, kind="session")
                 )
             except RuntimeError as exc:  # the sessions supervisor is not running: the tree is stopped
                 raise EngineFailure("the engine is not running") from exc

@@ -65,5 +65,9 @@ class ActorCrashed(EngineFailure):
     """An actor the request depended on died and could not resume the request."""
 
 
+class EngineRestarted(EngineFailure):
+    """The engine failed under a request more often than resume allows (HTTP 503, `engine_restarted`)."""
+
+
 class ModelLoadError(EngineFailure):
     """The model could not be found, converted or loaded."""

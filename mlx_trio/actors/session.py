@@ -23,7 +23,7 @@ import trio
 
 from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, TokensDecoded
 from mlx_trio.engine.text import TextStream
-from mlx_trio.errors import ActorCrashed, EngineFailure, MlxTrioError, Overloaded, RequestError
+from mlx_trio.errors import ActorCrashed, EngineRestarted, MlxTrioError, Overloaded, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision.faults import Faults
@@ -36,10 +36,6 @@ SessionOutput = GenerationEvent | MlxTrioError
 GetTarget = Callable[[], Awaitable[object]]
 # Resumes allowed per request before it fails with EngineRestarted.
 MAX_RESUMES = 3
-
-
-class EngineRestarted(EngineFailure):
-    """The engine failed under this request more often than resume allows (HTTP 503, `engine_restarted`)."""
 
 
 @attrs.frozen

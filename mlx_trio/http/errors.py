@@ -26,6 +26,7 @@ from mlx_trio.errors import (
     ActorCrashed,
     ContextTooLong,
     EngineFailure,
+    EngineRestarted,
     InvalidParameter,
     MlxTrioError,
     Overloaded,
@@ -123,6 +124,9 @@ def api_error(exc: BaseException, *, max_body_bytes: int | None = None, path: st
     if isinstance(exc, Overloaded):
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return ApiError(503, str(exc), "overloaded_error", "overloaded", headers={"Retry-After": retry})
+    if isinstance(exc, EngineRestarted):
+        # Resume gave up: the engine kept failing under this request.
+        return ApiError(503, str(exc), "engine_unavailable", "engine_restarted", headers={"Retry-After": "1"})
     if isinstance(exc, ActorCrashed):
         # Something broke mid-request; the supervisor restarts it, a retry may succeed.
         return ApiError(500, str(exc), "server_error", "actor_crashed")
