@@ -52,7 +52,6 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import random

@@ -205,6 +205,7 @@ class Engine:
         caller still sees one uninterrupted stream.
         """
         actor: SessionActor | None = None
+        stalled = 0  # session crashes in a row that brought no new token
         while True:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
             actor = SessionActor(request, get_target=self._healthy_target, model=self.model, out=send,
@@ -224,8 +225,9 @@ class Engine:
                     yield item
                     if isinstance(item, Finished):
                         return
-            if actor.resumes >= MAX_RESUMES:
-                raise ActorCrashed(f"the session of request {request.request_id} crashed {actor.resumes + 1} times")
+            stalled = stalled + 1 if len(actor.generated) == actor.generated_at_start else 1
+            if stalled > MAX_RESUMES:
+                raise ActorCrashed(f"the session of request {request.request_id} crashed {stalled} times in a row")
             log.warning("request %s: its session crashed; resuming after %d tokens",
                         request.request_id, len(actor.generated))
 

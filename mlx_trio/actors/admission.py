@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from mlx_trio.actors.messages import Admitted, Generate
-from mlx_trio.errors import EngineFailure, LeaseClosed, Overloaded, RequestError
+from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded
+from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.admission")
@@ -79,8 +79,17 @@ class AdmissionActor:
         """Queue a request; `Overloaded` when the queue is full, `KvBudgetExceeded` when it can never fit."""
         if self._closed:
             raise LeaseClosed("admission is stopping")
-        if self._project is None:
-            raise EngineFailure("the model is still loading")
+        if self._project is not None:
+            # Until the limits are known (a restart's first moments) the admit loop checks instead.
+            self._check_fits_alone(cmd)
+        if len(self._pending) >= self._max_queue:
+            raise Overloaded(f"{len(self._pending)} requests are already waiting; retry shortly", retry_after_s=1.0)
+        self._pending.append(cmd)
+        self._submitted += 1
+        self._wake.set()
+
+    def _check_fits_alone(self, cmd: Generate) -> None:
+        assert self._project is not None
         need = self._project(cmd)
         if need > self._budget:
             raise KvBudgetExceeded(
@@ -88,11 +97,6 @@ class AdmissionActor:
                 f"+ max_tokens {cmd.params.max_tokens}) but the KV budget is {self._budget / 2**20:.1f} MiB; "
                 "lower max_tokens, shorten the prompt, or raise --kv-budget"
             )
-        if len(self._pending) >= self._max_queue:
-            raise Overloaded(f"{len(self._pending)} requests are already waiting; retry shortly", retry_after_s=1.0)
-        self._pending.append(cmd)
-        self._submitted += 1
-        self._wake.set()
 
     def release(self, request_id: str) -> None:
         """A row is gone (finished, cancelled or failed): give its bytes and slot back."""
@@ -134,22 +138,35 @@ class AdmissionActor:
             return
         assert self._project is not None  # _head_fits checked it
         need = self._project(cmd)
-        self._pending.popleft()
         self._reserved[cmd.request_id] = need
-        self._admitted += 1
         try:
             # Bounded by max_rows: admission never has more than that many rows in flight.
             await self._prefill.send(Admitted(cmd, need))
-        except BaseException:
-            # Prefill is gone (or we are stopping): the request must not be lost in between.
-            # Closing its reply tells the session at once, and it resumes on the restarted actors.
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            # Prefill died: our supervisor restarts us right after it (rest_for_one). Keep the
+            # request queued so stopping closes its reply and its session resumes; don't crash twice.
             self._reserved.pop(cmd.request_id, None)
-            cmd.reply.close()
+            await trio.sleep_forever()
+        except BaseException:
+            self._reserved.pop(cmd.request_id, None)
             raise
+        self._pending.popleft()
+        self._admitted += 1
 
     def _head_fits(self) -> bool:
         if not self._pending or self._project is None:
             return False
+        try:
+            self._check_fits_alone(self._pending[0])
+        except KvBudgetExceeded as exc:
+            # Queued before the limits were known and can never fit: refuse it now.
+            cmd = self._pending.popleft()
+            try:
+                cmd.reply.send_nowait(GenerationEnded(cmd.request_id, "error", exc))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass
+            cmd.reply.close()
+            return self._head_fits()
         if len(self._reserved) >= self._max_rows:
             return False
         return sum(self._reserved.values()) + self._project(self._pending[0]) <= self._budget

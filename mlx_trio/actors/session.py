@@ -34,7 +34,8 @@ log = logging.getLogger("mlx_trio.session")
 SessionOutput = GenerationEvent | MlxTrioError
 # Awaits a healthy engine and returns what takes requests (submit_nowait(Generate)).
 GetTarget = Callable[[], Awaitable[object]]
-# Resumes allowed per request before it fails with EngineRestarted.
+# Resumes in a row that bring no new token before a request fails with EngineRestarted.
+# Progress resets the count: a long request may live through many restarts.
 MAX_RESUMES = 3
 
 
@@ -91,6 +92,8 @@ class SessionActor:
             self._text = resume_from._text
             self.generated, self.delivered = resume_from.generated, resume_from.delivered
             self.resumes = resume_from.resumes + 1
+        # What this session started from: a crash with nothing added is a resume that stalled.
+        self.generated_at_start = len(self.generated)
 
     def statistics(self) -> SessionStatistics:
         replies = self._replies
@@ -107,17 +110,22 @@ class SessionActor:
         async with self._out:
             task_status.started(self)
             try:
+                stalled = 0
                 while True:
+                    before = len(self.generated)
                     try:
                         await self._attempt(text)
                         return
                     except _EngineFailed as failed:
-                        if self.resumes >= MAX_RESUMES:
+                        stalled = stalled + 1 if len(self.generated) == before else 1
+                        if stalled > MAX_RESUMES:
                             raise EngineRestarted(
-                                f"the engine failed {self.resumes + 1} times under request "
-                                f"{self._request.request_id}; last: {failed.cause!r}"
+                                f"the engine failed {stalled} times in a row under request "
+                                f"{self._request.request_id} without progress; last: {failed.cause!r}"
                             ) from failed.cause
                         self.resumes += 1
+                        # Give the restarting actors a moment; longer after each fruitless try.
+                        await trio.sleep(0.01 * 2**stalled)
                         log.warning("request %s: engine failed (%r); resuming after %d tokens",
                                     self._request.request_id, failed.cause, len(self.generated))
             except MlxTrioError as exc:
