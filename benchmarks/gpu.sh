@@ -33,7 +33,8 @@ SYSTEM_WORDS=${SYSTEM_WORDS:-600}
 HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
 MODEL_ROOT=${MODEL_ROOT:-/tmp/mlx-trio-gpu-models}
 
-if [ -d .mlxcuda2 ]; then
+# The staged CUDA wheels are for the device (Python 3.12); elsewhere, PYTHON must already have mlx.
+if [ -d .mlxcuda2 ] && nvidia-smi -L >/dev/null 2>&1; then
   mkdir -p "$HOME/.mlxcuda-stage"
   [ -e "$HOME/.mlxcuda-stage/part.aa" ] || cp .mlxcuda1/* "$HOME/.mlxcuda-stage/"
   . .mlxcuda2/activate.sh || { echo "gpu.sh: staging MLX CUDA failed"; exit 1; }

@@ -345,7 +345,9 @@ class Engine:
             log.info("KV budget %.1f GiB (device memory minus weights and headroom; set --kv-budget to change)",
                      budget / 2**30)
         return Limits(
-            project_bytes=lambda cmd: layout.request_bytes(len(cmd.prompt_ids), cmd.params.max_tokens, step),
+            project_bytes=lambda cmd: layout.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens),
+            transient_bytes=lambda cmd: layout.prefill_transient_bytes(
+                len(cmd.prompt_ids), min(step, max(len(cmd.prompt_ids) - 1, 1))),
             budget_bytes=budget,
             # A model whose caches cannot merge runs the batch lane one row at a time.
             max_rows=self.config.batch if layout.batchable else 1,

@@ -29,7 +29,10 @@ log = logging.getLogger("mlx_trio.admission")
 class Limits:
     """What admission enforces, known once the model is loaded."""
 
-    project_bytes: Callable[[Generate], int]  # worst-case KV bytes of a request
+    project_bytes: Callable[[Generate], int]  # worst-case KV bytes of a request at its last token
+    # Peak extra bytes while the request prefills. Prefill runs one request at a
+    # time, so only the largest of these is ever live: it is counted once.
+    transient_bytes: Callable[[Generate], int]
     budget_bytes: int
     max_rows: int  # 1 for a model whose caches cannot batch
 
@@ -65,12 +68,15 @@ class AdmissionActor:
         self._faults = faults or Faults()
         self._in_flight = in_flight
         self._project: Callable[[Generate], int] | None = None
+        self._transient: Callable[[Generate], int] = lambda cmd: 0
         self._budget = 0
         self._max_rows = max_rows
         self._max_queue = max_queue
         # Invariant: _pending holds every submitted, not yet admitted request, in arrival order.
         self._pending: collections.deque[Generate] = collections.deque()
+        # KV bytes of each row in flight, and its prefill transient (only the largest counts).
         self._reserved: dict[str, int] = {}
+        self._transients: dict[str, int] = {}
         self._wake = trio.Event()
         self._closed = False
         self._submitted = self._admitted = 0
@@ -90,7 +96,7 @@ class AdmissionActor:
 
     def _check_fits_alone(self, cmd: Generate) -> None:
         assert self._project is not None
-        need = self._project(cmd)
+        need = self._project(cmd) + self._transient(cmd)
         if need > self._budget:
             raise KvBudgetExceeded(
                 f"this request needs up to {need / 2**20:.1f} MiB of KV cache (prompt {len(cmd.prompt_ids)} tokens "
@@ -101,12 +107,13 @@ class AdmissionActor:
     def release(self, request_id: str) -> None:
         """A row is gone (finished, cancelled or failed): give its bytes and slot back."""
         if self._reserved.pop(request_id, None) is not None:
+            self._transients.pop(request_id, None)
             self._wake.set()
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
             mailbox_depth=len(self._pending), in_flight_rows=len(self._reserved), max_rows=self._max_rows,
-            reserved_bytes=sum(self._reserved.values()), budget_bytes=self._budget,
+            reserved_bytes=self._reserved_bytes(), budget_bytes=self._budget,
             submitted=self._submitted, admitted=self._admitted,
         )
 
@@ -115,8 +122,10 @@ class AdmissionActor:
         try:
             limits = await self._get_limits()
             self._project, self._budget, self._max_rows = limits.project_bytes, limits.budget_bytes, limits.max_rows
+            self._transient = limits.transient_bytes
             # A restarted admission inherits the rows still prefilling or decoding, so it never over-admits.
-            self._reserved = {cmd.request_id: self._project(cmd) for cmd in self._in_flight()}
+            for cmd in self._in_flight():
+                self._reserve(cmd)
             while True:
                 await self._admit_head()
         finally:
@@ -136,19 +145,17 @@ class AdmissionActor:
             self._pending.popleft()
             cmd.reply.close()
             return
-        assert self._project is not None  # _head_fits checked it
-        need = self._project(cmd)
-        self._reserved[cmd.request_id] = need
+        need = self._reserve(cmd)
         try:
             # Bounded by max_rows: admission never has more than that many rows in flight.
             await self._prefill.send(Admitted(cmd, need))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             # Prefill died: our supervisor restarts us right after it (rest_for_one). Keep the
             # request queued so stopping closes its reply and its session resumes; don't crash twice.
-            self._reserved.pop(cmd.request_id, None)
+            self.release(cmd.request_id)
             await trio.sleep_forever()
         except BaseException:
-            self._reserved.pop(cmd.request_id, None)
+            self.release(cmd.request_id)
             raise
         self._pending.popleft()
         self._admitted += 1
@@ -169,4 +176,15 @@ class AdmissionActor:
             return self._head_fits()
         if len(self._reserved) >= self._max_rows:
             return False
-        return sum(self._reserved.values()) + self._project(self._pending[0]) <= self._budget
+        head = self._pending[0]
+        peak_transient = max([self._transient(head), *self._transients.values()])
+        return sum(self._reserved.values()) + self._project(head) + peak_transient <= self._budget
+
+    def _reserve(self, cmd: Generate) -> int:
+        assert self._project is not None
+        self._reserved[cmd.request_id] = need = self._project(cmd)
+        self._transients[cmd.request_id] = self._transient(cmd)
+        return need
+
+    def _reserved_bytes(self) -> int:
+        return sum(self._reserved.values()) + max(self._transients.values(), default=0)

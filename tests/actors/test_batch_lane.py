@@ -69,8 +69,10 @@ async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
     prompts = [PROMPTS[0]] * 4  # equal sizes, so "room for one, never two" is one number
     expected = await _solo_tokens(path, prompts, 8)
     async with open_engine(str(path), batch=1) as probe:
-        need = probe.model.kv_layout.request_bytes(len(probe.prepare(prompts[0]).prompt_ids), 8, 2048)
-    budget = need + need // 2
+        layout, n = probe.model.kv_layout, len(probe.prepare(prompts[0]).prompt_ids)
+        need, row = layout.request_bytes(n, 8, 2048), layout.row_bytes(n + 8)
+    # One row plus the (single) prefill transient fits; a second row's KV does not.
+    budget = need + row // 2
     async with open_engine(str(path), batch=4, kv_budget_bytes=budget) as engine:
         results: dict[int, tuple[int, ...]] = {}
         most_in_flight = 0
