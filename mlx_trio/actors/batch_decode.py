@@ -22,7 +22,7 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded
 from mlx_trio.engine.batch import DecodeBatch
 from mlx_trio.engine.model import LoadedModel
-from mlx_trio.errors import ActorCrashed, LeaseClosed
+from mlx_trio.errors import ActorCrashed
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.decode_step")
@@ -101,10 +101,10 @@ class BatchDecodeActor:
             for join in self._take_joins():
                 self._end(join.request, GenerationEnded(join.request.request_id, "error",
                                                         ActorCrashed("the decoder stopped")))
-                _free(self._lease, getattr(join.row, "close"))
+                self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
                 self._release(join.request.request_id)
             if self._batch is not None:
-                _free(self._lease, self._batch.close)
+                self._lease.free_nowait(self._batch.close)
 
     def _take_joins(self) -> list[JoinRow]:
         joins = []
@@ -193,14 +193,7 @@ class BatchDecodeActor:
         self._rows.clear()
         for join in self._joining:
             self._end(join.request, GenerationEnded(join.request.request_id, "error", error))
-            _free(self._lease, getattr(join.row, "close"))
+            self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
             self._release(join.request.request_id)
         self._joining = []
         self._kv_bytes = 0
-
-
-def _free(lease: GpuLease, close: Callable[[], None]) -> None:
-    try:
-        lease.submit_nowait(close)
-    except LeaseClosed:
-        pass

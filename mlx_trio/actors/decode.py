@@ -111,7 +111,7 @@ class SerialDecodeActor:
             finally:
                 self._active = self._active_gen = None
                 if gen is not None:
-                    _free(self._lease, gen)
+                    self._lease.free_nowait(gen.close)
 
     async def _generate(self, cmd: Generate, gen: SerialGeneration) -> None:
         rid, total = cmd.request_id, len(cmd.prompt_ids)
@@ -136,11 +136,3 @@ def _emit_quietly(reply: trio.MemorySendChannel[DecodeEvent], event: DecodeEvent
         reply.send_nowait(event)
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
         pass
-
-
-def _free(lease: GpuLease, gen: SerialGeneration) -> None:
-    """Drop the request's arrays in the lease thread, which owns them."""
-    try:
-        lease.submit_nowait(gen.close)
-    except LeaseClosed:
-        pass  # the lease thread is gone, and with it every array it owned

@@ -198,6 +198,16 @@ class GpuLease:
         if not self._enqueue(_job(fn, args, None)):
             raise LeaseClosed(f"{self.name} is not serving")
 
+    def free_nowait(self, close: Callable[[], object]) -> None:
+        """Run `close` (dropping some arrays) on the lease thread, which owns them; no-op once closed.
+
+        For `finally` blocks: when the lease is gone, so is every array its thread owned.
+        """
+        try:
+            self.submit_nowait(close)
+        except LeaseClosed:
+            pass
+
     def on_lease_thread(self) -> bool:
         """Whether the calling thread is this lease's thread."""
         return self._thread is not None and threading.current_thread() is self._thread

@@ -131,12 +131,5 @@ class PrefillActor:
                 # The row never reached the batch: free its caches and its reservation here.
                 cmd.reply.close()
                 if row is not None:
-                    _free(self._lease, row.close)
+                    self._lease.free_nowait(row.close)
                 self._release(rid)
-
-
-def _free(lease: GpuLease, close: Callable[[], None]) -> None:
-    try:
-        lease.submit_nowait(close)
-    except LeaseClosed:
-        pass

@@ -1,5 +1,10 @@
 """Metric math: percentiles, wall-clock throughput, a summary per (server, concurrency), ratios.
 
+Inter-token latency (ITL) is the gaps between content chunks as the client saw
+them; a server that writes several tokens at once shows near-zero gaps and
+then a long one. Time per output token (TPOT) is each request's decode pace,
+(e2e - TTFT) / (tokens - 1), which chunking cannot distort.
+
 Throughput is wall-clock: output tokens of the completed requests (the servers'
 own `usage.completion_tokens`) divided by the time from the first request's
 send to the last request's end, so bursts of chunks cannot inflate it. A
@@ -46,6 +51,14 @@ def throughput_tok_s(total_tokens: int, total_wall_s: float) -> float | None:
     return total_tokens / total_wall_s if total_wall_s > 0 else None
 
 
+def time_per_output_token_s(result: RequestResult) -> float | None:
+    """(e2e - TTFT) / (tokens - 1): one request's decode pace, immune to how the server groups chunks."""
+    tokens = result.output_tokens
+    if result.ttft_s is None or tokens < 2:
+        return None
+    return (result.e2e_s - result.ttft_s) / (tokens - 1)
+
+
 @attrs.frozen
 class Summary:
     """One server at one concurrency, pooled over its rounds; latencies in seconds."""
@@ -60,6 +73,7 @@ class Summary:
     ttft_p99_s: float | None
     itl_p50_s: float | None
     itl_p95_s: float | None
+    tpot_p50_s: float | None
     e2e_p50_s: float | None
     e2e_p95_s: float | None
     output_tokens: int
@@ -85,6 +99,7 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
     failed = [r for r in results if not r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [gap for r in ok for gap in r.itl_s]
+    tpot = [t for r in ok if (t := time_per_output_token_s(r)) is not None]
     e2e = [r.e2e_s for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
     total_wall_s = sum(wall_s(run) for run in rounds)
@@ -94,7 +109,7 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
     return Summary(
         server=server, concurrency=concurrency, rounds=len(rounds), num_ok=len(ok), num_failed=len(failed),
         ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95), ttft_p99_s=percentile(ttft, 99),
-        itl_p50_s=percentile(itl, 50), itl_p95_s=percentile(itl, 95),
+        itl_p50_s=percentile(itl, 50), itl_p95_s=percentile(itl, 95), tpot_p50_s=percentile(tpot, 50),
         e2e_p50_s=percentile(e2e, 50), e2e_p95_s=percentile(e2e, 95),
         output_tokens=output_tokens, wall_s=total_wall_s, output_tok_s=throughput_tok_s(output_tokens, total_wall_s),
         prompt_tokens=sum(r.prompt_tokens or 0 for r in ok), cached_tokens=sum(r.cached_tokens or 0 for r in ok),
@@ -108,7 +123,8 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
 # Fields compared between servers, and whether higher is better (for the reader; the ratio is always a/b).
 RATIO_FIELDS: tuple[tuple[str, bool], ...] = (
     ("output_tok_s", True), ("ttft_p50_s", False), ("ttft_p95_s", False), ("ttft_p99_s", False),
-    ("itl_p50_s", False), ("itl_p95_s", False), ("e2e_p50_s", False), ("e2e_p95_s", False),
+    ("itl_p50_s", False), ("itl_p95_s", False), ("tpot_p50_s", False), ("e2e_p50_s", False),
+    ("e2e_p95_s", False),
     ("decode_stall_s", False), ("long_ttft_s", False),
 )
 

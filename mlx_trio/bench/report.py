@@ -21,8 +21,11 @@ from mlx_trio.bench.metrics import Summary, ratios
 from mlx_trio.bench.runner import RunRecord
 
 _LATENCY_COLUMNS = (("TTFT p50", "ttft_p50_s"), ("TTFT p95", "ttft_p95_s"), ("TTFT p99", "ttft_p99_s"),
-                    ("ITL p50", "itl_p50_s"), ("ITL p95", "itl_p95_s"), ("e2e p50", "e2e_p50_s"),
+                    ("ITL p50", "itl_p50_s"), ("ITL p95", "itl_p95_s"), ("TPOT p50", "tpot_p50_s"),
+                    ("e2e p50", "e2e_p50_s"),
                     ("e2e p95", "e2e_p95_s"))
+# Latencies below this (shown as 0 ms) get no ratio in the table.
+MIN_RATIO_DENOMINATOR_S = 0.0005
 _LONG_PROMPT_COLUMNS = (("stall max", "decode_stall_s"), ("long TTFT", "long_ttft_s"))
 
 
@@ -59,8 +62,11 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
             if first is None or b is None:
                 continue
             r = ratios(first, b)
+            # A latency shown as 0 ms (chunks that arrived together) would make a meaningless ratio.
+            shown = {field: r.get(field) if (getattr(b, field) or 0) >= MIN_RATIO_DENOMINATOR_S else None
+                     for _, field in latency}
             cells = [str(concurrency), f"**{servers[0]}/{other}**", "",
-                     *(_x(r.get(field)) for _, field in latency), _x(r["output_tok_s"]), ""]
+                     *(_x(shown[field]) for _, field in latency), _x(r["output_tok_s"]), ""]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

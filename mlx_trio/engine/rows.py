@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.chunked_prefill import ChunkedPrefill
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
 from mlx_trio.params import SamplingParams
@@ -53,15 +54,13 @@ class SoloRow:
         self.caches: list[Any] = make_prompt_cache(model)
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws)
         self.num_prompt_tokens = len(prompt_ids)
-        self._prefill_step_size = prefill_step_size
-        # Invariant: _pending holds the prompt tokens whose KV is not yet in `caches`.
-        self._pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+        self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size)
         self.token0: int | None = None
 
     @property
     def prefill_remaining(self) -> int:
         """Prompt tokens still to prefill before token 0 can be sampled (excludes the last)."""
-        return max(int(self._pending.size) - 1, 0)
+        return self._prefill.remaining
 
     @property
     def nbytes(self) -> int:
@@ -74,13 +73,7 @@ class SoloRow:
         `generate_step` (and `SerialGeneration.prefill_chunk`). The last
         prompt token is never prefilled here: it is `first_token()`'s input.
         """
-        n = min(self._prefill_step_size, self.prefill_remaining)
-        if n == 0:
-            return 0
-        self._model(self._pending[:n][None], cache=self.caches)
-        mx.eval([c.state for c in self.caches])
-        self._pending = self._pending[n:]
-        mx.clear_cache()
+        self._prefill.chunk()
         return self.prefill_remaining
 
     def first_token(self) -> int:
@@ -89,14 +82,14 @@ class SoloRow:
             raise RuntimeError("first_token() before the prompt was prefilled")
         if self.token0 is not None:
             raise RuntimeError("first_token() was already called")
-        logits = self._model(self._pending[None], cache=self.caches)[:, -1, :]
-        token = self.sampler.sample(logits, self._pending)
+        last = self._prefill.take_rest()
+        logits = self._model(last[None], cache=self.caches)[:, -1, :]
+        token = self.sampler.sample(logits, last)
         mx.eval(token, self.sampler.context)
-        self._pending = self._pending[:0]
         self.token0 = token.item()
         return self.token0
 
     def close(self) -> None:
         """Drop the row's caches (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
-        self._pending = self._pending[:0]
+        self._prefill.release()

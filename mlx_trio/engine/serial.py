@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.chunked_prefill import ChunkedPrefill
 from mlx_trio.engine.sampling import build_logits_processors, build_sampler
 from mlx_trio.params import SamplingParams
 
@@ -55,9 +56,7 @@ class SerialGeneration:
         self._seed = params.seed
         self._rng_draws = rng_draws
         self._max_tokens = params.max_tokens
-        self._prefill_step_size = prefill_step_size
-        # Invariant: _pending holds the prompt tokens whose KV is not yet in the cache.
-        self._pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+        self._prefill = ChunkedPrefill(model, self._cache, prompt_ids, prefill_step_size)
         self.num_prompt_tokens = len(prompt_ids)
         # Prompt + sampled tokens seen by the logits processors (mlx-lm's `tokens`).
         self._context: mx.array | None = None
@@ -67,7 +66,7 @@ class SerialGeneration:
     @property
     def prefill_remaining(self) -> int:
         """Prompt tokens still to prefill before the first token can be sampled (excludes the last)."""
-        return max(int(self._pending.size) - 1, 0)
+        return self._prefill.remaining
 
     @property
     def nbytes(self) -> int:
@@ -79,16 +78,9 @@ class SerialGeneration:
         Mutates the KV cache in place. The last prompt token is never
         prefilled here: it is the input of the first sampling step.
         """
-        n = min(self._prefill_step_size, self.prefill_remaining)
-        if n == 0:
-            return 0
-        chunk = self._pending[:n]
-        self._model(chunk[None], cache=self._cache)
-        mx.eval([c.state for c in self._cache])
-        if self._processors:
+        chunk = self._prefill.chunk()
+        if chunk is not None and self._processors:
             self._context = chunk if self._context is None else mx.concat([self._context, chunk])
-        self._pending = self._pending[n:]
-        mx.clear_cache()
         return self.prefill_remaining
 
     def step(self) -> int:
@@ -107,7 +99,7 @@ class SerialGeneration:
                 for _ in range(self._rng_draws):
                     # Each random op takes one key from the global sequence, as each sample did.
                     mx.random.uniform(shape=(1,))
-            self._next = self._sample(self._pending)
+            self._next = self._sample(self._prefill.take_rest())
             mx.async_eval(self._next)
         current = self._next
         self.num_generated += 1
@@ -124,7 +116,7 @@ class SerialGeneration:
     def close(self) -> None:
         """Drop every array this request holds (in the lease thread, which owns them)."""
         self._cache = []
-        self._pending = mx.array([], dtype=mx.int32)
+        self._prefill.release()
         self._context = None
         self._next = None
 

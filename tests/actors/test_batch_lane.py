@@ -13,18 +13,9 @@ from mlx_trio import open_engine
 from mlx_trio.actors.admission import KvBudgetExceeded
 from mlx_trio.errors import Overloaded
 from mlx_trio.events import TextDelta
+from tests.prompts import PROMPTS
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model
 
-PROMPTS = [
-    "Once upon a time there was",
-    "The wind over the water",
-    "A story about a ship and the sea and the long shore",
-    "Hello there",
-    "the the the sea sea",
-    "Item 4 is a small note",
-    "Tell me about the sea.",
-    "What is the capital",
-]
 
 
 async def _solo_tokens(path: Path, prompts: list[str], max_tokens: int) -> list[tuple[int, ...]]:

@@ -7,7 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_trio.bench.client import RequestResult
-from mlx_trio.bench.metrics import percentile, ratio, ratios, summarize, throughput_tok_s, wall_s
+from mlx_trio.bench.metrics import (
+    percentile,
+    ratio,
+    ratios,
+    summarize,
+    throughput_tok_s,
+    time_per_output_token_s,
+    wall_s,
+)
 
 
 def _result(start_s: float, end_s: float, *, ok: bool = True, tokens: int | None = 10, ttft_s: float | None = 0.1,
@@ -94,3 +102,12 @@ def test_ratios_are_a_over_b_and_none_when_undefined() -> None:
     r = ratios(a, b)
     assert r["output_tok_s"] == pytest.approx(2.0) and r["ttft_p50_s"] == pytest.approx(0.25)
     assert r["decode_stall_s"] is None
+
+
+def test_time_per_output_token_is_decode_time_over_tokens_after_the_first() -> None:
+    """TPOT = (e2e - TTFT) / (tokens - 1); undefined without a first token or with a single token."""
+    assert time_per_output_token_s(_result(0.0, 2.0, tokens=11, ttft_s=1.0)) == pytest.approx(0.1)
+    assert time_per_output_token_s(_result(0.0, 2.0, tokens=1, ttft_s=1.0)) is None
+    assert time_per_output_token_s(_result(0.0, 2.0, tokens=5, ttft_s=None)) is None
+    s = summarize("x", 1, [[_result(0.0, 2.0, tokens=11, ttft_s=1.0), _result(0.0, 3.0, tokens=11, ttft_s=1.0)]])
+    assert s.tpot_p50_s == pytest.approx(0.15)

@@ -84,3 +84,25 @@ def test_urls_ports_and_server_commands() -> None:
     for argv, port in ((ours, "1234"), (theirs, "1235")):
         assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--port") + 1] == port
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+def test_no_ratio_against_a_latency_that_rounds_to_zero() -> None:
+    """Chunks that arrived together give a 0 ms ITL; the ratio row shows '–' there instead of a huge number."""
+    def rec(server: str, gap_s: float) -> RunRecord:
+        r = RequestResult(session_id="s", turn=0, tag="task", ok=True, start_s=0.0, end_s=1.0, ttft_s=0.1,
+                          itl_s=(gap_s, gap_s), completion_tokens=3)
+        return RunRecord(server, 1, 0, (r,))
+    table = report.markdown_table(_summaries([rec("a", 0.01), rec("b", 0.0001)]))
+    ratio_row = table.splitlines()[-1].split(" | ")
+    itl_p50_column = 6
+    assert ratio_row[itl_p50_column] == "–" and ratio_row[3] == "1.00×"
+
+
+def test_every_stack_the_flags_offer_has_a_command_and_a_ready_path() -> None:
+    """cli.STACKS and servers.py agree, so `--serve X` can always be started."""
+    from mlx_trio.bench.cli import STACKS
+    from mlx_trio.bench.servers import READY_PATHS
+
+    assert set(STACKS) == set(READY_PATHS)
+    for stack in STACKS:
+        assert "--model" in server_argv(stack, "/m", 1)

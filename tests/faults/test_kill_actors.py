@@ -10,18 +10,9 @@ import trio
 from mlx_trio import open_engine
 from mlx_trio.errors import MlxTrioError
 from mlx_trio.events import TextDelta
+from tests.prompts import PROMPTS
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
-PROMPTS = [
-    "Once upon a time there was",
-    "The wind over the water",
-    "A story about a ship and the sea and the long shore",
-    "Hello there",
-    "the the the sea sea",
-    "Item 4 is a small note",
-    "Tell me about the sea.",
-    "What is the capital",
-]
 MAX_TOKENS = 24
 
 

@@ -1,0 +1,56 @@
+"""All but the last prompt token into a cache, one chunk per call, exactly as mlx-lm does.
+
+Shared by the serial lane (`SerialGeneration`) and the batch lane's solo
+prefill (`SoloRow`): the same chunk sizes, the same `mx.eval` of the cache
+state and the same allocator clearing as mlx-lm's `generate_step`, which is
+what keeps both lanes token-identical to mlx-lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class ChunkedPrefill:
+    """The prompt tokens whose KV is not in `caches` yet, and how to feed them."""
+
+    def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int) -> None:
+        self._model = model
+        self._caches = caches
+        self._step_size = step_size
+        # Invariant: pending holds the prompt tokens whose KV is not yet in the caches.
+        self.pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to prefill before the first sampling step (the last one is that step's input)."""
+        return max(int(self.pending.size) - 1, 0)
+
+    def chunk(self) -> mx.array | None:
+        """Prefill up to `step_size` tokens into the caches (in place); return them, or None when done."""
+        n = min(self._step_size, self.remaining)
+        if n == 0:
+            return None
+        chunk = self.pending[:n]
+        self._model(chunk[None], cache=self._caches)
+        mx.eval([c.state for c in self._caches])
+        self.pending = self.pending[n:]
+        mx.clear_cache()
+        return chunk
+
+    def take_rest(self) -> mx.array:
+        """The token(s) left for the first sampling step; afterwards nothing is pending."""
+        if self.remaining:
+            raise RuntimeError("the prompt is not prefilled yet")
+        rest = self.pending
+        self.release()
+        return rest
+
+    def release(self) -> None:
+        """Forget the caches and the pending tokens: whoever owns the caches decides their life."""
+        self._caches = []
+        self.pending = self.pending[:0]
