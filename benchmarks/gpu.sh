@@ -4,16 +4,22 @@
 #   engine: B=1 decode (ours, serial lane and batch lane) vs mlx-lm stream_generate; aggregate decode at
 #           B=8/32/64 (ours, batch lane) vs mlx-lm BatchGenerator; the fraction of the HBM bandwidth limit
 #           that B=1 reaches (weights read once per step);
-#   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU).
+#   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU);
+#   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
 #
 # Here, once:       bash ../shared/device/mlx-cuda.sh        (stages .mlxcuda1/ and .mlxcuda2/, git-ignored)
-# On the device:    run(command="bash benchmarks/gpu.sh", carry=[".mlxcuda1", ".mlxcuda2"], timeout_s=600)
-#                   one model per call fits the 10-minute limit: MODELS=1b (about 5 min), then MODELS=8b.
+# On the device, each call with carry=[".mlxcuda1", ".mlxcuda2"] and timeout_s=600 (parts are cut or skipped so
+# that the script ends by DEADLINE_S; a warm machine reuses the install and the built model):
+#   1. command="MODELS=1b bash benchmarks/gpu.sh"                   (all parts; about 7 min, estimated)
+#   2. command="MODELS=8b PARTS='engine long' bash benchmarks/gpu.sh"
+#   3. command="MODELS=8b PARTS=http bash benchmarks/gpu.sh"
+# Nothing here has run on the device yet: the first call's log is the check.
 # Locally (CPU, a shape check of this script):  PYTHON=.venv/bin/python MODELS=tiny bash benchmarks/gpu.sh
 #
-# Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("engine http"), BATCHES (1,8,32,64),
+# Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("engine http long"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
-#   about 2000 tokens with these models' small BPE), HTTP_LIMIT_S (per model, 330), ROUNDS, PYTHON.
+#   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
+#   LONG_LIMIT_S (120), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON.
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
 # engine-<model>.json, http-<model>.json, http-<model>.png; at most 8 files, as the device tool returns.
 set -uo pipefail  # not -e: a part that fails is reported, and the next part still runs
@@ -23,7 +29,7 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu-log.txt"
 exec > >(tee -a "$LOG") 2>&1
 MODELS=${MODELS:-1b 8b}
-PARTS=${PARTS:-engine http}
+PARTS=${PARTS:-engine http long}
 BATCHES=${BATCHES:-1,8,32,64}
 DECODE_TOKENS=${DECODE_TOKENS:-256}
 CONCURRENCY=${CONCURRENCY:-1,8,32,64}
@@ -31,6 +37,11 @@ REQUESTS=${REQUESTS:-16}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
 SYSTEM_WORDS=${SYSTEM_WORDS:-600}
 HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
+LONG_LIMIT_S=${LONG_LIMIT_S:-120}
+ENGINE_LIMIT_S=${ENGINE_LIMIT_S:-200}  # per stack
+# Every part is cut to end by this many seconds after the start: a device call may run 600 s at most.
+DEADLINE_S=${DEADLINE_S:-570}
+LONG_PROMPT_WORDS=${LONG_PROMPT_WORDS:-2500}  # about 8.5k tokens with these models' small BPE
 MODEL_ROOT=${MODEL_ROOT:-/tmp/mlx-trio-gpu-models}
 
 # The staged CUDA wheels are for the device (Python 3.12); elsewhere, PYTHON must already have mlx.
@@ -115,7 +126,7 @@ EOF
 }
 
 engine_side() {  # engine_side SIDE DIR JSON: one stack's engine-level decode numbers
-  $PY - "$1" "$2" "$3" "$BATCHES" "$DECODE_TOKENS" <<'EOF'
+  timeout -k 20 "$ENGINE_LIMIT_S" $PY - "$1" "$2" "$3" "$BATCHES" "$DECODE_TOKENS" <<'EOF'
 import json, sys, time
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -222,26 +233,48 @@ json.dump({"model": model, "peak_bytes_s": PEAK_BYTES_S, "sides": sides}, open(o
 EOF
 }
 
+budget() {  # budget LIMIT_S: LIMIT_S, or less so that the whole script ends by DEADLINE_S
+  local left=$((DEADLINE_S - SECONDS))
+  echo $((left < $1 ? left : $1))
+}
+
+enough() {  # enough NAME LIMIT_S: false (and a line saying so) when under a minute is left for a part
+  [ "$2" -ge 60 ] || { echo "gpu.sh: skipping $1: ${2}s left before DEADLINE_S=$DEADLINE_S"; return 1; }
+}
+
 for m in $MODELS; do
   dir="$MODEL_ROOT/llama-$m"
   echo; echo "== model $m"
   build_model "$m" "$dir" || { echo "gpu.sh: building $m failed"; continue; }
   case " $PARTS " in *" engine "*)
-    engine_side mlx_lm "$dir" "/tmp/engine-$m-mlx_lm.json" && engine_side ours "$dir" "/tmp/engine-$m-ours.json" \
-      && engine_table "$m" || echo "gpu.sh: engine part for $m failed";;
+    { lim=$(budget "$ENGINE_LIMIT_S"); enough "engine $m (mlx_lm)" "$lim" && ENGINE_LIMIT_S=$lim \
+        engine_side mlx_lm "$dir" "/tmp/engine-$m-mlx_lm.json"; } \
+      && { lim=$(budget "$ENGINE_LIMIT_S"); enough "engine $m (ours)" "$lim" && ENGINE_LIMIT_S=$lim \
+        engine_side ours "$dir" "/tmp/engine-$m-ours.json"; } \
+      && engine_table "$m" || echo "gpu.sh: engine part for $m failed or was cut short";;
   esac
   case " $PARTS " in *" http "*)
     rounds=${ROUNDS:-$([ "$m" = 8b ] && echo 1 || echo 2)}
     max_c=${CONCURRENCY##*,}
-    echo; echo "### http, $m: agents workload"
+    lim=$(budget "$HTTP_LIMIT_S")
+    echo; echo "### http, $m: agents workload (limit ${lim}s)"
     # On time-out (SIGTERM) the bench stops both servers by pid before exiting.
-    timeout -k 30 "$HTTP_LIMIT_S" $PY -m mlx_trio.bench --serve ours --serve mlx_lm --model "$dir" \
-      --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
+    enough "http $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
+      --model "$dir" --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
       --rounds "$rounds" --output-tokens "$OUTPUT_TOKENS" --system-words "$SYSTEM_WORDS" --task-words 48 \
       --followup-words 24 --rate 64 \
       --ours-args "--batch $max_c" --mlx-lm-args "--decode-concurrency $max_c" \
-      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --no-progress --log-dir "/tmp/bench-logs-$m" \
-      || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }
+      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --log-dir "/tmp/bench-logs-$m" \
+      || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" long "*)
+    lim=$(budget "$LONG_LIMIT_S")
+    echo; echo "### http, $m: long-prompt workload, an ~8k-token prompt arrives while 4 streams decode (limit ${lim}s)"
+    enough "long $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
+      --model "$dir" --workload long-prompt --concurrency 4 --rounds 2 --long-prompt-words "$LONG_PROMPT_WORDS" \
+      --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
+      --log-dir "/tmp/bench-logs-long-$m" \
+      || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
   ;; esac
 done
 echo; echo "== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"

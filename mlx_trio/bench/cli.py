@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--startup-timeout-s", type=float, default=600.0, help="(default: %(default)s)")
     arg("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
     arg("--out", type=Path, default=None, help="write the JSON document here")
+    arg("--from-json", type=Path, default=None, metavar="PATH",
+        help="start nothing: print the table of a document written by --out again (with --out/--plot: rewrite it)")
     arg("--plot", type=Path, default=None, help="write a PNG of TTFT and throughput vs concurrency (matplotlib)")
     arg("--no-progress", action="store_true", help="no progress bar")
     arg("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -103,8 +105,8 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench described by parsed `args`; print the table; return the exit status."""
-    if not args.targets:
-        print("mlx-trio bench: give at least one --url or --serve", file=sys.stderr)
+    if not args.targets and args.from_json is None:
+        print("mlx-trio bench: give at least one --url or --serve (or --from-json)", file=sys.stderr)
         return 2
     try:
         import httpx  # noqa: F401  (a dependency of the bench only)
@@ -112,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
         print("mlx-trio bench: needs httpx: pip install 'mlx-trio[bench]'", file=sys.stderr)
         return 2
     # Imported here so that `mlx-trio serve` never loads the bench's HTTP client.
-    from mlx_trio.bench.orchestrate import main
+    from mlx_trio.bench.orchestrate import main, main_from_json
 
-    return main(args)
+    return main_from_json(args) if args.from_json is not None else main(args)
 
 
 def _int_list(text: str) -> list[int]:

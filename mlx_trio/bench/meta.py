@@ -53,11 +53,14 @@ def run_metadata(args: argparse.Namespace, *, model: str | None, eos_ids: Sequen
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     found, box = versions(), machine()
     rate = params.get("rate_per_s")
-    workload_line = (
-        f"concurrency {','.join(map(str, args.concurrency))}, {args.rounds} round(s) A B A B, "
-        f"{params['num_requests']} requests/run, {params['output_tokens']} output tokens, seed {args.seed}, "
-        f"arrivals {'all at once' if rate is None else f'Poisson {rate}/s'}, EOS ids suppressed {list(eos_ids)}"
-    )
+    if args.workload == "long-prompt":
+        shape = (f"C background streams of {params['long_output_tokens']} tokens, then 1 prompt of "
+                 f"{params['long_prompt_words']} words and {params['output_tokens']} output tokens")
+    else:
+        arrivals = "all at once" if rate is None else f"Poisson {rate}/s"
+        shape = f"{params['num_requests']} requests/run, {params['output_tokens']} output tokens, arrivals {arrivals}"
+    workload_line = (f"concurrency C = {','.join(map(str, args.concurrency))}, {args.rounds} round(s) A B A B, "
+                     f"{shape}, seed {args.seed}, EOS ids suppressed {list(eos_ids)}")
     machine_line = (
         f"{now.date()} · {box['machine']} {box['cpus']} CPUs · "
         + " ".join(f"{k} {v}" for k, v in found.items())

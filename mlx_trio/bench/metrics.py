@@ -14,6 +14,7 @@ its throughput is total tokens over the rounds' total wall time.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,33 @@ def time_per_output_token_s(result: RequestResult) -> float | None:
     return (result.e2e_s - result.ttft_s) / (tokens - 1)
 
 
+def chunk_times_s(result: RequestResult) -> list[float]:
+    """When each content chunk of `result` arrived, on the `start_s` clock."""
+    if result.ttft_s is None:
+        return []
+    times = [result.start_s + result.ttft_s]
+    for gap in result.itl_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def decode_stall_s(results: Sequence[RequestResult]) -> float | None:
+    """long-prompt: the longest gap between two chunks of a background stream that overlaps the long prompt's prefill.
+
+    The prefill window runs from the long request's send to its first chunk.
+    None when there is no completed long request, or no background stream was
+    still decoding during the window (then nothing was measured: make the
+    background outputs longer).
+    """
+    long = [r for r in results if r.tag == "long" and r.ok and r.ttft_s is not None]
+    if not long:
+        return None
+    window_start_s, window_end_s = long[0].start_s, long[0].start_s + (long[0].ttft_s or 0.0)
+    gaps = [b - a for r in results if r.tag == "background"
+            for a, b in itertools.pairwise(chunk_times_s(r)) if a < window_end_s and b > window_start_s]
+    return max(gaps) if gaps else None
+
+
 @attrs.frozen
 class Summary:
     """One server at one concurrency, pooled over its rounds; latencies in seconds."""
@@ -83,7 +111,7 @@ class Summary:
     cached_tokens: int
     # Completed requests that finished with "stop" (EOS not suppressed, or a stop string).
     num_stopped_early: int = 0
-    # long-prompt only: the background streams' largest gap and the long prompt's TTFT.
+    # long-prompt only: the background streams' largest gap during the long prefill, and the long prompt's TTFT.
     decode_stall_s: float | None = None
     long_ttft_s: float | None = None
     errors: tuple[tuple[str, int], ...] = ()
@@ -103,7 +131,7 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
     e2e = [r.e2e_s for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
     total_wall_s = sum(wall_s(run) for run in rounds)
-    background = [gap for r in ok if r.tag == "background" for gap in r.itl_s]
+    stalls = [s for run in rounds if (s := decode_stall_s(run)) is not None]
     long_ttft = [r.ttft_s for r in ok if r.tag == "long" and r.ttft_s is not None]
     errors = Counter(r.error or "unknown" for r in failed).most_common(MAX_ERROR_KINDS)
     return Summary(
@@ -114,7 +142,7 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
         output_tokens=output_tokens, wall_s=total_wall_s, output_tok_s=throughput_tok_s(output_tokens, total_wall_s),
         prompt_tokens=sum(r.prompt_tokens or 0 for r in ok), cached_tokens=sum(r.cached_tokens or 0 for r in ok),
         num_stopped_early=sum(1 for r in ok if r.finish_reason == "stop"),
-        decode_stall_s=max(background) if background else None,
+        decode_stall_s=max(stalls) if stalls else None,
         long_ttft_s=max(long_ttft) if long_ttft else None,
         errors=tuple(errors), server_died=server_died,
     )

@@ -8,6 +8,7 @@ runner), which is taken as a Trio signal so that cancellation unwinds cleanly.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import subprocess
@@ -49,43 +50,67 @@ def main(args: argparse.Namespace) -> int:
     params = workload_params(args)
     options = RunOptions(logit_bias=eos_logit_bias(eos_ids), request_model=args.request_model,
                          read_timeout_s=args.timeout_s, api_key=args.api_key)
+    # Filled run by run, so that an interrupted bench still reports the runs it finished.
+    records: list[RunRecord] = []
+    interrupted = False
     try:
-        records = trio.run(_bench, args, servers, params, options)
+        interrupted = not trio.run(_bench, args, servers, params, options, records)
     except ServerStartError as exc:
         print(f"mlx-trio bench: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        records = None
+        interrupted = True
     finally:
         # Every exit path stops what we started, by pid.
         for server in servers:
             server.stop()
-    if records is None:
-        print("mlx-trio bench: interrupted", file=sys.stderr)
-        return 130
-    summaries = _summaries(records)
+    if interrupted:
+        print(f"mlx-trio bench: interrupted after {len(records)} complete run(s)", file=sys.stderr)
+        if not records:
+            return 130
     meta = run_metadata(args, model=model, eos_ids=eos_ids, params=attrs.asdict(params),
                         servers=[_describe(s) for s in servers], log_dir=str(log_dir))
-    print(f"\nworkload {args.workload}: {meta['workload_line']}\n")
-    print(report.markdown_table(summaries))
-    if text := report.notes(summaries):
-        print("\n" + text)
-    print(f"\n{meta['machine_line']}")
+    meta["interrupted"] = interrupted
+    _report(args, records, meta)
     if any(isinstance(s, ManagedServer) for s in servers):
         print(f"server logs: {log_dir}")
-    if args.out is not None:
-        report.write_json(args.out, report.document(summaries, records, meta))
-    if args.plot is not None:
-        report.write_plot(args.plot, summaries, f"mlx-trio bench: {args.workload}")
+    return 130 if interrupted else 0
+
+
+def main_from_json(args: argparse.Namespace) -> int:
+    """`--from-json PATH`: summarize a saved document's requests again (current metrics), start nothing."""
+    try:
+        doc = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        records = report.records_from_document(doc)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"mlx-trio bench: cannot read {args.from_json}: {exc}", file=sys.stderr)
+        return 2
+    _report(args, records, doc["meta"])
     return 0
 
 
-async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
-                 options: RunOptions) -> list[RunRecord] | None:
-    """`_measure`, unless SIGTERM (`timeout`, a job runner) comes first: then None, once everything is cancelled.
+def _report(args: argparse.Namespace, records: list[RunRecord], meta: dict[str, Any]) -> None:
+    summaries = _summaries(records)
+    print(f"\nworkload {meta['workload']}: {meta['workload_line']}\n")
+    print(report.markdown_table(summaries))
+    if text := report.notes(summaries):
+        print("\n" + text)
+    print(f"\n{meta['machine_line']}\ncommand: {meta['command']}")
+    if meta.get("interrupted"):
+        print("interrupted: the table holds the runs that finished before the bench was stopped")
+    if args.out is not None:
+        report.write_json(args.out, report.document(summaries, records, meta))
+    if args.plot is not None:
+        report.write_plot(args.plot, summaries, f"mlx-trio bench: {meta['workload']}")
 
-    Handled as a Trio signal, not a Python handler raising mid-step, so that the
-    cancellation unwinds cleanly and `run` still stops the servers.
+
+async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
+                 options: RunOptions, records: list[RunRecord]) -> bool:
+    """`_measure` into `records`; False if SIGTERM (`timeout`, a job runner) stopped it first.
+
+    SIGTERM is taken as a Trio signal rather than a Python handler raising
+    mid-step, so that the cancellation unwinds cleanly and `main` still stops
+    the servers and reports the runs that finished.
     """
     outcome: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
@@ -97,7 +122,8 @@ async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads
 
         async def measure() -> None:
             try:
-                outcome["records"] = await _measure(args, servers, params, options)
+                await _measure(args, servers, params, options, records)
+                outcome["done"] = True
             except ServerStartError as exc:  # re-raised below, outside the nursery's exception group
                 outcome["error"] = exc
             nursery.cancel_scope.cancel()
@@ -107,11 +133,11 @@ async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads
         nursery.start_soon(measure)
     if "error" in outcome:
         raise outcome["error"]
-    return outcome.get("records")
+    return bool(outcome.get("done"))
 
 
 async def _measure(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
-                   options: RunOptions) -> list[RunRecord]:
+                   options: RunOptions, records: list[RunRecord]) -> None:
     for server in servers:
         if isinstance(server, ManagedServer):
             await server.start()
@@ -119,8 +145,9 @@ async def _measure(args: argparse.Namespace, servers: list[Any], params: workloa
         result = await warmup(server.url, options)
         if not result.ok:
             log.warning("%s: warmup request failed: %s", server.name, result.error)
-    return await run_matrix(servers, args.workload, params, args.concurrency, args.rounds, options,
-                            requests_per_stream=args.requests_per_stream, progress=choose(not args.no_progress))
+    await run_matrix(servers, args.workload, params, args.concurrency, args.rounds, options,
+                     requests_per_stream=args.requests_per_stream, progress=choose(not args.no_progress),
+                     records=records)
 
 
 def _summaries(records: list[RunRecord]) -> list[metrics.Summary]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from mlx_trio.bench.client import RequestResult
 from mlx_trio.bench.metrics import Summary, ratios
 from mlx_trio.bench.runner import RunRecord
 
@@ -104,6 +105,16 @@ def document(summaries: Sequence[Summary], records: Sequence[RunRecord], meta: M
             for r in records
         ],
     }
+
+
+def records_from_document(doc: Mapping[str, Any]) -> list[RunRecord]:
+    """The runs of a document written by `document` (generated text is not kept, so it comes back empty)."""
+    records = []
+    for run in doc["runs"]:
+        results = tuple(RequestResult(**{**r, "itl_s": tuple(r["itl_s"])}) for r in run["requests"])
+        records.append(RunRecord(run["server"], run["concurrency"], run["round"], results,
+                                 server_died=run["server_died"]))
+    return records
 
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:

@@ -136,15 +136,17 @@ async def warmup(url: str, options: RunOptions) -> RequestResult:
 
 async def run_matrix(servers: Sequence[Server], workload_name: str, params: workloads.WorkloadParams,
                      concurrencies: Sequence[int], rounds: int, options: RunOptions, *,
-                     requests_per_stream: int = 0,
-                     progress: ProgressFactory = no_progress) -> list[RunRecord]:
+                     requests_per_stream: int = 0, progress: ProgressFactory = no_progress,
+                     records: list[RunRecord] | None = None) -> list[RunRecord]:
     """For each concurrency, `rounds` rounds, each running every server in order: A B A B.
 
     `requests_per_stream` > 0 raises a run's request count to that many per
     concurrent stream. A managed server that died is restarted before its next
-    run, and the run during which it died is marked `server_died`.
+    run, and the run during which it died is marked `server_died`. Each
+    finished run is appended to `records` (a new list if None) as it ends, so
+    a caller that is cancelled keeps the runs that finished.
     """
-    records: list[RunRecord] = []
+    records = [] if records is None else records
     for ci, concurrency in enumerate(concurrencies):
         num_requests = max(params.num_requests, requests_per_stream * concurrency)
         for round_index in range(rounds):

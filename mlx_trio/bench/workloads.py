@@ -102,7 +102,8 @@ class WorkloadParams:
     followup_words: int = 24
     prompt_words: int = 512
     long_prompt_words: int = 7500
-    long_output_tokens: int = 256
+    # Long enough that the background streams still decode while the long prompt is prefilled.
+    long_output_tokens: int = 512
 
 
 def words(rng: random.Random, count: int) -> str:

@@ -164,3 +164,32 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
         assert "injected step failure" in (decode["last_error"] or "")
         assert engine._admission.statistics().reserved_bytes == 0
     assert [results[0], results[1]] == expected
+
+
+async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypatch) -> None:
+    """When a layer cache has no merge, the batch lane caps itself at one row and reports mode 'serial'."""
+    import attrs
+
+    import mlx_trio.engine.model as model_module
+
+    measure = model_module.measure_layout
+    monkeypatch.setattr(model_module, "measure_layout", lambda m: attrs.evolve(measure(m), batchable=False))
+    path = tiny_model(LLAMA)
+    expected = await _solo_tokens(path, PROMPTS[:3], 8)
+    async with open_engine(str(path), batch=4) as engine:
+        results: dict[int, tuple[int, ...]] = {}
+        most_rows = 0
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.complete(PROMPTS[i], max_tokens=8)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+            while len(results) < 3:
+                most_rows = max(most_rows, engine._admission.statistics().in_flight_rows)
+                await trio.sleep(0)
+        counters = engine.status()["counters"]
+        assert counters["mode"] == "serial" and counters["configured"] == 4
+    assert most_rows == 1
+    assert [results[i] for i in range(3)] == expected

@@ -86,12 +86,21 @@ def test_summary_falls_back_to_chunks_without_usage_and_flags_early_stops() -> N
     assert s.output_tokens == 7 and s.num_stopped_early == 1
 
 
-def test_long_prompt_summary_reports_stall_and_long_ttft() -> None:
-    """The background streams' largest gap is the decode stall; the long request's TTFT is reported apart."""
-    rows = [_result(0, 5, tag="background", itl_s=(0.01, 2.5, 0.02)), _result(0, 5, tag="background", itl_s=(0.4,)),
-            _result(1, 4, tag="long", ttft_s=2.4, itl_s=(9.0,))]
-    s = summarize("ours", 2, [rows])
-    assert s.decode_stall_s == pytest.approx(2.5) and s.long_ttft_s == pytest.approx(2.4)
+def test_decode_stall_is_the_longest_background_gap_overlapping_the_long_prefill() -> None:
+    """Only gaps that overlap [long send, long first chunk] count; the long request's TTFT is reported apart."""
+    # Background chunks at 1.0, 1.1, 3.6 (a 2.5 s gap across the window) and 3.7; another stream's 9 s gap is later.
+    during = _result(0.0, 4.0, tag="background", ttft_s=1.0, itl_s=(0.1, 2.5, 0.1))
+    after = _result(0.0, 20.0, tag="background", ttft_s=5.0, itl_s=(9.0,))
+    long = _result(1.5, 4.0, tag="long", ttft_s=2.0)  # prefill window 1.5 .. 3.5
+    s = summarize("ours", 2, [[during, after, long]])
+    assert s.decode_stall_s == pytest.approx(2.5) and s.long_ttft_s == pytest.approx(2.0)
+
+
+def test_no_stall_is_reported_when_no_stream_decoded_during_the_long_prefill() -> None:
+    """Background streams that finished before the long prompt arrived measured nothing: None, not 0."""
+    early = _result(0.0, 1.0, tag="background", ttft_s=0.1, itl_s=(0.1, 0.1))
+    long = _result(2.0, 3.0, tag="long", ttft_s=0.5)
+    assert summarize("ours", 1, [[early, long]]).decode_stall_s is None
 
 
 def test_ratios_are_a_over_b_and_none_when_undefined() -> None:

@@ -106,3 +106,18 @@ def test_every_stack_the_flags_offer_has_a_command_and_a_ready_path() -> None:
     assert set(STACKS) == set(READY_PATHS)
     for stack in STACKS:
         assert "--model" in server_argv(stack, "/m", 1)
+
+
+def test_a_saved_document_reports_the_same_table_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """records_from_document inverts document(); `--from-json` prints the same table without starting anything."""
+    from mlx_trio.bench.__main__ import main
+
+    records = [_record("ours", 1, 20, 0.1), _record("mlx_lm", 1, 10, 0.2, fail=True)]
+    summaries = _summaries(records)
+    meta = {"workload": "agents", "workload_line": "w", "machine_line": "m", "command": "c"}
+    path = tmp_path / "doc.json"
+    report.write_json(path, report.document(summaries, records, meta))
+    again = report.records_from_document(json.loads(path.read_text()))
+    assert _summaries(again) == summaries
+    assert main(["--from-json", str(path)]) == 0
+    assert report.markdown_table(summaries) in capsys.readouterr().out

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import trio
 
 from mlx_trio.bench import workloads
 from mlx_trio.bench.client import RequestSpec, messages, stream_chat
-from mlx_trio.bench.runner import RunOptions, run_matrix, run_seed, run_workload
+from mlx_trio.bench.runner import RunOptions, RunRecord, run_matrix, run_seed, run_workload
 from mlx_trio.bench.workloads import WorkloadParams
 
 URL = "http://bench.test"
@@ -177,3 +178,20 @@ async def test_requests_per_stream_scales_a_run_with_its_concurrency() -> None:
     records = await run_matrix([_FakeServer("A")], "uniform", WorkloadParams(num_requests=2, prompt_words=3), [1, 4],
                                1, _options(_echo_server(bodies)), requests_per_stream=3)
     assert [len(r.results) for r in records] == [3, 12]
+
+
+async def test_a_cancelled_matrix_keeps_the_runs_that_finished(autojump_clock: Any) -> None:
+    """Runs land in the caller's list as they end: cancelling mid-run (SIGTERM, a time limit) keeps the done ones."""
+    bodies: list[dict[str, Any]] = []
+    echo = _echo_server(bodies)
+
+    async def hang_on_second_concurrency(request: httpx.Request) -> httpx.Response:
+        if len(bodies) >= 2:  # the c=1 run's two requests are answered; c=2 hangs
+            await trio.sleep_forever()
+        return echo(request)
+
+    records: list[RunRecord] = []
+    with trio.move_on_after(60.0):  # virtual time: the hang is skipped at once
+        await run_matrix([_FakeServer("A")], "uniform", WorkloadParams(num_requests=2, prompt_words=3), [1, 2], 1,
+                         _options(hang_on_second_concurrency), records=records)
+    assert [(r.concurrency, len(r.results)) for r in records] == [(1, 2)]
