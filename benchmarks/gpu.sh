@@ -1,22 +1,23 @@
 #!/bin/bash
 # mlx-trio vs mlx-lm on an NVIDIA H200 (MLX's CUDA backend): random-weight Llama-1B and Llama-8B shaped
 # models (bf16) built on the device, then
-#   engine: B=1 decode (ours, serial lane and batch lane) vs mlx-lm stream_generate; aggregate decode at
+#   engine (optional): B=1 decode (ours, serial lane and batch lane) vs mlx-lm stream_generate; aggregate decode at
 #           B=8/32/64 (ours, batch lane) vs mlx-lm BatchGenerator; the fraction of the HBM bandwidth limit
 #           that B=1 reaches (weights read once per step);
 #   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU);
 #   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
 #
-# Here, once:       bash ../shared/device/mlx-cuda.sh        (stages .mlxcuda1/ and .mlxcuda2/, git-ignored)
-# On the device, each call with carry=[".mlxcuda1", ".mlxcuda2"] and timeout_s=600 (parts are cut or skipped so
-# that the script ends by DEADLINE_S; a warm machine reuses the install and the built model):
-#   1. command="MODELS=1b bash benchmarks/gpu.sh"                   (all parts; about 7 min, estimated)
-#   2. command="MODELS=8b PARTS='engine long' bash benchmarks/gpu.sh"
-#   3. command="MODELS=8b PARTS=http bash benchmarks/gpu.sh"
+# Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
+# exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
+#   call 1, carry [".mlxcuda1"]:  mkdir -p $HOME/.mlxcuda-stage && cp .mlxcuda1/* $HOME/.mlxcuda-stage/
+#   call 2 at once (the machine stays warm ~30 s), carry [".mlxcuda2"], timeout_s 600:
+#          MODELS=1b bash benchmarks/gpu.sh            (http + long; parts end by DEADLINE_S, 570 s)
+#   call 3 at once, the same with MODELS=8b.  PARTS=engine adds engine-level numbers (also in
+#          benchmarks/batch_throughput.py, which docs/benchmarks.md already reports for the H200).
 # Nothing here has run on the device yet: the first call's log is the check.
 # Locally (CPU, a shape check of this script):  PYTHON=.venv/bin/python MODELS=tiny bash benchmarks/gpu.sh
 #
-# Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("engine http long"), BATCHES (1,8,32,64),
+# Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
 #   LONG_LIMIT_S (120), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON.
@@ -29,7 +30,7 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu-log.txt"
 exec > >(tee -a "$LOG") 2>&1
 MODELS=${MODELS:-1b 8b}
-PARTS=${PARTS:-engine http long}
+PARTS=${PARTS:-http long}
 BATCHES=${BATCHES:-1,8,32,64}
 DECODE_TOKENS=${DECODE_TOKENS:-256}
 CONCURRENCY=${CONCURRENCY:-1,8,32,64}
@@ -46,9 +47,7 @@ MODEL_ROOT=${MODEL_ROOT:-/tmp/mlx-trio-gpu-models}
 
 # The staged CUDA wheels are for the device (Python 3.12); elsewhere, PYTHON must already have mlx.
 if [ -d .mlxcuda2 ] && nvidia-smi -L >/dev/null 2>&1; then
-  mkdir -p "$HOME/.mlxcuda-stage"
-  [ -e "$HOME/.mlxcuda-stage/part.aa" ] || cp .mlxcuda1/* "$HOME/.mlxcuda-stage/"
-  . .mlxcuda2/activate.sh || { echo "gpu.sh: staging MLX CUDA failed"; exit 1; }
+  . .mlxcuda2/activate.sh || { echo "gpu.sh: installing MLX CUDA failed (was call 1 run on this machine?)"; exit 1; }
   PY=${PYTHON:-python3}
 else
   PY=${PYTHON:-python3}
@@ -245,6 +244,7 @@ enough() {  # enough NAME LIMIT_S: false (and a line saying so) when under a min
 for m in $MODELS; do
   dir="$MODEL_ROOT/llama-$m"
   echo; echo "== model $m"
+  rm -rf "/tmp/bench-logs-$m" "/tmp/bench-logs-long-$m"
   build_model "$m" "$dir" || { echo "gpu.sh: building $m failed"; continue; }
   case " $PARTS " in *" engine "*)
     { lim=$(budget "$ENGINE_LIMIT_S"); enough "engine $m (mlx_lm)" "$lim" && ENGINE_LIMIT_S=$lim \

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from mlx_trio.api import Engine
+from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.http import HttpServer, ServerConfig
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="(default: %(default)s)")
+    bench_cli.add_parser(commands)
     return parser
 
 
@@ -179,6 +181,8 @@ async def _drain_unless_signalled(server: HttpServer, signals: AsyncIterator[int
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return bench_cli.run(args)
     try:
         engine_config, server_config = configs_from_args(args)
     except (InvalidParameter, ValueError, TypeError) as exc:

@@ -74,7 +74,7 @@ def test_bench_sources_never_import_mlx() -> None:
 
 
 def test_importing_the_bench_loads_no_mlx_and_its_flags_load_no_http_client() -> None:
-    """The whole bench leaves mlx out of sys.modules; the flags alone (what `mlx-trio serve` imports) leave httpx out."""
+    """The bench leaves mlx out of sys.modules; its flags alone (what `mlx-trio serve` imports) leave httpx out."""
     code = ("import sys, mlx_trio.bench.cli; assert 'httpx' not in sys.modules, 'httpx imported'; "
             "import mlx_trio.bench.orchestrate, mlx_trio.bench.__main__; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')], 'mlx imported'")
