@@ -124,6 +124,10 @@ class DecodeBatch:
         self._inputs = token if self._inputs is None else mx.concatenate([self._inputs, token])
         self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
         row.caches = []  # owned by the batch now (adopted or copied by merge)
+        # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
+        # the device now, or the allocator's cache holds one stale copy per join.
+        mx.eval(self._caches_state())
+        mx.clear_cache()
 
     def step(self) -> list[int] | None:
         """Queue one decode step for every row; return the previous step's tokens (batch order).
@@ -188,6 +192,11 @@ class DecodeBatch:
                     batch_caches.filter_layer(cache, keep)
         self._rows = [self._rows[i] for i in keep]
         self._inputs = self._inputs[mx.array(keep)]
+        mx.eval(self._caches_state())
+        mx.clear_cache()  # as in join: the filtered-out copies go back to the device
+
+    def _caches_state(self) -> list[Any]:
+        return [c.state for c in self._caches]
 
     def extract(self, request_id: str) -> list[Any]:
         """A copy of the row's per-layer caches without padding; they hold `num_fed(request_id)` tokens."""

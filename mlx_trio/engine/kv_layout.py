@@ -113,7 +113,17 @@ def device_memory_bytes() -> int:
 
 
 def default_kv_budget(weights: int) -> int:
-    """Device memory minus the weights and headroom: the default `--kv-budget`."""
+    """The default `--kv-budget`: what the device has free, less headroom. Call after the weights load.
+
+    Where MLX reports the device's free memory (CUDA), that is the base: it
+    already excludes our weights and whatever other processes hold (on the
+    H200, a second server beside ours made a whole-GPU budget run out of
+    memory at 64 rows). Elsewhere (unified memory): total minus the weights.
+    """
+    info = mx.device_info()
     total = device_memory_bytes()
     headroom = max(int(total * _HEADROOM_FRACTION), _MIN_HEADROOM_BYTES)
+    free = info.get("free_memory")
+    if isinstance(free, int) and free > 0:
+        return max(free - headroom, 0)
     return max(total - weights - headroom, 0)
