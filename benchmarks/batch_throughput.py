@@ -360,7 +360,7 @@ def machine_info() -> dict[str, Any]:
 
 async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """B concurrent requests; token arrival times at the consumer; lease and decoder counters."""
-    lease, decoder = engine._lease, engine._decoder
+    lease, decoder = engine.actors.lease, engine.actors.decoder
     l0, d0 = lease.statistics(), decoder.statistics()
     times: list[list[float]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
@@ -408,7 +408,7 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             serial = None
             if 1 in batches:  # the strict serial lane, for the B=1 comparison
                 serial = await stack.enter_async_context(open_engine(str(model_dir), batch=1, prefill_step_size=step))
-            lease = engine._lease
+            lease = engine.actors.lease
             loaded = engine.model
             results["machine"] = await lease.run(machine_info)
             model = loaded.model
@@ -533,7 +533,7 @@ async def bench_long_prompts(args: argparse.Namespace, model_dir: Path) -> dict[
     out: dict[str, Any] = {"requests": rows, "prompt_tokens": length, "max_tokens": M}
     async with open_engine(str(model_dir), batch=rows, kv_budget_bytes=args.kv_budget,
                            prefill_step_size=args.prefill_step_size) as engine:
-        lease, loaded = engine._lease, engine.model
+        lease, loaded = engine.actors.lease, engine.model
         out["machine"] = await lease.run(machine_info)
         prompts = pick_prompts(rows, length, loaded.vocab_size, args.seed + 1)
         out["projected_bytes_per_request"] = loaded.kv_layout.request_bytes(length, M, args.prefill_step_size)
@@ -546,8 +546,8 @@ async def bench_long_prompts(args: argparse.Namespace, model_dir: Path) -> dict[
 
         async def watch() -> None:
             while not done.is_set():
-                a = engine._admission.statistics()
-                d = engine._decoder.statistics()
+                a = engine.actors.admission.statistics()
+                d = engine.actors.decoder.statistics()
                 counters = engine.status()["counters"]
                 peaks["in_flight_rows"] = max(peaks["in_flight_rows"], a.in_flight_rows)
                 peaks["reserved_bytes"] = max(peaks["reserved_bytes"], a.reserved_bytes)

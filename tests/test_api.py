@@ -28,8 +28,8 @@ async def engine(request):
 
 
 def _cancelled(engine) -> int:
-    stats = engine._decoder.statistics()
-    return stats.requests_cancelled if engine.config.batch == 1 else stats.cancelled + engine._prefill.statistics().cancelled
+    stats = engine.actors.decoder.statistics()
+    return stats.requests_cancelled if engine.config.batch == 1 else stats.cancelled + engine.actors.prefill.statistics().cancelled
 
 
 def _restarts(tree: dict[str, Any]) -> int:
@@ -159,7 +159,7 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
     with trio.fail_after(5):
         while not any(name == last for name, _ in seen):
             await trio.sleep(0.01)
-    lease_thread = engine._lease.statistics().thread_id
+    lease_thread = engine.actors.lease.statistics().thread_id
     assert {name for name, _ in seen} == {n for names in watched.values() for n in names}
     assert {ident for _, ident in seen} == {lease_thread}
     assert lease_thread != threading.get_ident()

@@ -75,9 +75,9 @@ async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
             for i in range(4):
                 nursery.start_soon(one, i)
             while len(results) < 4:
-                most_in_flight = max(most_in_flight, engine._admission.statistics().in_flight_rows)
+                most_in_flight = max(most_in_flight, engine.actors.admission.statistics().in_flight_rows)
                 await trio.sleep(0)
-        assert engine._admission.statistics().admitted == 4
+        assert engine.actors.admission.statistics().admitted == 4
         assert most_in_flight == 1
     assert [results[i] for i in range(4)] == expected
 
@@ -128,7 +128,7 @@ async def test_a_consumer_that_fails_evicts_only_its_own_row() -> None:
                 nursery.start_soon(good, i)
             nursery.start_soon(bad)
         await _wait_drained(engine)
-        assert engine._admission.statistics().reserved_bytes == 0
+        assert engine.actors.admission.statistics().reserved_bytes == 0
     assert [results[i] for i in range(3)] == expected
 
 
@@ -162,7 +162,7 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
         decode = next(c for c in engine_tree["children"] if c["id"] == "decode-step")
         assert decode["restarts"] == 1 and decode["state"] == "running"
         assert "injected step failure" in (decode["last_error"] or "")
-        assert engine._admission.statistics().reserved_bytes == 0
+        assert engine.actors.admission.statistics().reserved_bytes == 0
     assert [results[0], results[1]] == expected
 
 
@@ -187,7 +187,7 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
             for i in range(3):
                 nursery.start_soon(one, i)
             while len(results) < 3:
-                most_rows = max(most_rows, engine._admission.statistics().in_flight_rows)
+                most_rows = max(most_rows, engine.actors.admission.statistics().in_flight_rows)
                 await trio.sleep(0)
         counters = engine.status()["counters"]
         assert counters["mode"] == "serial" and counters["configured"] == 4

@@ -10,7 +10,7 @@ import pytest
 import trio
 from http_helpers import CLIENT_TIMEOUT_S, tiny_engine_config
 
-import mlx_trio.api
+import mlx_trio.actors.engine_tree
 from mlx_trio.api import Engine
 from mlx_trio.http import HttpServer, ServerConfig
 
@@ -18,13 +18,13 @@ from mlx_trio.http import HttpServer, ServerConfig
 async def test_health_is_503_until_the_model_has_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the model load held back, /health is 503 "loading model" and completions are 503; then 200."""
     release = threading.Event()
-    load_model = mlx_trio.api.load_model
+    load_model = mlx_trio.actors.engine_tree.load_model
 
     def held_load(*args: Any, **kwargs: Any) -> Any:
         release.wait(30)  # runs on the lease thread: blocks only the load
         return load_model(*args, **kwargs)
 
-    monkeypatch.setattr(mlx_trio.api, "load_model", held_load)
+    monkeypatch.setattr(mlx_trio.actors.engine_tree, "load_model", held_load)
     server = HttpServer(ServerConfig(port=0))
     engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
     server.attach(engine)

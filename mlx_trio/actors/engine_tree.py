@@ -1,0 +1,232 @@
+"""The engine subtree: the GPU lease and the actors of one lane, under one rest_for_one supervisor.
+
+    engine (rest_for_one)     later children hold state that belongs to earlier ones
+    ├── gpu-lease             one OS thread owns every MLX call; loads the model; step watchdog
+    │   --batch N > 1:
+    ├── decode-step           BatchDecodeActor: the running batch
+    ├── prefill               PrefillActor: solo prefill, token 0
+    └── admission             AdmissionActor: FIFO queue, row cap, KV budget
+    │   --batch 1:
+    └── decode-step           SerialDecodeActor: the strict serial lane
+
+Every actor reports started at once and waits for the model inside its run,
+so the tree (and /health, saying "loading model") is up while the model
+loads. The model is loaded once; a restarted lease reuses its evaluated
+weights. `EngineActors` also holds the current handle of each actor (a
+restart replaces them) and the lane's counters for `/stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import trio
+
+from mlx_trio.actors.admission import AdmissionActor, Limits
+from mlx_trio.actors.batch_decode import BatchDecodeActor
+from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.prefill import PrefillActor
+from mlx_trio.config import EngineConfig
+from mlx_trio.engine.kv_layout import default_kv_budget
+from mlx_trio.engine.lease_thread import release_thread_streams
+from mlx_trio.engine.model import LoadedModel, load_model
+from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
+from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
+from mlx_trio.supervision.faults import Faults
+
+log = logging.getLogger("mlx_trio.engine")
+
+
+class LeaseWedged(EngineFailure):
+    """A lease job ran past the step watchdog; the lease thread was abandoned."""
+
+
+class EngineActors:
+    """Builds, supervises and exposes the engine subtree (`supervisor`)."""
+
+    def __init__(self, config: EngineConfig, faults: Faults) -> None:
+        self.config = config
+        self.faults = faults
+        self.model: LoadedModel | None = None
+        self.load_error: MlxTrioError | None = None
+        self._model_settled = trio.Event()  # set once loading succeeded or failed for good
+        self.lease: GpuLease | None = None
+        self.decoder: SerialDecodeActor | BatchDecodeActor | None = None
+        self.prefill: PrefillActor | None = None
+        self.admission: AdmissionActor | None = None
+        self.supervisor = Supervisor(
+            "engine",
+            [ChildSpec("gpu-lease", self._run_lease, kind="gpu-lease", shutdown_s=15.0), *self._lane_children()],
+            strategy=Strategy.REST_FOR_ONE,
+            max_restarts=config.max_restarts,
+            period_s=config.restart_period_s,
+        )
+
+    def _lane_children(self) -> list[ChildSpec]:
+        """--batch 1: the strict serial lane. Otherwise the batch lane: decode-step ← prefill ← admission."""
+        if self.config.batch == 1:
+            return [ChildSpec("decode-step", self._run_serial_decoder, kind="decode-step")]
+        return [
+            ChildSpec("decode-step", self._run_batch_decoder, kind="decode-step"),
+            ChildSpec("prefill", self._run_prefill, kind="prefill"),
+            ChildSpec("admission", self._run_admission, kind="admission"),
+        ]
+
+    @property
+    def submit_target(self) -> SerialDecodeActor | AdmissionActor | None:
+        """Where a session submits `Generate`: the serial decoder, or admission on the batch lane."""
+        return self.decoder if self.config.batch == 1 else self.admission  # type: ignore[return-value]
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): ok only when the model is loaded and every engine actor runs."""
+        if self.load_error is not None:
+            return False, f"model failed to load: {self.load_error}"
+        if self.model is None:
+            return False, "loading model"
+        status = self.supervisor.status()
+        down = [c["id"] for c in status["children"] if c["state"] != "running"]
+        if status["state"] != "running" or down:
+            return False, f"engine actors not running: {', '.join(down) or status['state']}"
+        return True, "ok"
+
+    def counters(self) -> dict[str, Any]:
+        """The lane's counters plus the lease's (`/stats.batch` and `/v1/status` read these)."""
+        lease = self.lease.statistics() if self.lease is not None else None
+        return {
+            **self._lane_counters(),
+            "lease_queue_depth": lease.queue_depth if lease else 0,
+            "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
+        }
+
+    def _lane_counters(self) -> dict[str, Any]:
+        """Rows and KV bytes of whichever lane runs (`/stats.batch` reads these)."""
+        decoder = self.decoder.statistics() if self.decoder is not None else None
+        if isinstance(decoder, DecodeStatistics) or decoder is None:
+            return {
+                "configured": self.config.batch, "mode": "off",  # --batch 1: the strict serial lane
+                "active_rows": 1 if decoder and decoder.active_request else 0,
+                "pending_rows": decoder.mailbox_depth if decoder else 0,
+                "submitted_rows": decoder.submitted if decoder else 0,
+                "kv_bytes": decoder.active_kv_bytes if decoder else 0,
+                "kv_budget_bytes": None,
+            }
+        prefill = self.prefill.statistics() if self.prefill is not None else None
+        admission = self.admission.statistics() if self.admission is not None else None
+        batchable = self.model is None or self.model.kv_layout.batchable
+        return {
+            "configured": self.config.batch, "mode": "batch" if batchable else "serial",
+            "active_rows": decoder.active_rows + (1 if prefill and prefill.active_request else 0),
+            "pending_rows": admission.mailbox_depth if admission else 0,
+            "submitted_rows": admission.submitted if admission else 0,
+            "kv_bytes": decoder.kv_bytes + (prefill.active_kv_bytes if prefill else 0),
+            "kv_budget_bytes": admission.budget_bytes if admission else None,
+        }
+
+    async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
+        lease = GpuLease(on_thread_exit=release_thread_streams, faults=self.faults)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lease.serve)
+            self.lease = lease
+            task_status.started(lease)
+            if self.model is None and self.load_error is None:
+                # Evaluated weights survive a lease restart; only the first start loads them.
+                await self._load(lease)
+            await self._watch(lease)
+
+    async def _watch(self, lease: GpuLease) -> None:
+        """The step watchdog: a job running past `step_watchdog_s` means the thread is wedged.
+
+        The lease is abandoned (its waiters get LeaseClosed) and this actor
+        crashes, so the supervisor starts a new lease thread and, rest_for_one,
+        fresh actors after it; sessions resume on them.
+        """
+        limit = self.config.step_watchdog_s
+        while True:
+            await trio.sleep(min(limit / 4, 1.0))
+            since = lease.statistics().running_since
+            if since is not None and time.monotonic() - since > limit:
+                lease.abandon()
+                raise LeaseWedged(f"a lease job ran longer than the {limit:g} s step watchdog")
+
+    async def _load(self, lease: GpuLease) -> None:
+        try:
+            self.model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir))
+            log.info("model %s loaded from %s", self.model.model_id, self.model.path)
+        except Exception as exc:
+            # Retrying cannot fix a missing or broken model: report it instead of restarting.
+            error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")
+            log.error("%s", error)
+            self.load_error = error
+        self._model_settled.set()
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
+        await self._model_settled.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def _run_serial_decoder(self, *, task_status: trio.TaskStatus[SerialDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.lease is not None  # rest_for_one: the lease started first
+        decoder = SerialDecodeActor(self.lease, self._wait_model, max_queue=self.config.max_queue,
+                                    prefill_step_size=self.config.prefill_step_size, faults=self.faults)
+        self.decoder = decoder
+        await decoder.run(task_status=task_status)
+
+    def _release(self, request_id: str) -> None:
+        if self.admission is not None:
+            self.admission.release(request_id)
+
+    async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.lease is not None
+        decoder = BatchDecodeActor(self.lease, self._wait_model, release=self._release, max_rows=self.config.batch,
+                                   faults=self.faults)
+        self.decoder = decoder
+        await decoder.run(task_status=task_status)
+
+    async def _run_prefill(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.lease is not None and isinstance(self.decoder, BatchDecodeActor)
+        prefill = PrefillActor(self.lease, self._wait_model, join=self.decoder.join_send, release=self._release,
+                               max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size,
+                               faults=self.faults)
+        self.prefill = prefill
+        await prefill.run(task_status=task_status)
+
+    async def _run_admission(self, *, task_status: trio.TaskStatus[AdmissionActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert isinstance(self.decoder, BatchDecodeActor) and self.prefill is not None
+        decoder, prefill = self.decoder, self.prefill
+        admission = AdmissionActor(
+            prefill.inbox_send, get_limits=self._admission_limits, max_rows=self.config.batch,
+            max_queue=self.config.max_queue, in_flight=lambda: decoder.in_flight() + prefill.in_flight(),
+            faults=self.faults,
+        )
+        self.admission = admission
+        await admission.run(task_status=task_status)
+
+    async def _admission_limits(self) -> Limits:
+        model = await self._wait_model()
+        layout, step = model.kv_layout, self.config.prefill_step_size
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            budget = default_kv_budget(model.weights_bytes)
+            log.info("KV budget %.1f GiB (device memory minus weights and headroom; set --kv-budget to change)",
+                     budget / 2**30)
+        return Limits(
+            project_bytes=lambda cmd: layout.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens),
+            transient_bytes=lambda cmd: layout.prefill_transient_bytes(
+                len(cmd.prompt_ids), min(step, max(len(cmd.prompt_ids) - 1, 1))),
+            budget_bytes=budget,
+            # A model whose caches cannot merge runs the batch lane one row at a time.
+            max_rows=self.config.batch if layout.batchable else 1,
+        )
+
+    async def _wait_model(self) -> LoadedModel:
+        """The loaded model; if loading failed for good, wait forever (health reports why) instead of crash-looping."""
+        await self._model_settled.wait()
+        if self.model is None:
+            await trio.sleep_forever()
+        return self.model
+
