@@ -45,8 +45,8 @@ async def test_health_is_503_until_the_model_has_loaded(monkeypatch: pytest.Monk
         nursery.cancel_scope.cancel()
 
 
-async def test_health_is_503_after_the_engine_tree_stopped() -> None:
-    """A server outliving its engine's tree reports 503 with which actors are down, and refuses work."""
+async def test_after_the_engine_tree_stopped_health_and_completions_are_503() -> None:
+    """A server outliving its engine's tree: /health 503 naming the actors down, completions 503 (not 500)."""
     engine = Engine(tiny_engine_config())
     server = HttpServer(ServerConfig(port=0), engine)
     async with trio.open_nursery() as outer:
@@ -59,27 +59,11 @@ async def test_health_is_503_after_the_engine_tree_stopped() -> None:
                 assert (await client.get("/health")).status_code == 200
             engine_nursery.cancel_scope.cancel()
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
-            response = await client.get("/health")
-            assert response.status_code == 503
-            assert response.json()["status"] == "unavailable"
-            assert "not running" in response.json()["reason"]
-        outer.cancel_scope.cancel()
-
-
-async def test_completion_after_the_engine_tree_stopped_is_503() -> None:
-    """A completion sent to a server whose engine has stopped is 503 engine_unavailable, not a 500."""
-    engine = Engine(tiny_engine_config())
-    server = HttpServer(ServerConfig(port=0), engine)
-    async with trio.open_nursery() as outer:
-        await outer.start(server.run)
-        async with trio.open_nursery() as engine_nursery:
-            await engine_nursery.start(engine.run)
-            with trio.fail_after(30):
-                await engine.wait_ready()
-            engine_nursery.cancel_scope.cancel()
-        async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            health = await client.get("/health")
             completion = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         outer.cancel_scope.cancel()
+    assert health.status_code == 503
+    assert health.json()["status"] == "unavailable" and "not running" in health.json()["reason"]
     assert completion.status_code == 503, completion.text
     assert completion.json()["error"]["code"] == "engine_unavailable"
 
