@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded
+from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.engine.batch import DecodeBatch
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed
@@ -89,7 +89,7 @@ class BatchDecodeActor:
                     first = await self._joins.receive()
                     await self._settle([first])
                 else:
-                    await self._settle(self._take_joins())
+                    await self._settle(drain_nowait(self._joins))
                 if self._rows:
                     self._faults.check("decode-step")
                     await self._step()
@@ -98,21 +98,13 @@ class BatchDecodeActor:
             raise
         finally:
             self.join_send.close()
-            for join in self._take_joins():
+            for join in drain_nowait(self._joins):
                 self._end(join.request, GenerationEnded(join.request.request_id, "error",
                                                         ActorCrashed("the decoder stopped")))
                 self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
                 self._release(join.request.request_id)
             if self._batch is not None:
                 self._lease.free_nowait(self._batch.close)
-
-    def _take_joins(self) -> list[JoinRow]:
-        joins = []
-        while True:
-            try:
-                joins.append(self._joins.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return joins
 
     async def _settle(self, joins: list[JoinRow]) -> None:
         """Change membership: flush the pipeline, drop finished rows, join new ones."""

@@ -212,12 +212,11 @@ class EngineActors:
         budget = self.config.kv_budget_bytes
         if budget is None:
             budget = default_kv_budget(model.weights_bytes)
-            log.info("KV budget %.1f GiB (device memory minus weights and headroom; set --kv-budget to change)",
+            log.info("KV budget %.1f GiB (free device memory less headroom; set --kv-budget to change)",
                      budget / 2**30)
         return Limits(
             project_bytes=lambda cmd: layout.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens),
-            transient_bytes=lambda cmd: layout.prefill_transient_bytes(
-                len(cmd.prompt_ids), min(step, max(len(cmd.prompt_ids) - 1, 1))),
+            transient_bytes=lambda cmd: layout.prefill_peak_bytes(len(cmd.prompt_ids), step),
             budget_bytes=budget,
             # A model whose caches cannot merge runs the batch lane one row at a time.
             max_rows=self.config.batch if layout.batchable else 1,

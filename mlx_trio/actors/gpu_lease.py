@@ -261,7 +261,7 @@ class GpuLease:
                 # Poll rather than join: joining would block the loop or take a to_thread worker.
                 while self._thread.is_alive():
                     await trio.sleep(0.002)
-            if self._thread.is_alive():
+            if self._thread.is_alive() and not self._abandoned.is_set():  # abandon() already did this
                 self._fail_wedged_job()
 
     def _enqueue(self, job: _Job) -> bool:

@@ -7,6 +7,8 @@ peer as documented on the field.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import attrs
 import trio
 
@@ -85,16 +87,27 @@ class JoinRow:
     token0: int
 
 
-def close_replies(pending: trio.MemoryReceiveChannel[Generate | Admitted | JoinRow]) -> None:
-    """Close the reply channel of every command still queued in `pending`.
+T = TypeVar("T")
+
+
+def drain_nowait(channel: trio.MemoryReceiveChannel[T]) -> list[T]:
+    """Everything buffered in `channel` right now, without waiting (empty once it is closed)."""
+    items: list[T] = []
+    while True:
+        try:
+            items.append(channel.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return items
+
+
+def close_replies(pending: trio.MemoryReceiveChannel[T]) -> list[T]:
+    """Close the reply channel of every command still queued in `pending`; return those commands.
 
     An actor that exits (crash or stop) must not leave sessions waiting on
     replies that will never come: a closed reply tells the session at once.
     """
-    while True:
-        try:
-            item = pending.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return
-        request = item if isinstance(item, Generate) else item.request
+    items = drain_nowait(pending)
+    for item in items:
+        request = item if isinstance(item, Generate) else item.request  # type: ignore[attr-defined]
         request.reply.close()
+    return items

@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded
+from mlx_trio.actors.messages import Admitted, Generate, close_replies, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.rows import SoloRow
 from mlx_trio.errors import LeaseClosed
@@ -75,14 +75,7 @@ class PrefillActor:
                 await self._prefill(admitted)
         finally:
             self.inbox_send.close()
-            for_release = []
-            while True:
-                try:
-                    for_release.append(self._inbox.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    break
-            for admitted in for_release:
-                admitted.request.reply.close()
+            for admitted in close_replies(self._inbox):
                 self._release(admitted.request.request_id)
 
     async def _prefill(self, admitted: Admitted) -> None:

@@ -85,12 +85,10 @@ class SessionActor:
             # Every token id received from the engine, in order (EOS included): with the
             # prompt ids, exactly what a resumed attempt must re-feed.
             self.generated: list[int] = []
-            # Every token id shown to the caller (EOS excluded).
-            self.delivered: list[int] = []
             self.resumes = 0
         else:
             self._text = resume_from._text
-            self.generated, self.delivered = resume_from.generated, resume_from.delivered
+            self.generated = resume_from.generated
             self.resumes = resume_from.resumes + 1
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
@@ -200,7 +198,6 @@ class SessionActor:
                 break
         if visible or any(pieces):
             await self._out.send(TextDelta("".join(pieces), tuple(visible)))
-            self.delivered.extend(visible)
         if stopped:
             await self._finish("stop")
         return stopped

@@ -53,10 +53,14 @@ class KvLayout:
         activations = 8 * chunk_tokens * self.hidden_size * self.activation_bytes
         return scores + activations
 
-    def request_bytes(self, prompt_tokens: int, max_tokens: int, prefill_step_size: int) -> int:
-        """What admission reserves for a request: its final cache plus its worst prefill chunk."""
+    def prefill_peak_bytes(self, prompt_tokens: int, prefill_step_size: int) -> int:
+        """The transient of a prompt's worst prefill chunk (a full chunk against the whole prompt)."""
         chunk = min(prefill_step_size, max(prompt_tokens - 1, 1))
-        return self.row_bytes(prompt_tokens + max_tokens) + self.prefill_transient_bytes(prompt_tokens, chunk)
+        return self.prefill_transient_bytes(prompt_tokens, chunk)
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int, prefill_step_size: int) -> int:
+        """What a request needs running alone: its final cache plus its worst prefill chunk."""
+        return self.row_bytes(prompt_tokens + max_tokens) + self.prefill_peak_bytes(prompt_tokens, prefill_step_size)
 
 
 def measure_layout(model: nn.Module) -> KvLayout:
