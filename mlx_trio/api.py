@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.engine_tree import EngineActors
+from mlx_trio.actors.prefill import SNAPSHOT_MIN_TOKENS
 from mlx_trio.actors.session import MAX_RESUMES, Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model import LoadedModel
@@ -78,7 +79,7 @@ class Engine:
         """The live supervision tree plus engine counters, as plain data."""
         model = self.actors.model
         return {"tree": self._root.status(), "model": model.model_id if model else None,
-                "counters": self.actors.counters()}
+                "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters()}
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
@@ -106,7 +107,10 @@ class Engine:
                 f"together over the model's context of {limit} tokens; shorten the prompt or lower max_tokens",
                 field="prompt" if isinstance(prompt, str) or isinstance(prompt[0], int) else "messages",
             )
-        return Request(f"req-{next(self._request_ids)}", tuple(ids), params)
+        boundary = None
+        if len(ids) >= SNAPSHOT_MIN_TOKENS:  # shorter prompts never store a snapshot
+            boundary = self.model.message_boundary(prompt, ids, chat_template_kwargs=chat_template_kwargs)
+        return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary)
 
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                        **sampling: Any) -> AsyncGenerator[GenerationEvent, None]:

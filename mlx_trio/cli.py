@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -66,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per prefill chunk (default: %(default)s)")
     arg("--max-queue", type=_positive_int, default=256,
         help="requests waiting for the decoder before new ones get 503 + Retry-After (default: %(default)s)")
+    arg("--prompt-cache-bytes", type=_size, default=None,
+        help="RAM for reusable prompt KV, e.g. 2GB or 512MiB; 0 turns the prompt cache off "
+             "(default: a quarter of the KV budget; live requests take it back when they need it)")
+    arg("--prompt-cache-size", type=_non_negative_int, default=64,
+        help="most prompt-cache entries kept in RAM (default: %(default)s)")
+    arg("--prompt-cache-dir", type=Path, default=None,
+        help="directory for the prompt cache's SSD tier; survives restarts (default: RAM only)")
+    arg("--prompt-cache-ssd-bytes", type=_size, default=16 * 2**30,
+        help="most bytes the SSD tier keeps on disk (default: 16GiB)")
     arg("--cache-dir", type=Path, default=None,
         help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
     arg("--shutdown-timeout", type=_non_negative_float, default=30.0,
@@ -86,7 +96,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     })
     engine = EngineConfig(model=args.model, cache_dir=args.cache_dir, prefill_step_size=args.prefill_step_size,
                           max_queue=args.max_queue, defaults=defaults, batch=args.batch,
-                          kv_budget_bytes=args.kv_budget)
+                          kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
+                          prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
+                          prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
@@ -232,6 +244,26 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(text: str) -> int:
+    """Bytes as mlx_lm.server writes them (`8GB`, `512M`: decimal units), or binary units (`512MiB`)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def _non_negative_float(text: str) -> float:

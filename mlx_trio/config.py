@@ -26,6 +26,12 @@ class EngineConfig:
     # KV budget for admission; None derives it from device memory minus weights.
     kv_budget_bytes: int | None = None
     cache_dir: Path | None = None
+    # Prompt cache (RAM tier): bytes (None: a fraction of the KV budget; 0: off) and entries.
+    prompt_cache_bytes: int | None = None
+    prompt_cache_size: int = 64
+    # Prompt cache SSD tier: a directory (None: RAM only) and its byte cap.
+    prompt_cache_dir: Path | None = None
+    prompt_cache_ssd_bytes: int = 16 * 2**30
     prefill_step_size: int = 2048
     max_queue: int = 256
     defaults: SamplingParams = SamplingParams()

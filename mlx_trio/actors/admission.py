@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded
+from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
 from mlx_trio.supervision.faults import Faults
 
@@ -60,13 +61,14 @@ class AdmissionActor:
 
     def __init__(self, prefill: trio.MemorySendChannel[Admitted], *, get_limits: GetLimits,
                  max_rows: int, max_queue: int = 256, in_flight: Callable[[], Sequence[Generate]] = list,
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None, get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
         # The projection and the budget depend on the model's KV layout, so they
         # arrive (from `get_limits`) once the model is loaded.
         self._prefill = prefill
         self._get_limits = get_limits
         self._faults = faults or Faults()
         self._in_flight = in_flight
+        self._get_caching = get_caching
         self._project: Callable[[Generate], int] | None = None
         self._transient: Callable[[Generate], int] = lambda cmd: 0
         self._budget = 0
@@ -178,13 +180,24 @@ class AdmissionActor:
             return False
         head = self._pending[0]
         peak_transient = max([self._transient(head), *self._transients.values()])
-        return sum(self._reserved.values()) + self._project(head) + peak_transient <= self._budget
+        need = sum(self._reserved.values()) + self._project(head) + peak_transient
+        if need > self._budget:
+            return False
+        caching = self._get_caching()
+        if caching is not None and need + caching.nbytes > self._budget:
+            # One ceiling for live rows and the prompt cache: the cache gives way, never a row.
+            caching.make_room(self._budget - need)
+        return True
 
     def _reserve(self, cmd: Generate) -> int:
         assert self._project is not None
         self._reserved[cmd.request_id] = need = self._project(cmd)
         self._transients[cmd.request_id] = self._transient(cmd)
         return need
+
+    def unreserved_bytes(self) -> int:
+        """Budget bytes no row holds: what the prompt cache may fill (once the limits are known)."""
+        return max(self._budget - self._reserved_bytes(), 0) if self._project is not None else 0
 
     def _reserved_bytes(self) -> int:
         return sum(self._reserved.values()) + max(self._transients.values(), default=0)

@@ -20,6 +20,7 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
+from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.batch import DecodeBatch
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed
@@ -27,14 +28,21 @@ from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.decode_step")
 
+# A batched row's KV is copied out for the prompt cache only when its prompt is this long.
+EXTRACT_MIN_PROMPT_TOKENS = 256
+
 
 @attrs.define
 class RunningRow:
     """Trio-side record of one row in the batch (its arrays live in DecodeBatch)."""
 
     request: Generate
-    num_generated: int  # tokens already sent, token 0 included
+    generated: list[int]  # token ids already sent, token 0 included
     done: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.generated)
 
 
 @attrs.frozen
@@ -52,11 +60,13 @@ class BatchDecodeActor:
     """Runs the continuous batch; every MLX call goes through the lease."""
 
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
-                 release: Callable[[str], None], max_rows: int, faults: Faults | None = None) -> None:
+                 release: Callable[[str], None], max_rows: int, faults: Faults | None = None,
+                 get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
         self._lease = lease
         self._get_model = get_model
         self._faults = faults or Faults()
         self._release = release
+        self._get_caching = get_caching
         # Prefill hands over at most max_rows rows at a time (admission's cap).
         self.join_send, self._joins = trio.open_memory_channel[JoinRow](max_rows)
         self._batch: DecodeBatch | None = None
@@ -120,6 +130,7 @@ class BatchDecodeActor:
                 self._emit(batch.request_ids, tokens)
             leaving = [rid for rid, row in self._rows.items() if row.done]
         if leaving:
+            await self._put_finished(leaving)
             await self._lease.run(batch.leave, leaving)
             for rid in leaving:
                 del self._rows[rid]
@@ -128,8 +139,25 @@ class BatchDecodeActor:
             join = self._joining[0]
             await self._lease.run(batch.join, join.row, join.token0)
             self._joining.pop(0)
-            self._rows[join.request.request_id] = RunningRow(join.request, num_generated=1)
+            self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
         self._kv_bytes = batch.nbytes
+
+    async def _put_finished(self, leaving: list[str]) -> None:
+        """Finish-time put (batching-design.md §4.5): leaving rows' KV goes to the prompt cache.
+
+        A lone row hands its caches over without a copy; a batched row with a
+        long enough prompt is extracted before the filter drops it.
+        """
+        caching = self._get_caching()
+        batch = self._batch
+        if caching is None or batch is None:
+            return
+        for rid in leaving:
+            row = self._rows[rid]
+            if not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
+                continue
+            tokens = row.request.prompt_ids + tuple(row.generated)
+            caching.store(await self._lease.run(batch.cache_entry, rid, tokens))
 
     async def _step(self) -> None:
         batch = self._batch
@@ -147,7 +175,7 @@ class BatchDecodeActor:
             row = self._rows.get(rid)
             if row is None or row.done:
                 continue  # already finished: this is the pipeline's wasted extra token
-            row.num_generated += 1
+            row.generated.append(token)
             self._tokens += 1
             try:
                 row.request.reply.send_nowait(TokensDecoded(rid, (token,)))

@@ -30,6 +30,7 @@ from mlx_trio.actors.batch_decode import BatchDecodeActor
 from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import PrefillActor
+from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.kv_layout import default_kv_budget
 from mlx_trio.engine.lease_thread import release_thread_streams
@@ -39,6 +40,9 @@ from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
+
+# Default RAM-tier size: this fraction of the KV budget (live rows take it back on demand).
+DEFAULT_PROMPT_CACHE_FRACTION = 0.25
 
 
 class LeaseWedged(EngineFailure):
@@ -58,6 +62,9 @@ class EngineActors:
         self.decoder: SerialDecodeActor | BatchDecodeActor | None = None
         self.prefill: PrefillActor | None = None
         self.admission: AdmissionActor | None = None
+        # The prompt cache outlives actor restarts; created once the KV budget is known.
+        self.caching: PromptCaching | None = None
+        self._budget: int | None = None
         self.supervisor = Supervisor(
             "engine",
             [ChildSpec("gpu-lease", self._run_lease, kind="gpu-lease", shutdown_s=15.0), *self._lane_children()],
@@ -100,6 +107,20 @@ class EngineActors:
             **self._lane_counters(),
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
+        }
+
+    def prompt_cache_counters(self) -> dict[str, Any]:
+        """The prompt cache's tiers and the prefill work it saved (`/stats.prompt_cache`)."""
+        stats = self.caching.statistics() if self.caching is not None else None
+        prefill = self.prefill.statistics() if self.prefill is not None else None
+        return {
+            "enabled": stats is not None,
+            "entries": stats.entries if stats else 0, "bytes": stats.bytes if stats else 0,
+            "max_bytes": stats.max_bytes if stats else 0, "max_entries": stats.max_entries if stats else 0,
+            "hits": stats.hits if stats else 0, "misses": stats.misses if stats else 0,
+            "hit_tokens": stats.hit_tokens if stats else 0, "evictions": stats.evictions if stats else 0,
+            "prefill_tokens": prefill.prefill_tokens if prefill else 0,
+            "snapshots": prefill.snapshots if prefill else 0,
         }
 
     def _lane_counters(self) -> dict[str, Any]:
@@ -183,7 +204,7 @@ class EngineActors:
     async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.lease is not None
         decoder = BatchDecodeActor(self.lease, self._wait_model, release=self._release, max_rows=self.config.batch,
-                                   faults=self.faults)
+                                   faults=self.faults, get_caching=lambda: self.caching)
         self.decoder = decoder
         await decoder.run(task_status=task_status)
 
@@ -191,7 +212,7 @@ class EngineActors:
         assert self.lease is not None and isinstance(self.decoder, BatchDecodeActor)
         prefill = PrefillActor(self.lease, self._wait_model, join=self.decoder.join_send, release=self._release,
                                max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size,
-                               faults=self.faults)
+                               faults=self.faults, get_caching=lambda: self.caching)
         self.prefill = prefill
         await prefill.run(task_status=task_status)
 
@@ -201,7 +222,7 @@ class EngineActors:
         admission = AdmissionActor(
             prefill.inbox_send, get_limits=self._admission_limits, max_rows=self.config.batch,
             max_queue=self.config.max_queue, in_flight=lambda: decoder.in_flight() + prefill.in_flight(),
-            faults=self.faults,
+            faults=self.faults, get_caching=lambda: self.caching,
         )
         self.admission = admission
         await admission.run(task_status=task_status)
@@ -209,17 +230,39 @@ class EngineActors:
     async def _admission_limits(self) -> Limits:
         model = await self._wait_model()
         layout, step = model.kv_layout, self.config.prefill_step_size
-        budget = self.config.kv_budget_bytes
-        if budget is None:
-            budget = default_kv_budget(model.weights_bytes)
-            log.info("KV budget %.1f GiB (free device memory less headroom; set --kv-budget to change)",
-                     budget / 2**30)
+        budget = self._kv_budget(model)
+        if self.caching is None and layout.batchable:
+            self.caching = self._make_caching(budget)
         return Limits(
             project_bytes=lambda cmd: layout.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens),
             transient_bytes=lambda cmd: layout.prefill_peak_bytes(len(cmd.prompt_ids), step),
             budget_bytes=budget,
             # A model whose caches cannot merge runs the batch lane one row at a time.
             max_rows=self.config.batch if layout.batchable else 1,
+        )
+
+    def _kv_budget(self, model: LoadedModel) -> int:
+        """The KV ceiling shared by live rows and the prompt cache; derived once (free memory changes as we run)."""
+        if self._budget is None:
+            self._budget = self.config.kv_budget_bytes
+            if self._budget is None:
+                self._budget = default_kv_budget(model.weights_bytes)
+                log.info("KV budget %.1f GiB (free device memory less headroom; set --kv-budget to change)",
+                         self._budget / 2**30)
+        return self._budget
+
+    def _make_caching(self, budget: int) -> PromptCaching | None:
+        max_bytes = self.config.prompt_cache_bytes
+        if max_bytes is None:
+            max_bytes = int(budget * DEFAULT_PROMPT_CACHE_FRACTION)
+        if max_bytes <= 0 or self.config.prompt_cache_size <= 0:
+            log.info("prompt cache off")
+            return None
+        log.info("prompt cache: up to %.1f MiB and %d entries in RAM, within the KV budget "
+                 "(--prompt-cache-bytes, --prompt-cache-size)", max_bytes / 2**20, self.config.prompt_cache_size)
+        return PromptCaching(
+            max_bytes=max_bytes, max_entries=self.config.prompt_cache_size, get_lease=lambda: self.lease,
+            room=lambda: self.admission.unreserved_bytes() if self.admission is not None else None,
         )
 
     async def _wait_model(self) -> LoadedModel:

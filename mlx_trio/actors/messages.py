@@ -22,6 +22,7 @@ class PrefillProgressed:
     request_id: str
     processed: int
     total: int
+    cached_tokens: int = 0  # of `processed`, how many came from the prompt cache
 
 
 @attrs.frozen
@@ -64,6 +65,8 @@ class Generate:
     # Random draws a resumed request already made: a seeded row skips them, so its
     # sampling continues exactly where the interrupted run stood.
     rng_draws: int = 0
+    # The prompt's last message boundary (tokens), where prefill stores a prompt-cache snapshot.
+    snapshot_at: int | None = None
 
 
 @attrs.frozen

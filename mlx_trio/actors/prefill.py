@@ -18,12 +18,17 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import Admitted, Generate, close_replies, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded
+from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.model import LoadedModel
+from mlx_trio.engine.prompt_cache import CacheHit
 from mlx_trio.engine.rows import SoloRow
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import Faults, InjectedFault
 
 log = logging.getLogger("mlx_trio.prefill")
+
+# A prefill this long (uncached tokens) stores a boundary snapshot (batching-design.md §4.2).
+SNAPSHOT_MIN_TOKENS = 256
 
 
 @attrs.frozen
@@ -34,6 +39,9 @@ class PrefillStatistics:
     prefilled: int
     cancelled: int
     failed: int
+    prefill_tokens: int  # prompt tokens run through the model (cache hits excluded)
+    cached_tokens: int  # prompt tokens served from the prompt cache
+    snapshots: int
 
 
 class PrefillActor:
@@ -41,18 +49,21 @@ class PrefillActor:
 
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
                  join: trio.MemorySendChannel[JoinRow], release: Callable[[str], None], max_rows: int,
-                 prefill_step_size: int = 2048, faults: Faults | None = None) -> None:
+                 prefill_step_size: int = 2048, faults: Faults | None = None,
+                 get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
         self._lease = lease
         self._get_model = get_model
         self._faults = faults or Faults()
         self._join = join
         self._release = release
         self._prefill_step_size = prefill_step_size
+        self._get_caching = get_caching
         # At most max_rows requests are admitted at once, so this never fills.
         self.inbox_send, self._inbox = trio.open_memory_channel[Admitted](max_rows)
         self._active: SoloRow | None = None
         self._active_request: Generate | None = None
         self._prefilled = self._cancelled = self._failed = 0
+        self._prefill_tokens = self._cached_tokens = self._snapshots = 0
 
     def in_flight(self) -> list[Generate]:
         """The request being prefilled, if any (queued ones are in the inbox buffer, owned by us too)."""
@@ -65,6 +76,7 @@ class PrefillActor:
             active_request=row.request_id if row is not None else None,
             active_kv_bytes=row.nbytes if row is not None else 0,
             prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed,
+            prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -78,29 +90,68 @@ class PrefillActor:
             for admitted in close_replies(self._inbox):
                 self._release(admitted.request.request_id)
 
+    def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
+        """Where this prefill stores a snapshot (batching-design.md §4.2), or None.
+
+        Only a prefill of at least `SNAPSHOT_MIN_TOKENS` uncached tokens pays
+        for one. It goes at the prompt's last message boundary, so sibling
+        agents (same system prompt) and the conversation's next turn hit it,
+        even while this request still decodes. Caches that cannot be trimmed
+        (sliding windows, recurrent state) also get one at the end of the
+        prompt, since the finish-time entry (prompt + generated) cannot be
+        cut back to serve a repeat of this prompt.
+        """
+        if caching is None:
+            return None
+        total = len(cmd.prompt_ids)
+        cached = hit.usable if hit is not None else 0
+        if total - 1 - cached < SNAPSHOT_MIN_TOKENS:
+            return None
+        layout = self._model.kv_layout
+        candidates = [cmd.snapshot_at] if cmd.snapshot_at is not None else []
+        if layout.window or layout.fixed_bytes:
+            candidates.append(total - 1)
+        for at in candidates:
+            if cached < at < total and not caching.has(cmd.prompt_ids[:at]):
+                return at
+        return None
+
     async def _prefill(self, admitted: Admitted) -> None:
         cmd = admitted.request
         self._active_request = cmd
         rid, total = cmd.request_id, len(cmd.prompt_ids)
         row: SoloRow | None = None
         joined = False
+        caching = self._get_caching()
         try:
+            hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             row = await self._lease.run(partial(
                 SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
                 prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
+                hit=hit, snapshot_at=self._snapshot_point(cmd, hit, caching),
             ))
             self._active = row
-            cmd.reply.send_nowait(PrefillProgressed(rid, 0, total))
+            self._cached_tokens += row.cached_tokens
+            cmd.reply.send_nowait(PrefillProgressed(rid, row.cached_tokens, total, cached_tokens=row.cached_tokens))
             while row.prefill_remaining:
                 self._faults.check("prefill")
+                before = row.fed
                 remaining = await self._lease.run(row.prefill_chunk)
-                cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total))
+                self._prefill_tokens += row.fed - before
+                if caching is not None and row.fed == row.snapshot_at:
+                    caching.store(await self._lease.run(row.snapshot))
+                    self._snapshots += 1
+                cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total,
+                                                        cached_tokens=row.cached_tokens))
             self._faults.check("prefill")
             token0 = await self._lease.run(row.first_token)
             cmd.reply.send_nowait(TokensDecoded(rid, (token0,)))
             self._prefilled += 1
             if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
                 reason = "stop" if token0 in self._model.eos_token_ids else "length"
+                if caching is not None:
+                    # The row never joins: its prompt-only caches go back to the prompt cache.
+                    caching.store(await self._lease.run(row.snapshot))
                 cmd.reply.send_nowait(GenerationEnded(rid, reason))
                 return
             await self._join.send(JoinRow(cmd, row, token0))

@@ -46,6 +46,8 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    # The prompt's last message boundary in tokens (chats only): a prompt-cache snapshot point.
+    snapshot_at: int | None = None
 
 
 @attrs.frozen
@@ -86,10 +88,12 @@ class SessionActor:
             # prompt ids, exactly what a resumed attempt must re-feed.
             self.generated: list[int] = []
             self.resumes = 0
+            self.cached_tokens = 0  # prompt tokens the first attempt took from the prompt cache
         else:
             self._text = resume_from._text
             self.generated = resume_from.generated
             self.resumes = resume_from.resumes + 1
+            self.cached_tokens = resume_from.cached_tokens
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
 
@@ -142,7 +146,7 @@ class SessionActor:
         command = Generate(
             request.request_id, request.prompt_ids + tuple(self.generated),
             attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
-            send, rng_draws=done,
+            send, rng_draws=done, snapshot_at=request.snapshot_at,
         )
         with self._replies:
             try:
@@ -163,6 +167,7 @@ class SessionActor:
             self._faults.check(self._id)
             if isinstance(event, PrefillProgressed):
                 if not offset:  # a resumed attempt's re-prefill is invisible to the caller
+                    self.cached_tokens = event.cached_tokens
                     await self._out.send(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
                 if await self._tokens(event.token_ids, text, eos):
@@ -203,5 +208,6 @@ class SessionActor:
         return stopped
 
     async def _finish(self, reason: str) -> None:
-        usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated))
+        usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),
+                      cached_tokens=self.cached_tokens)
         await self._out.send(Finished(reason, usage))

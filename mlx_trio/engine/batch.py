@@ -32,7 +32,8 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_trio.engine import batch_caches
+from mlx_trio.engine import batch_caches, cache_clone
+from mlx_trio.engine.prompt_cache import CacheEntry
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.rows import SoloRow
 
@@ -204,6 +205,25 @@ class DecodeBatch:
         if self._solo:
             return [batch_caches.snapshot_layer(c) for c in self._caches]
         return [batch_caches.extract_layer(c, index) for c in self._caches]
+
+    def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry:
+        """The row's KV as a prompt-cache entry keyed by the first `num_fed` of `tokens` (its prompt + generated).
+
+        Call right before the row leaves (after a flush). A lone row on its
+        own (adopted or extracted) caches hands them over without a copy: it
+        leaves next, and nothing writes them again. A batched row is
+        extracted (a pure slice + copy of its unpadded KV) before the filter.
+        """
+        index = self._index(request_id)
+        num_fed = self._rows[index].num_fed
+        if len(tokens) < num_fed:
+            raise ValueError(f"{len(tokens)} tokens given for a row holding {num_fed}")
+        if self._solo:
+            caches = list(self._caches)
+        else:
+            caches = [batch_caches.extract_layer(c, index) for c in self._caches]
+        mx.eval([c.state for c in caches])
+        return CacheEntry(tuple(tokens[:num_fed]), caches, cache_clone.nbytes(caches), cache_clone.trimmable(caches))
 
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""

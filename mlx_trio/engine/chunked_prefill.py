@@ -18,12 +18,19 @@ import mlx.nn as nn
 class ChunkedPrefill:
     """The prompt tokens whose KV is not in `caches` yet, and how to feed them."""
 
-    def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int) -> None:
+    def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int, *,
+                 start: int = 0, split_at: int | None = None) -> None:
+        # `start`: prompt tokens whose KV `caches` already hold (a prompt-cache hit).
+        # `split_at`: a prompt position no chunk may straddle, so that the caches hold
+        # exactly that prefix after some chunk (where a boundary snapshot is taken).
         self._model = model
         self._caches = caches
         self._step_size = step_size
-        # Invariant: pending holds the prompt tokens whose KV is not yet in the caches.
-        self.pending = mx.array(list(prompt_ids))  # int32, as mlx-lm builds it
+        self.fed = start
+        self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
+        # Invariant: pending holds the prompt tokens whose KV is not yet in the caches
+        # (prompt_ids[fed:]).
+        self.pending = mx.array(list(prompt_ids[start:]))  # int32, as mlx-lm builds it
 
     @property
     def remaining(self) -> int:
@@ -33,12 +40,15 @@ class ChunkedPrefill:
     def chunk(self) -> mx.array | None:
         """Prefill up to `step_size` tokens into the caches (in place); return them, or None when done."""
         n = min(self._step_size, self.remaining)
+        if self._split_at is not None and self.fed < self._split_at:
+            n = min(n, self._split_at - self.fed)
         if n == 0:
             return None
         chunk = self.pending[:n]
         self._model(chunk[None], cache=self._caches)
         mx.eval([c.state for c in self._caches])
         self.pending = self.pending[n:]
+        self.fed += n
         mx.clear_cache()
         return chunk
 
@@ -47,6 +57,7 @@ class ChunkedPrefill:
         if self.remaining:
             raise RuntimeError("the prompt is not prefilled yet")
         rest = self.pending
+        self.fed += int(rest.size)
         self.release()
         return rest
 

@@ -62,6 +62,32 @@ class LoadedModel:
             return self._encode_chat(items, dict(chat_template_kwargs or {}))
         raise InvalidParameter("prompt", "must be a non-empty string, a list of chat messages or a list of token ids")
 
+    def message_boundary(self, prompt: str | Sequence[Message] | Sequence[int], ids: Sequence[int], *,
+                         chat_template_kwargs: Mapping[str, Any] | None = None) -> int | None:
+        """Where the chat's last message starts in `ids` (its encoding), or None for a non-chat or a single message.
+
+        Found from the template itself: the chat without its last message,
+        rendered without the generation prompt, shares this many leading
+        tokens with the whole chat. The next turn of the conversation and
+        sibling requests with the same history share that prefix, so the
+        prompt cache snapshots it (batching-design.md §4.2).
+        """
+        if isinstance(prompt, str) or len(prompt) < 2 or not all(isinstance(m, Mapping) for m in prompt):
+            return None
+        try:
+            head = self.tokenizer.apply_chat_template(
+                [_flatten_content(m, i) for i, m in enumerate(prompt[:-1])], add_generation_prompt=False,
+                **dict(chat_template_kwargs or {}),
+            )
+        except Exception:  # a template may refuse a chat ending on a non-user turn: no boundary then
+            return None
+        shared = 0
+        for a, b in zip(head, ids):
+            if a != b:
+                break
+            shared += 1
+        return shared or None
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 

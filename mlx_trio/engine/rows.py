@@ -21,7 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine import cache_clone
 from mlx_trio.engine.chunked_prefill import ChunkedPrefill
+from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
 from mlx_trio.params import SamplingParams
@@ -45,16 +47,28 @@ class SoloRow:
         *,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         rng_draws: int = 0,
+        hit: CacheHit | None = None,
+        snapshot_at: int | None = None,
     ) -> None:
+        # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
+        # a prompt position where `snapshot()` should be taken (a message boundary).
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        if hit is not None and hit.usable >= len(prompt_ids):
+            raise ValueError("a cache hit must leave the last prompt token to compute")
         self._model = model
         self.request_id = request_id
         self.params = params
-        self.caches: list[Any] = make_prompt_cache(model)
+        self._prompt_ids = tuple(prompt_ids)
+        self.cached_tokens = hit.usable if hit is not None else 0
+        self.caches: list[Any] = (
+            cache_clone.take(hit.entry.caches, hit.trim) if hit is not None else make_prompt_cache(model)
+        )
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws)
         self.num_prompt_tokens = len(prompt_ids)
-        self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size)
+        self.snapshot_at = snapshot_at
+        self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
+                                       start=self.cached_tokens, split_at=snapshot_at)
         self.token0: int | None = None
 
     @property
@@ -65,6 +79,17 @@ class SoloRow:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
+
+    @property
+    def fed(self) -> int:
+        """Prompt tokens whose KV the caches hold."""
+        return self._prefill.fed
+
+    def snapshot(self) -> CacheEntry:
+        """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
+        copies = cache_clone.snapshot(self.caches)
+        return CacheEntry(self._prompt_ids[: self.fed], copies, cache_clone.nbytes(copies),
+                          cache_clone.trimmable(copies))
 
     def prefill_chunk(self) -> int:
         """Prefill up to `prefill_step_size` prompt tokens into `caches` (in place); returns how many remain.

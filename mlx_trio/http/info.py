@@ -46,13 +46,15 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/stats")
     async def stats() -> Response:
-        """`{"batch": {...}}`: the engine's lane counters where it reports them, the HTTP layer's view otherwise."""
-        counters = state.engine.status().get("counters", {})
+        """`{"batch": {...}, "prompt_cache": {...}}`: the engine's counters where it reports them, else the HTTP layer's view."""
+        status = state.engine.status()
+        counters = status.get("counters", {})
         fallback = {
             "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,
             "submitted_rows": state.submitted_rows, "kv_bytes": 0, "kv_budget_bytes": None,
         }
-        return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()}})
+        return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()},
+                              "prompt_cache": status.get("prompt_cache", {"enabled": False})})
 
 
 def _model_object(state: AppState) -> dict[str, Any]:

@@ -54,13 +54,13 @@ async def test_status_is_the_engine_tree_plus_counters() -> None:
 
 
 async def test_stats_reports_the_batch_fields() -> None:
-    """/stats has every batch field; submitted_rows counts requests handed to the engine."""
+    """/stats has every batch field; submitted_rows counts requests handed to the engine; no prompt cache on a fake."""
     async with serve_fake(batch=4) as (_, client):
         await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert (await client.get("/stats")).json() == {"batch": {
             "configured": 4, "mode": "serial", "active_rows": 0, "pending_rows": 0, "submitted_rows": 1,
             "kv_bytes": 0, "kv_budget_bytes": None,
-        }}
+        }, "prompt_cache": {"enabled": False}}
 
 
 async def test_no_cors_headers_by_default() -> None:

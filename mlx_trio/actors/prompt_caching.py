@@ -1,0 +1,87 @@
+"""The prompt cache as the actors use it: RAM-tier lookups and puts, with the SSD tier behind them.
+
+One instance per engine, created when the model is loaded and kept across
+actor restarts (its entries are evaluated arrays that no restart corrupts).
+The prefill actor looks prompts up and stores boundary snapshots; the
+decode-step actor stores finished rows; admission trims it when live rows
+need its bytes. Every call is synchronous between awaits (so no two actors
+interleave inside one), except `lookup`, which may wait on an SSD restore.
+Dropped entries are freed on the lease thread, which owns their arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
+
+log = logging.getLogger("mlx_trio.prompt_cache")
+
+
+class _Lease(Protocol):
+    def free_nowait(self, close: Callable[[], object]) -> None: ...
+
+
+class _Persistence(Protocol):
+    def offer_nowait(self, caches: list[Any], tokens: tuple[int, ...]) -> bool: ...
+    async def restore(self, tokens: Sequence[int]) -> CacheEntry | None: ...
+
+
+class PromptCaching:
+    """Lookups, puts and trims of the engine's prompt cache; the SSD tier, when present, behind them."""
+
+    def __init__(self, *, max_bytes: int, max_entries: int, get_lease: Callable[[], _Lease | None],
+                 get_persistence: Callable[[], _Persistence | None] = lambda: None,
+                 room: Callable[[], int | None] = lambda: None) -> None:
+        # `room`: the bytes of the shared KV ceiling that live rows leave free (None: no ceiling).
+        self._get_lease = get_lease
+        self._get_persistence = get_persistence
+        self._room = room
+        self.cache = PromptCache(max_bytes=max_bytes, max_entries=max_entries, on_evict=self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def statistics(self) -> PromptCacheStatistics:
+        return self.cache.statistics()
+
+    async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
+        """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore."""
+        hit = self.cache.lookup(prompt)
+        if hit is not None:
+            return hit
+        persistence = self._get_persistence()
+        if persistence is None:
+            return None
+        restored = await persistence.restore(prompt)
+        if restored is None or not self.cache.put(restored):
+            return None
+        return self.cache.lookup(prompt)
+
+    def has(self, tokens: Sequence[int]) -> bool:
+        return tokens in self.cache
+
+    def store(self, entry: CacheEntry, *, persist: bool = True) -> None:
+        """Put `entry` in RAM and queue it for the SSD tier (a full write queue drops it, never blocks)."""
+        # Offer first: a put may evict (and free) the entry at once when it is too big for RAM.
+        persistence = self._get_persistence() if persist else None
+        if persistence is not None:
+            persistence.offer_nowait(list(entry.caches), entry.tokens)
+        self.cache.put(entry)
+        room = self._room()
+        if room is not None:
+            self.cache.trim_to(room)
+
+    def make_room(self, max_bytes: int) -> int:
+        """Evict until the cache holds at most `max_bytes`; returns the bytes freed."""
+        return self.cache.trim_to(max_bytes)
+
+    def _free(self, entry: CacheEntry) -> None:
+        lease = self._get_lease()
+        if lease is not None:
+            # Queued after every job that may still clone the entry (the lease is FIFO).
+            lease.free_nowait(partial(entry.caches.clear))

@@ -1,0 +1,164 @@
+"""The RAM tier of the prompt cache: token-prefix lookup, LRU eviction by bytes (batching-design.md §4.2, §4.5).
+
+Entries map the token ids whose KV a set of per-layer caches holds to those
+caches. A lookup finds the longest *usable* prefix of a prompt: an entry that
+is a prefix of it, or a trimmable entry (full attention, a sliding window not
+yet wrapped) sharing a common prefix with it, trimmed there. A lookup always
+leaves at least the prompt's last token to compute: it is the input of the
+step that samples token 0. Non-trimmable state (a wrapped ring, recurrent
+`ArraysCache` layers) is only reused whole, at the token count it was stored
+at: that is why prefill stores snapshots at message boundaries.
+
+Lookups never consume: the caller clones the entry's caches (engine/cache_clone.py),
+so N requests sharing a system prompt reuse one prefill. The trie is
+mlx-lm's `PromptTrie`; this module adds byte accounting, LRU order, usable-prefix
+rules and counters. It is plain Python (no MLX calls): the actors own the one
+instance and call it between awaits; dropped caches are handed to `on_evict`
+(which frees them on the lease thread).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from mlx_lm.models.cache import PromptTrie
+
+_NAMESPACE = "model"  # one model per engine; the trie's namespace key
+
+
+@attrs.frozen
+class CacheEntry:
+    """Evaluated per-layer caches holding exactly the KV of `tokens`."""
+
+    tokens: tuple[int, ...]
+    caches: list[Any] = attrs.field(eq=False, repr=False)
+    nbytes: int
+    trimmable: bool
+
+
+@attrs.frozen
+class CacheHit:
+    """Use `entry`'s caches trimmed to their first `usable` tokens (`usable <= len(entry.tokens)`)."""
+
+    entry: CacheEntry
+    usable: int
+
+    @property
+    def trim(self) -> int:
+        return len(self.entry.tokens) - self.usable
+
+
+@attrs.frozen
+class PromptCacheStatistics:
+    entries: int
+    bytes: int
+    max_bytes: int
+    max_entries: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    puts: int
+    evictions: int
+
+
+class PromptCache:
+    """Entries keyed by token ids; longest-usable-prefix lookup; LRU eviction by bytes and count."""
+
+    def __init__(self, *, max_bytes: int, max_entries: int,
+                 on_evict: Callable[[CacheEntry], None] = lambda entry: None) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._on_evict = on_evict
+        self._trie = PromptTrie()
+        # Invariant: _lru holds exactly the trie's entries, least recently used first,
+        # and _nbytes is the sum of their nbytes.
+        self._lru: collections.OrderedDict[tuple[int, ...], CacheEntry] = collections.OrderedDict()
+        self._nbytes = 0
+        self._hits = self._misses = self._hit_tokens = self._puts = self._evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        return tuple(tokens) in self._lru
+
+    def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
+        """The longest usable cached prefix of `prompt`, leaving its last token to compute; counts hit/miss."""
+        hit = self._best(list(prompt[:-1]))
+        if hit is None:
+            self._misses += 1
+            return None
+        self._hits += 1
+        self._hit_tokens += hit.usable
+        self._lru.move_to_end(hit.entry.tokens)
+        return hit
+
+    def _best(self, target: list[int]) -> CacheHit | None:
+        if not target or not self._lru:
+            return None
+        found = self._trie.search(_NAMESPACE, target)
+        candidates: list[CacheHit] = []
+        if found.exact is not None:
+            candidates.append(CacheHit(self._trie.get(_NAMESPACE, found.exact), len(target)))
+        if found.shorter is not None:
+            candidates.append(CacheHit(self._trie.get(_NAMESPACE, found.shorter), len(found.shorter)))
+        if found.longer is not None and found.common_prefix > 0:
+            entry = self._trie.get(_NAMESPACE, found.longer)
+            if entry.trimmable:
+                candidates.append(CacheHit(entry, found.common_prefix))
+        return max(candidates, key=lambda hit: (hit.usable, -hit.trim), default=None)
+
+    def put(self, entry: CacheEntry) -> bool:
+        """Insert (or refresh) `entry`, then evict LRU entries over the caps; False if it can never fit."""
+        if not entry.tokens or entry.nbytes > self.max_bytes or self.max_entries <= 0:
+            self._on_evict(entry)
+            return False
+        previous = self._lru.pop(entry.tokens, None)
+        if previous is not None:
+            self._nbytes -= previous.nbytes
+            if previous is not entry:
+                self._on_evict(previous)
+        self._trie.add(_NAMESPACE, list(entry.tokens), entry)
+        self._lru[entry.tokens] = entry
+        self._nbytes += entry.nbytes
+        self._puts += 1
+        if entry.trimmable:
+            # A trimmable entry serves every prefix of itself: shorter entries only cost bytes.
+            for length, shorter in self._trie.pop_prefixes(_NAMESPACE, list(entry.tokens)):
+                self._drop(shorter, pop_trie=False)
+        self.trim_to(self.max_bytes)
+        return entry.tokens in self._lru
+
+    def trim_to(self, max_bytes: int) -> int:
+        """Evict least recently used entries until at most `max_bytes` (and `max_entries`) remain; bytes freed."""
+        freed = 0
+        while self._lru and (self._nbytes > max_bytes or len(self._lru) > self.max_entries):
+            entry = next(iter(self._lru.values()))
+            freed += entry.nbytes
+            self._drop(entry, pop_trie=True)
+            self._evictions += 1
+        return freed
+
+    def clear(self) -> None:
+        self.trim_to(-1)
+
+    def _drop(self, entry: CacheEntry, *, pop_trie: bool) -> None:
+        del self._lru[entry.tokens]
+        self._nbytes -= entry.nbytes
+        if pop_trie:
+            self._trie.pop(_NAMESPACE, list(entry.tokens))
+        self._on_evict(entry)
+
+    def statistics(self) -> PromptCacheStatistics:
+        return PromptCacheStatistics(
+            entries=len(self._lru), bytes=self._nbytes, max_bytes=self.max_bytes, max_entries=self.max_entries,
+            hits=self._hits, misses=self._misses, hit_tokens=self._hit_tokens, puts=self._puts,
+            evictions=self._evictions,
+        )
