@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.gpu_lease import GpuLease, LeaseFuture
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.batch import DecodeBatch
@@ -74,6 +74,8 @@ class BatchDecodeActor:
         # Joins taken from the channel but not yet in the batch: a failure in between must
         # still end them (their sessions resume), or they would wait forever.
         self._joining: list[JoinRow] = []
+        # A step job queued ahead of the one whose tokens are being handled (see _step).
+        self._ahead: LeaseFuture[list[int] | None] | None = None
         self._kv_bytes = 0
         self._steps = self._tokens = self._finished = self._cancelled = 0
 
@@ -124,6 +126,7 @@ class BatchDecodeActor:
         leaving = [rid for rid, row in self._rows.items() if row.done]
         if not joins and not leaving:
             return
+        await self._land_ahead()
         if batch.size:
             tokens = await self._lease.run(batch.flush)
             if tokens is not None:
@@ -157,17 +160,42 @@ class BatchDecodeActor:
             if not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
                 continue
             tokens = row.request.prompt_ids + tuple(row.generated)
-            caching.store(await self._lease.run(batch.cache_entry, rid, tokens))
+            entry = await self._lease.run(batch.cache_entry, rid, tokens)
+            if entry is not None:
+                caching.store(entry)
 
     async def _step(self) -> None:
+        """Run one step and emit the tokens it returns, with the next step already queued.
+
+        The next step is queued *before* the tokens are emitted when no join
+        is waiting: the lease thread then goes straight on while the Trio side
+        wakes sessions and callers, instead of idling for the whole hop
+        (docs/benchmarks.md, "lease hop"). The cost: a row that finishes on
+        these tokens is fed one more token, whose output is dropped.
+        """
         batch = self._batch
         assert batch is not None
         ids = list(batch.request_ids)
-        tokens = await self._lease.run(batch.step)
+        pending, self._ahead = self._ahead, None
+        tokens = await (pending.result() if pending is not None else self._lease.run(batch.step))
         self._steps += 1
+        if not self._joins.statistics().current_buffer_used:
+            self._ahead = self._lease.submit(batch.step)
         if tokens is not None:
             self._emit(ids, tokens)
         self._kv_bytes = batch.nbytes
+
+    async def _land_ahead(self) -> None:
+        """Wait for the step queued ahead, if any, and emit its tokens: membership may change after it."""
+        pending, self._ahead = self._ahead, None
+        if pending is not None:
+            batch = self._batch
+            assert batch is not None
+            ids = list(batch.request_ids)
+            tokens = await pending.result()
+            self._steps += 1
+            if tokens is not None:
+                self._emit(ids, tokens)
 
     def _emit(self, request_ids: list[str], tokens: list[int]) -> None:
         eos = self._model.eos_token_ids

@@ -212,7 +212,8 @@ class EngineActors:
         assert self.lease is not None and isinstance(self.decoder, BatchDecodeActor)
         prefill = PrefillActor(self.lease, self._wait_model, join=self.decoder.join_send, release=self._release,
                                max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size,
-                               faults=self.faults, get_caching=lambda: self.caching)
+                               faults=self.faults, get_caching=lambda: self.caching,
+                               decoding=lambda: bool(self.decoder and self.decoder.statistics().active_rows))
         self.prefill = prefill
         await prefill.run(task_status=task_status)
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import outcome
@@ -44,8 +44,9 @@ class _Job:
 
     fn: Callable[..., Any] | None  # None once run, so its arguments die on the lease thread
     args: tuple[Any, ...]
-    task: trio.lowlevel.Task | None  # None for submit_nowait: nobody waits, failures are logged
+    task: trio.lowlevel.Task | None  # None for submit/submit_nowait: no task is parked on it
     name: str  # for log messages
+    future: LeaseFuture[Any] | None = None  # set for submit(): the outcome goes there
     # Invariant: changed only under GpuLease._lock; QUEUED -> RUNNING -> DONE by the
     # lease thread, QUEUED -> SKIPPED by the Trio thread (cancelled caller, close).
     state: _State = _State.QUEUED
@@ -53,8 +54,31 @@ class _Job:
     detached: bool = False
 
 
-def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> _Job:
-    return _Job(fn, args, task, getattr(fn, "__qualname__", None) or repr(fn))
+def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None,
+         future: LeaseFuture[Any] | None = None) -> _Job:
+    return _Job(fn, args, task, getattr(fn, "__qualname__", None) or repr(fn), future=future)
+
+
+class LeaseFuture(Generic[T]):
+    """The outcome of a `GpuLease.submit` job, delivered on the Trio thread."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._outcome: outcome.Outcome[T] | None = None
+
+    def _set(self, result: outcome.Outcome[T]) -> None:
+        if self._outcome is None:
+            self._outcome = result
+            self._done.set()
+
+    async def result(self) -> T:
+        """Wait for the job; return its result or raise its error (`LeaseClosed` if it never ran).
+
+        Leaving this wait (cancellation) does not withdraw the job: it runs anyway.
+        """
+        await self._done.wait()
+        assert self._outcome is not None
+        return self._outcome.unwrap()  # type: ignore[no-any-return]
 
 
 @attrs.frozen
@@ -185,6 +209,23 @@ class GpuLease:
         self._close()
         self._fail_wedged_job()
 
+    def submit(self, fn: Callable[..., T], *args: Any) -> LeaseFuture[T]:
+        """Queue ``fn(*args)`` now and return at once; await ``.result()`` for its outcome.
+
+        For a caller that keeps a job queued ahead while it works on the last
+        one's result (the decode step chain), so the lease thread never idles
+        across the Trio hop. Once queued the job always runs; if the lease
+        closes first, the future gets `LeaseClosed`.
+
+        Raises:
+          LeaseClosed: the lease is not serving.
+        """
+        fn, args = self._maybe_inject(fn, args)
+        future: LeaseFuture[T] = LeaseFuture()
+        if not self._enqueue(_job(fn, args, None, future)):
+            raise LeaseClosed(f"{self.name} is not serving")
+        return future
+
     def submit_nowait(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue ``fn(*args)`` on the lease thread and return at once; safe from any thread.
 
@@ -284,6 +325,14 @@ class GpuLease:
                 break
             if job is _STOP:
                 continue
+            if job.future is not None:
+                with self._lock:
+                    if job.state is not _State.QUEUED:
+                        continue
+                    job.state = _State.SKIPPED
+                    self._queue_depth -= 1
+                job.future._set(outcome.Error(LeaseClosed(f"{self.name} closed")))
+                continue
             if job.task is None:
                 keep.append(job)
                 continue
@@ -302,6 +351,9 @@ class GpuLease:
                   "restart recovers it", self.name, self._close_timeout_s)
         with self._lock:
             job = self._current
+            if job is not None and job.future is not None and job.state is _State.RUNNING:
+                job.future._set(outcome.Error(LeaseClosed(f"{self.name} wedged")))
+                return
             if job is None or job.task is None or job.detached or job.state is not _State.RUNNING:
                 return
             job.detached = True
@@ -368,6 +420,8 @@ class GpuLease:
             self._jobs_failed += isinstance(result, outcome.Error)
         if job.task is not None:
             self._token.run_sync_soon(self._deliver, job, result)
+        elif job.future is not None:
+            self._token.run_sync_soon(job.future._set, result)
         elif isinstance(result, outcome.Error):
             log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
 

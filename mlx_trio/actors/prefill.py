@@ -29,6 +29,10 @@ log = logging.getLogger("mlx_trio.prefill")
 
 # A prefill this long (uncached tokens) stores a boundary snapshot (batching-design.md §4.2).
 SNAPSHOT_MIN_TOKENS = 256
+# While rows decode, a joiner prefills chunks of prefill_step_size / this: a chunk's cost (and so
+# the decode stall) grows with its length times the prefix (H200, 1B shape, 8.5k prompt: 666 ms
+# per 2048-token chunk; docs/benchmarks.md).
+DECODING_CHUNK_DIVISOR = 4
 
 
 @attrs.frozen
@@ -50,7 +54,9 @@ class PrefillActor:
     def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
                  join: trio.MemorySendChannel[JoinRow], release: Callable[[str], None], max_rows: int,
                  prefill_step_size: int = 2048, faults: Faults | None = None,
-                 get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
+                 get_caching: Callable[[], PromptCaching | None] = lambda: None,
+                 decoding: Callable[[], bool] = lambda: False) -> None:
+        # `decoding`: whether rows are decoding now; their steps stall for each prefill chunk.
         self._lease = lease
         self._get_model = get_model
         self._faults = faults or Faults()
@@ -58,6 +64,8 @@ class PrefillActor:
         self._release = release
         self._prefill_step_size = prefill_step_size
         self._get_caching = get_caching
+        self._decoding = decoding
+        self._decoding_chunk = max(prefill_step_size // DECODING_CHUNK_DIVISOR, 1)
         # At most max_rows requests are admitted at once, so this never fills.
         self.inbox_send, self._inbox = trio.open_memory_channel[Admitted](max_rows)
         self._active: SoloRow | None = None
@@ -136,7 +144,9 @@ class PrefillActor:
             while row.prefill_remaining:
                 self._faults.check("prefill")
                 before = row.fed
-                remaining = await self._lease.run(row.prefill_chunk)
+                # Rows decoding wait for each chunk: give them smaller ones.
+                limit = self._decoding_chunk if self._decoding() else None
+                remaining = await self._lease.run(row.prefill_chunk, limit)
                 self._prefill_tokens += row.fed - before
                 if caching is not None and row.fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))

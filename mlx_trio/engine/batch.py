@@ -206,22 +206,28 @@ class DecodeBatch:
             return [batch_caches.snapshot_layer(c) for c in self._caches]
         return [batch_caches.extract_layer(c, index) for c in self._caches]
 
-    def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry:
+    def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry | None:
         """The row's KV as a prompt-cache entry keyed by the first `num_fed` of `tokens` (its prompt + generated).
 
         Call right before the row leaves (after a flush). A lone row on its
         own (adopted or extracted) caches hands them over without a copy: it
         leaves next, and nothing writes them again. A batched row is
         extracted (a pure slice + copy of its unpadded KV) before the filter.
+        A row fed tokens its caller never saw (a step queued before the row
+        finished) is trimmed back to `tokens`; None when that cannot be done.
         """
         index = self._index(request_id)
         num_fed = self._rows[index].num_fed
-        if len(tokens) < num_fed:
-            raise ValueError(f"{len(tokens)} tokens given for a row holding {num_fed}")
         if self._solo:
             caches = list(self._caches)
         else:
             caches = [batch_caches.extract_layer(c, index) for c in self._caches]
+        excess = num_fed - len(tokens)
+        if excess > 0:
+            if not cache_clone.trimmable(caches):
+                return None
+            for cache in caches:
+                cache.trim(excess)
         mx.eval([c.state for c in caches])
         return CacheEntry(tuple(tokens[:num_fed]), caches, cache_clone.nbytes(caches), cache_clone.trimmable(caches))
 

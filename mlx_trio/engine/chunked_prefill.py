@@ -37,9 +37,9 @@ class ChunkedPrefill:
         """Tokens still to prefill before the first sampling step (the last one is that step's input)."""
         return max(int(self.pending.size) - 1, 0)
 
-    def chunk(self) -> mx.array | None:
-        """Prefill up to `step_size` tokens into the caches (in place); return them, or None when done."""
-        n = min(self._step_size, self.remaining)
+    def chunk(self, limit: int | None = None) -> mx.array | None:
+        """Prefill up to `step_size` (or `limit`, if smaller) tokens into the caches; return them, or None when done."""
+        n = min(self._step_size, self.remaining, limit or self._step_size)
         if self._split_at is not None and self.fed < self._split_at:
             n = min(n, self._split_at - self.fed)
         if n == 0:

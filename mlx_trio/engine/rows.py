@@ -91,14 +91,14 @@ class SoloRow:
         return CacheEntry(self._prompt_ids[: self.fed], copies, cache_clone.nbytes(copies),
                           cache_clone.trimmable(copies))
 
-    def prefill_chunk(self) -> int:
-        """Prefill up to `prefill_step_size` prompt tokens into `caches` (in place); returns how many remain.
+    def prefill_chunk(self, limit: int | None = None) -> int:
+        """Prefill up to `prefill_step_size` (or `limit`) prompt tokens into `caches`; returns how many remain.
 
         The same chunks, evaluation and allocator clearing as mlx-lm's
         `generate_step` (and `SerialGeneration.prefill_chunk`). The last
         prompt token is never prefilled here: it is `first_token()`'s input.
         """
-        self._prefill.chunk()
+        self._prefill.chunk(limit)
         return self.prefill_remaining
 
     def first_token(self) -> int:

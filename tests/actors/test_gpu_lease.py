@@ -308,6 +308,40 @@ async def test_submit_nowait_runs_in_order_and_logs_failures(lease: GpuLease, ca
     assert lease.statistics().jobs_failed == 1
 
 
+async def test_submit_queues_at_once_in_fifo_order_and_delivers_results_and_errors(lease: GpuLease) -> None:
+    """submit() enqueues before returning (FIFO with run() jobs); result() gives the value or the job's error."""
+    order: list[int] = []
+    first = lease.submit(lambda: order.append(1) or "one")
+    failing = lease.submit(failing_job)
+    await lease.run(order.append, 2)
+    assert order == [1, 2]
+    assert await first.result() == "one"
+    with pytest.raises(KeyError, match="from the job"):
+        await failing.result()
+
+
+async def test_close_fails_queued_submitted_jobs_with_lease_closed() -> None:
+    """A submitted job still queued when the lease closes never runs; its future raises LeaseClosed."""
+    gate = Gate()
+    ran: list[str] = []
+    async with trio.open_nursery() as outer:
+        async with open_gpu_lease() as lease:
+            outer.start_soon(lease.run, gate)
+            await gate.wait_entered()
+            queued = lease.submit(ran.append, "late")
+            outer.start_soon(_release_soon, gate)
+    with pytest.raises(LeaseClosed):
+        await queued.result()
+    assert ran == []
+    with pytest.raises(LeaseClosed):
+        lease.submit(ran.append, "after")
+
+
+async def _release_soon(gate: Gate) -> None:
+    await trio.sleep(0.05)
+    gate.release.set()
+
+
 async def test_close_still_runs_queued_submit_nowait_jobs() -> None:
     """Cleanup jobs queued with submit_nowait run before the thread exits, even when closing."""
     gate = Gate()
