@@ -20,7 +20,8 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON.
+#   LONG_LIMIT_S (120), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
+#   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
 # engine-<model>.json, http-<model>.json, http-<model>.png; at most 8 files, as the device tool returns.
 set -uo pipefail  # not -e: a part that fails is reported, and the next part still runs
@@ -44,6 +45,9 @@ ENGINE_LIMIT_S=${ENGINE_LIMIT_S:-200}  # per stack
 DEADLINE_S=${DEADLINE_S:-570}
 LONG_PROMPT_WORDS=${LONG_PROMPT_WORDS:-2500}  # about 8.5k tokens with these models' small BPE
 MODEL_ROOT=${MODEL_ROOT:-/tmp/mlx-trio-gpu-models}
+# The stacks the http part serves (`mlx-trio bench --serve`); add ours-nocache to measure the prompt cache.
+SERVE_STACKS=${SERVE_STACKS:-ours mlx_lm}
+SERVE_FLAGS=$(for s in $SERVE_STACKS; do printf -- '--serve %s ' "$s"; done)
 
 # The staged CUDA wheels are for the device (Python 3.12); elsewhere, PYTHON must already have mlx.
 if [ -d .mlxcuda2 ] && nvidia-smi -L >/dev/null 2>&1; then
@@ -259,7 +263,7 @@ for m in $MODELS; do
     lim=$(budget "$HTTP_LIMIT_S")
     echo; echo "### http, $m: agents workload (limit ${lim}s)"
     # On time-out (SIGTERM) the bench stops both servers by pid before exiting.
-    enough "http $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
+    enough "http $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench $SERVE_FLAGS \
       --model "$dir" --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
       --rounds "$rounds" --output-tokens "$OUTPUT_TOKENS" --system-words "$SYSTEM_WORDS" --task-words 48 \
       --followup-words 24 --rate 64 \

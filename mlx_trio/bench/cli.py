@@ -17,8 +17,9 @@ from typing import Any
 
 from mlx_trio.bench import workloads
 
-# The stacks `--serve` can start (servers.py knows their command lines).
-STACKS = ("ours", "mlx_lm")
+# The stacks `--serve` can start (servers.py knows their command lines). ours-nocache is ours with
+# its prompt cache off: the cache's own effect, measured in the same run.
+STACKS = ("ours", "ours-nocache", "mlx_lm")
 
 # Agents arrive as a Poisson process; without --rate they come this fast (sessions per second).
 AGENTS_DEFAULT_RATE_PER_S = 4.0
@@ -47,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(targets=[])
     arg("--url", action=_Target, metavar="[NAME=]URL", help="a running OpenAI-compatible server (repeatable)")
     arg("--serve", action=_Target, choices=STACKS,
-        help="start this stack on a free loopback port: ours (mlx-trio serve) or mlx_lm (python -m mlx_lm.server); "
+        help="start this stack on a free loopback port: ours (mlx-trio serve), ours-nocache (the same with "
+             "--prompt-cache-bytes 0) or mlx_lm (python -m mlx_lm.server); "
              "repeatable. The first server is A in the A/B ratios")
     arg("--model", default=None, help="model directory for --serve (default: our SmolLM2, converted once); "
                                       "also read for EOS ids")

@@ -165,7 +165,7 @@ def _servers(args: argparse.Namespace, model: str | None, log_dir: Path) -> list
     for index, (kind, value) in enumerate(args.targets):
         if kind == "serve":
             name = _unique(value, names)
-            extra = args.ours_args if value == "ours" else args.mlx_lm_args
+            extra = args.mlx_lm_args if value == "mlx_lm" else args.ours_args
             servers.append(ManagedServer(name, value, str(model), log_dir / f"{name}.log", python=args.python,
                                          extra_args=tuple(extra), startup_timeout_s=args.startup_timeout_s))
         else:

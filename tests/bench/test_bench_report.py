@@ -81,6 +81,8 @@ def test_urls_ports_and_server_commands() -> None:
     theirs = server_argv("mlx_lm", "/m", 1235, python="py")
     assert ours[:4] == ["py", "-m", "mlx_trio.cli", "serve"] and ours[-2:] == ["--batch", "4"]
     assert theirs[:3] == ["py", "-m", "mlx_lm.server"]
+    nocache = server_argv("ours-nocache", "/m", 1236, python="py")
+    assert nocache[:6] == ["py", "-m", "mlx_trio.cli", "serve", "--prompt-cache-bytes", "0"]
     for argv, port in ((ours, "1234"), (theirs, "1235")):
         assert argv[argv.index("--model") + 1] == "/m" and argv[argv.index("--port") + 1] == port
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
