@@ -18,6 +18,7 @@ import attrs
 
 from mlx_trio.errors import ContextTooLong, InvalidParameter, RequestError
 from mlx_trio.http.errors import invalid_body, invalid_json
+from mlx_trio.http.tools import NO_TOOLS, ToolsRequest, parse_openai_tools, template_messages
 
 # Passed through to SamplingParams under the same names (mlx_lm.server's names).
 SAMPLING_FIELDS = (
@@ -58,6 +59,7 @@ class CompletionCall:
     chat_template_kwargs: Mapping[str, Any] | None
     stream: bool
     include_usage: bool
+    tools: ToolsRequest = NO_TOOLS
 
     @property
     def prompt_field(self) -> str:
@@ -110,7 +112,9 @@ def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any])
         raise InvalidParameter("logprobs", "is not supported yet")
     if body.get("top_logprobs") not in (None, 0):
         raise InvalidParameter("top_logprobs", "is not supported yet")
-    return _common(body, chat=True, prompt=messages, template_defaults=template_defaults)
+    tools = parse_openai_tools(body)
+    call = _common(body, chat=True, prompt=template_messages(messages), template_defaults=template_defaults)
+    return attrs.evolve(call, tools=tools)
 
 
 def parse_text(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:

@@ -10,6 +10,7 @@ import trio
 
 from mlx_trio.errors import ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
+from mlx_trio.output_format import PLAIN, OutputFormat
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision.faults import Faults
 
@@ -41,6 +42,7 @@ class FakeEngine:
         self.closed_streams = 0
         self.prepared: list[tuple[Any, dict[str, Any]]] = []
         self.faults = Faults()
+        self.output_format: OutputFormat = PLAIN
 
     def health(self) -> tuple[bool, str]:
         return (True, "ok") if self.loaded else (False, "loading model")
