@@ -61,7 +61,7 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
-        first = await _first_event(events, request_log)
+        first = await first_event(events, request_log)
         frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log,
                             router=router)
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
@@ -70,7 +70,7 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         return response
     outcome = "cancelled"
     try:
-        text, finished = await _collect(events, request_log)
+        text, finished = await collect(events, request_log)
         outcome = finished.finish_reason
     except Exception as exc:
         error = api_error(exc)
@@ -100,13 +100,13 @@ def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
     return kwargs
 
 
-def chat_router(state: AppState, call: CompletionCall, prepared: Any) -> OutputRouter:
+def chat_router(state: AppState, call: CompletionCall, prepared: Any, *, id_prefix: str = "call_") -> OutputRouter:
     """The router for one chat answer; it starts in reasoning when the prompt left a think span open."""
     return OutputRouter(state.engine.output_format, prompt_ids=getattr(prepared, "prompt_ids", ()),
-                        parse_tool_calls=call.tools.active, tools=call.tools.template_tools())
+                        parse_tool_calls=call.tools.active, tools=call.tools.template_tools(), id_prefix=id_prefix)
 
 
-async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
+async def first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
     # Whatever ends this await (an error, the client leaving) also ends the generator: nothing to close.
     try:
         first = await anext(events)
@@ -122,7 +122,7 @@ async def _first_event(events: AsyncIterator[GenerationEvent], request_log: Requ
     return first
 
 
-async def _collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
+async def collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
     texts: list[str] = []
     async with closing(events):
         async for event in events:

@@ -73,6 +73,9 @@ class OutputRouter:
         self._sm_state = fmt.splitter.make_state(self._current) if fmt.splitter is not None else None
         # Invariant: the body of the call being read, while `_current` is "tool".
         self._tool_text = ""
+        # Whitespace written after a call, held back: between calls (Qwen puts "\n" there) and at
+        # the end it is call syntax and dropped; before more text it is content.
+        self._after_call: str | None = None
         self.num_tool_calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -93,6 +96,7 @@ class OutputRouter:
         pieces = self._route([(state, held)])
         if self._current == TOOL:
             pieces.extend(self._end_call(closed=False))
+        self._after_call = None
         return pieces
 
     def finish_reason(self, engine_reason: str) -> str:
@@ -106,12 +110,18 @@ class OutputRouter:
                 pieces.extend(self._end_call(closed=True))
             self._current = state or NORMAL
             if state == TOOL:
+                self._after_call = None
                 self._tool_text += text
             elif not text:
                 continue
             elif state == REASONING:
                 pieces.append(Reasoning(text))
             elif state == NORMAL or state is None:
+                if self._after_call is not None:
+                    if not text.strip():
+                        self._after_call += text
+                        continue
+                    text, self._after_call = self._after_call + text, None
                 pieces.append(Content(text))
             # Other states belong to a response format's framing (headers): not shown, as in mlx_lm.server.
         return pieces
@@ -128,6 +138,7 @@ class OutputRouter:
         for call in calls:
             pieces.append(ToolCallMade(self.num_tool_calls, call))
             self.num_tool_calls += 1
+        self._after_call = ""
         return pieces
 
     def _parsed(self, body: str) -> list[ToolCall] | None:
@@ -144,7 +155,9 @@ class OutputRouter:
         name, arguments = item["name"], item.get("arguments", {})
         if not isinstance(name, str) or not name:
             raise ValueError(f"no function name in {item!r:.80}")
-        if not isinstance(arguments, str):
+        if isinstance(arguments, str):
+            json.loads(arguments)  # arguments must be JSON text; a ValueError makes the call content
+        else:
             arguments = json.dumps(arguments, ensure_ascii=False)
         call_id = item.get("id") if isinstance(item.get("id"), str) else None
         return ToolCall(call_id or f"{self._id_prefix}{uuid.uuid4().hex[:24]}", name, arguments)

@@ -20,6 +20,10 @@ class FakeRequest:
     prompt_tokens: int
     params: SamplingParams
 
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.prompt_tokens))
+
 
 class FakeEngine:
     """Streams the words "w0 w1 w2 ..." one per token; loading, failures and delays are switches.
@@ -88,7 +92,7 @@ class FakeEngine:
                 stop = next((s for s in request.params.stop if s in text + word), None)
                 if stop is not None:
                     yield TextDelta((text + word)[len(text):(text + word).index(stop)], (i,))
-                    yield Finished("stop", Usage(request.prompt_tokens, i + 1))
+                    yield Finished("stop", Usage(request.prompt_tokens, i + 1), stop_sequence=stop)
                     return
                 text += word
                 yield TextDelta(word, (i,))
@@ -97,3 +101,34 @@ class FakeEngine:
             self.active -= 1
             self.kv_bytes -= 1000
             self.closed_streams += 1
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers each request with the next scripted text, a few characters per delta, then "stop".
+
+    `output_format` is a real model's (e.g. the QWEN3_TOOLS tiny model's, read
+    by mlx-lm), so the HTTP layer splits the script as it would that model's
+    output; small deltas cut the markers in pieces. `prepared` records each
+    request's prompt and keywords, `tools` included.
+    """
+
+    def __init__(self, output_format: OutputFormat, scripts: list[str], *, chars_per_delta: int = 3) -> None:
+        super().__init__(context_length=100_000)
+        self.output_format = output_format
+        self.scripts = list(scripts)
+        self.chars_per_delta = chars_per_delta
+
+    def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: Any = None, **sampling: Any) -> FakeRequest:
+        request = super().prepare(prompt, chat_template_kwargs=chat_template_kwargs, **sampling)
+        self.prepared[-1][1]["tools"] = tools
+        return request
+
+    async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
+        text = self.scripts.pop(0)
+        yield PromptProgress(request.prompt_tokens, request.prompt_tokens)
+        step = self.chars_per_delta
+        for i in range(0, len(text), step):
+            await trio.sleep(0)
+            yield TextDelta(text[i:i + step], (i,))
+        yield Finished("stop", Usage(request.prompt_tokens, len(text)))
