@@ -22,7 +22,8 @@ class FakeRequest:
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.prompt_tokens))
+        # Token 0 only: no marker of a real model's format (a think start would start in reasoning).
+        return (0,) * self.prompt_tokens
 
 
 class FakeEngine:
