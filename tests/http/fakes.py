@@ -130,6 +130,6 @@ class ScriptedEngine(FakeEngine):
         yield PromptProgress(request.prompt_tokens, request.prompt_tokens)
         step = self.chars_per_delta
         for i in range(0, len(text), step):
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             yield TextDelta(text[i:i + step], (i,))
         yield Finished("stop", Usage(request.prompt_tokens, len(text)))

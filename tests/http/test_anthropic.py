@@ -9,7 +9,7 @@ from typing import Any
 
 import anthropic
 import pytest
-from fakes import ScriptedEngine
+from fakes import FakeEngine, ScriptedEngine
 from http_helpers import serve_fake
 
 from mlx_trio.output_format import OutputFormat
@@ -62,10 +62,10 @@ async def test_tool_use_and_thinking_blocks(tools_format: OutputFormat) -> None:
 
 async def test_stream_event_sequence(tools_format: OutputFormat) -> None:
     """Streaming: message_start, blocks each started/deltaed/stopped in order, message_delta, message_stop."""
-    async with sdk(tools_format, "<think>Hm.</think>Let me look." + CALL) as (client, _):
-        async with client.messages.stream(model="m", max_tokens=50, messages=ASK, tools=[WEATHER]) as stream:
-            events = [event async for event in stream]
-            final = await stream.get_final_message()
+    async with (sdk(tools_format, "<think>Hm.</think>Let me look." + CALL) as (client, _),
+                client.messages.stream(model="m", max_tokens=50, messages=ASK, tools=[WEATHER]) as stream):
+        events = [event async for event in stream]
+        final = await stream.get_final_message()
     kinds = [e.type for e in events if e.type in ("message_start", "content_block_start", "content_block_stop",
                                                   "message_delta", "message_stop")]
     assert kinds == ["message_start", "content_block_start", "content_block_stop", "content_block_start",
@@ -99,13 +99,11 @@ async def test_agent_loop_with_tool_result(tools_format: OutputFormat) -> None:
                           {"role": "user", "content": "Thanks"}]
 
 
-async def test_stop_sequence_is_reported(tools_format: OutputFormat) -> None:
+async def test_stop_sequence_is_reported() -> None:
     """A stop sequence that ends the answer is stop_reason stop_sequence, naming it."""
-    from fakes import FakeEngine  # noqa: PLC0415
-
-    async with serve_fake(FakeEngine()) as (server, _):
-        async with anthropic.AsyncAnthropic(base_url=server.url, api_key="k", max_retries=0) as client:
-            message = await client.messages.create(model="m", max_tokens=10, messages=ASK, stop_sequences=["w2"])
+    async with serve_fake(FakeEngine()) as (server, _), \
+            anthropic.AsyncAnthropic(base_url=server.url, api_key="k", max_retries=0) as client:
+        message = await client.messages.create(model="m", max_tokens=10, messages=ASK, stop_sequences=["w2"])
     assert message.content[0].text == "w0 w1 "
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "w2"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,7 +60,7 @@ def test_whole_answer_splits_into_reasoning_content_and_two_calls(tools_format: 
 def test_any_cut_into_deltas_routes_the_same(tools_format: OutputFormat, cuts: list[int]) -> None:
     """Markers split across deltas still match: every cut gives the same pieces, and no marker text leaks."""
     bounds = [0, *sorted(cuts), len(ANSWER)]
-    pieces, _ = _route(tools_format, [ANSWER[a:b] for a, b in zip(bounds, bounds[1:])], parse_tool_calls=True)
+    pieces, _ = _route(tools_format, [ANSWER[a:b] for a, b in pairwise(bounds)], parse_tool_calls=True)
     assert _merged(pieces) == EXPECTED
     shown = "".join(p.text for p in pieces if isinstance(p, (Content, Reasoning)))
     assert "<" not in shown and ">" not in shown

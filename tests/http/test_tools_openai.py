@@ -12,7 +12,7 @@ import pytest
 from fakes import ScriptedEngine
 from http_helpers import serve_fake
 
-from mlx_trio.output_format import OutputFormat
+from mlx_trio.output_format import PLAIN, OutputFormat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -133,8 +133,6 @@ async def test_tool_choice_sends_the_constraint(tools_format: OutputFormat, choi
 
 async def test_tools_on_a_model_without_tool_calling_is_a_400() -> None:
     """A model mlx-lm finds no tool format for refuses tools with a 400 naming `tools`."""
-    from mlx_trio.output_format import PLAIN  # noqa: PLC0415
-
     async with sdk(PLAIN, "x") as (client, _):
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
@@ -158,8 +156,7 @@ async def test_tools_on_a_model_without_tool_calling_is_a_400() -> None:
 async def test_bad_tool_fields_are_400s_naming_the_field(tools_format: OutputFormat, body: dict[str, Any],
                                                          param: str) -> None:
     """Each malformed tool field is a 400 whose param names it."""
-    async with sdk(tools_format) as (_, engine):
-        async with serve_fake(engine) as (_, http):
-            response = await http.post("/v1/chat/completions", json={"messages": ASK, **body})
+    async with serve_fake(ScriptedEngine(tools_format, [])) as (_, http):
+        response = await http.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
