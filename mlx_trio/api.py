@@ -29,6 +29,7 @@ from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
+from mlx_trio.output_format import OutputFormat
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -71,6 +72,11 @@ class Engine:
     def model_id(self) -> str:
         return self.model.model_id
 
+    @property
+    def output_format(self) -> OutputFormat:
+        """How the model marks reasoning and tool calls (mlx-lm's markers and parsers, pure Python)."""
+        return self.model.output_format
+
     def health(self) -> tuple[bool, str]:
         """(ok, reason): ok only when the model is loaded and every engine actor runs."""
         return self.actors.health()
@@ -88,8 +94,12 @@ class Engine:
     # -- requests -------------------------------------------------------------
 
     def prepare(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                **sampling: Any) -> Request:
-        """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field."""
+                tools: Sequence[Mapping[str, Any]] | None = None, **sampling: Any) -> Request:
+        """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field.
+
+        `tools` (OpenAI function tools) go to the chat template; a model
+        without a tool-calling format refuses them.
+        """
         params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
         if isinstance(prompt, str) and not prompt:
             raise InvalidParameter("prompt", "must not be empty")
@@ -97,7 +107,7 @@ class Engine:
             raise InvalidParameter("prompt", f"must be a string, a list of messages or a list of token ids, got {type(prompt).__name__}")
         if not isinstance(prompt, str) and len(prompt) == 0:
             raise InvalidParameter("prompt", "must not be empty")
-        ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs)
+        ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
         if not ids:
             raise InvalidParameter("prompt", "tokenizes to no tokens")
         limit = self.model.context_length
@@ -109,17 +119,19 @@ class Engine:
             )
         boundary = None
         if len(ids) >= SNAPSHOT_MIN_TOKENS:  # shorter prompts never store a snapshot
-            boundary = self.model.message_boundary(prompt, ids, chat_template_kwargs=chat_template_kwargs)
+            boundary = self.model.message_boundary(prompt, ids, chat_template_kwargs=chat_template_kwargs,
+                                                   tools=tools)
         return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary)
 
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                       tools: Sequence[Mapping[str, Any]] | None = None,
                        **sampling: Any) -> AsyncGenerator[GenerationEvent, None]:
         """Stream a generation: `PromptProgress`*, `TextDelta`*, then one `Finished`.
 
         Sampling keywords are `SamplingParams` fields. Leaving the loop early
         cancels the request and frees its KV cache.
         """
-        request = self.prepare(prompt, chat_template_kwargs=chat_template_kwargs, **sampling)
+        request = self.prepare(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling)
         async for event in self.stream(request):
             yield event
 

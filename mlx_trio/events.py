@@ -45,6 +45,8 @@ class Finished:
 
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    # The stop string that ended the text (finish_reason "stop"); None for EOS or length.
+    stop_sequence: str | None = None
 
 
 GenerationEvent = PromptProgress | TextDelta | Finished

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -19,6 +19,19 @@ from mlx_trio.errors import InvalidParameter
 
 # mlx_lm.server's defaults: a context of 20 tokens for each penalty.
 DEFAULT_PENALTY_CONTEXT = 20
+
+
+@attrs.frozen
+class Constraint:
+    """A grammar the sampled tokens must follow (enforced by the engine's grammar sampler).
+
+    `kind` "json_schema": `source` is the JSON text of a JSON Schema the whole
+    output must match. "lark": `source` is an llguidance Lark grammar (which
+    may embed `%json { ... }` schemas).
+    """
+
+    kind: Literal["json_schema", "lark"]
+    source: str
 
 
 @attrs.frozen
@@ -45,6 +58,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -123,6 +137,8 @@ def _coerce(name: str, value: Any) -> Any:
         return _coerce_stop(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
+    if name == "constraint" and not isinstance(value, Constraint):
+        raise InvalidParameter("constraint", f"must be a Constraint, got {type(value).__name__}")
     return value
 
 

@@ -88,6 +88,8 @@ async def test_stop_string_cuts_the_text_of_the_golden_generation(engine) -> Non
     assert done.finish_reason == "stop"
     assert done.text == text[: text.find(stop)]
     assert stop not in done.text
+    events = [e async for e in engine.generate(golden["prompt"], **golden["params"], stop=[stop])]
+    assert isinstance(events[-1], Finished) and events[-1].stop_sequence == stop
 
 
 async def test_leaving_the_stream_early_cancels_and_frees_the_kv_cache(engine) -> None:

@@ -64,3 +64,15 @@ def test_any_input_is_accepted_or_rejected_with_invalid_parameter(kwargs: dict) 
         SamplingParams.from_kwargs(kwargs).validate(vocab_size=VOCAB)
     except InvalidParameter:
         pass
+
+
+def test_constraint_passes_through_and_must_be_a_constraint() -> None:
+    """A Constraint (for the grammar engine) is kept as given; anything else is refused naming the field."""
+    from mlx_trio.params import Constraint  # noqa: PLC0415
+
+    constraint = Constraint("lark", "start: \"x\"")
+    assert SamplingParams.from_kwargs({"constraint": constraint}).constraint == constraint
+    assert SamplingParams().constraint is None
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams.from_kwargs({"constraint": "start: x"})
+    assert info.value.field == "constraint"

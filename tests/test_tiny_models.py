@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_trio.testing import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, build_tiny_model, tiny_model
+from mlx_trio.testing import LLAMA, LLAMA_SWA, QWEN3, QWEN3_TOOLS, TinyModelSpec, build_tiny_model, tiny_model
 
 PRESETS = {"llama": LLAMA, "qwen3": QWEN3, "llama_swa": LLAMA_SWA}
 CHAT = [{"role": "user", "content": "Hello there, what is the capital of France?"}]
@@ -90,7 +90,7 @@ def test_sliding_window_model_generates_past_its_window(cache_root: Path) -> Non
     assert len(tokens) == 8
 
 
-@pytest.mark.parametrize("spec", [LLAMA, QWEN3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("spec", [LLAMA, QWEN3, QWEN3_TOOLS], ids=["llama", "qwen3", "qwen3_tools"])
 def test_build_is_byte_identical(spec: TinyModelSpec, tmp_path: Path) -> None:
     """Two builds of one spec in fresh directories write the same bytes."""
     first, second = build_tiny_model(spec, tmp_path / "a"), build_tiny_model(spec, tmp_path / "b")
@@ -131,3 +131,28 @@ def test_spec_rejects_unknown_arch_and_qwen3_window() -> None:
         TinyModelSpec("mistral")
     with pytest.raises(ValueError, match="sliding_window"):
         TinyModelSpec("qwen3", sliding_window=8)
+
+
+def test_tools_field_leaves_the_older_specs_keys_alone() -> None:
+    """The `tools` field enters the cache key only when set, so existing builds (and goldens) keep their keys."""
+    assert LLAMA.cache_key() == "llama-4bfea29d3029bf0c" and QWEN3.cache_key() == "qwen3-2f09bbffe168def1"
+    assert QWEN3_TOOLS.cache_key() != QWEN3.cache_key()
+
+
+def test_tools_model_has_single_marker_tokens_and_renders_tool_turns(cache_root: Path) -> None:
+    """QWEN3_TOOLS: <think>/<tool_call> markers are single tokens; the template renders tools, calls and results."""
+    _, tokenizer = mlx_lm.load(str(tiny_model(QWEN3_TOOLS, cache_root)))
+    for marker in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+        assert len(tokenizer.encode(marker, add_special_tokens=False)) == 1, marker
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    text = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert text.endswith('<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n\n<tool_call>\n'
+                         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+                         '<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n'
+                         '<|im_start|>assistant\n')

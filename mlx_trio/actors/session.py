@@ -190,7 +190,7 @@ class SessionActor:
         """Relay new tokens; True when a stop string ended the request."""
         visible: list[int] = []
         pieces: list[str] = []
-        stopped = False
+        stopped: str | None = None
         for token in token_ids:
             self.generated.append(token)
             if token in eos:
@@ -199,15 +199,15 @@ class SessionActor:
             update = text.add(token)
             pieces.append(update.text)
             if update.stopped:
-                stopped = True
+                stopped = update.stop
                 break
         if visible or any(pieces):
             await self._out.send(TextDelta("".join(pieces), tuple(visible)))
-        if stopped:
-            await self._finish("stop")
-        return stopped
+        if stopped is not None:
+            await self._finish("stop", stop_sequence=stopped)
+        return stopped is not None
 
-    async def _finish(self, reason: str) -> None:
+    async def _finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),
                       cached_tokens=self.cached_tokens)
-        await self._out.send(Finished(reason, usage))
+        await self._out.send(Finished(reason, usage, stop_sequence))

@@ -20,6 +20,8 @@ from mlx_lm import load as mlx_lm_load
 from mlx_trio.errors import InvalidParameter, ModelLoadError
 from mlx_trio.engine.default_model import resolve_model_path
 from mlx_trio.engine.kv_layout import KvLayout, measure_layout, weights_bytes
+from mlx_trio.engine.output_format import read_output_format
+from mlx_trio.output_format import PLAIN, OutputFormat
 
 Message = Mapping[str, Any]
 
@@ -41,14 +43,18 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     kv_layout: KvLayout
     weights_bytes: int
+    # Reasoning and tool-call markers; PLAIN for models without any.
+    output_format: OutputFormat = PLAIN
 
     def encode(self, prompt: str | Sequence[Message] | Sequence[int], *,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages) or given ids.
 
         A string is tokenized as mlx-lm's stream_generate does (special tokens
         added unless it already starts with BOS); messages go through the
-        model's chat template with the generation prompt appended.
+        model's chat template with the generation prompt appended, and
+        `tools` (OpenAI function tools) are given to the template as mlx_lm.server does.
         """
         if isinstance(prompt, str):
             return self._encode_text(prompt)
@@ -59,11 +65,12 @@ class LoadedModel:
                 raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return items
         if items and all(isinstance(m, Mapping) for m in items):
-            return self._encode_chat(items, dict(chat_template_kwargs or {}))
+            return self._encode_chat(items, dict(chat_template_kwargs or {}), tools)
         raise InvalidParameter("prompt", "must be a non-empty string, a list of chat messages or a list of token ids")
 
     def message_boundary(self, prompt: str | Sequence[Message] | Sequence[int], ids: Sequence[int], *,
-                         chat_template_kwargs: Mapping[str, Any] | None = None) -> int | None:
+                         chat_template_kwargs: Mapping[str, Any] | None = None,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> int | None:
         """Where the chat's last message starts in `ids` (its encoding), or None for a non-chat or a single message.
 
         Found from the template itself: the chat without its last message,
@@ -77,7 +84,7 @@ class LoadedModel:
         try:
             head = self.tokenizer.apply_chat_template(
                 [_flatten_content(m, i) for i, m in enumerate(prompt[:-1])], add_generation_prompt=False,
-                **dict(chat_template_kwargs or {}),
+                **dict(chat_template_kwargs or {}), **({"tools": [dict(t) for t in tools]} if tools else {}),
             )
         except Exception:  # a template may refuse a chat ending on a non-user turn: no boundary then
             return None
@@ -100,9 +107,13 @@ class LoadedModel:
         add_special = bos is None or not text.startswith(bos)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
-    def _encode_chat(self, messages: list[Message], template_kwargs: dict[str, Any]) -> list[int]:
+    def _encode_chat(self, messages: list[Message], template_kwargs: dict[str, Any],
+                     tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise InvalidParameter("messages", f"model {self.model_id} has no chat template; send a raw prompt instead")
+        if tools and not self.output_format.has_tool_calling:
+            raise InvalidParameter("tools", f"model {self.model_id} has no tool-calling format mlx-lm recognises "
+                                            "in its chat template; remove tools (or send tool_choice 'none')")
         reserved = sorted(set(template_kwargs) & _TEMPLATE_OWN_ARGS)
         if reserved:
             raise InvalidParameter("chat_template_kwargs", f"may not set {', '.join(reserved)}; the engine sets those")
@@ -113,6 +124,7 @@ class LoadedModel:
             ids = self.tokenizer.apply_chat_template(
                 [_flatten_content(m, i) for i, m in enumerate(messages)],
                 add_generation_prompt=True,
+                **({"tools": [dict(t) for t in tools]} if tools else {}),
                 **template_kwargs,
             )
         except InvalidParameter:
@@ -163,6 +175,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> Lo
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         kv_layout=measure_layout(loaded_model),
         weights_bytes=weights_bytes(loaded_model),
+        output_format=read_output_format(tokenizer),
     )
 
 

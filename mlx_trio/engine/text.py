@@ -23,6 +23,8 @@ class TextUpdate:
 
     text: str
     stopped: bool = False
+    # Which stop string matched, when `stopped`.
+    stop: str | None = None
 
 
 class TextStream:
@@ -55,20 +57,21 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> TextUpdate:
-        cut = self._first_stop()
-        if cut is not None:
+        hit = self._first_stop()
+        if hit is not None:
+            cut, stop = hit
             out, self._pending, self._stopped = self._pending[:cut], "", True
             self.text += out
-            return TextUpdate(out, stopped=True)
+            return TextUpdate(out, stopped=True, stop=stop)
         keep = 0 if final else self._held_tail()
         out = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(out) :]
         self.text += out
         return TextUpdate(out)
 
-    def _first_stop(self) -> int | None:
-        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+    def _first_stop(self) -> tuple[int, str] | None:
+        hits = [(i, s) for i, s in ((self._pending.find(s), s) for s in self._stop) if i >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _held_tail(self) -> int:
         """Length of the longest suffix of pending text that begins some stop string."""

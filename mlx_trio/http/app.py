@@ -16,6 +16,7 @@ from mlx_trio.http.drain import Drain
 from mlx_trio.http.errors import install_error_handlers
 from mlx_trio.http.guards import install_guards
 from mlx_trio.http.info import register_info
+from mlx_trio.http.messages import register_messages
 from mlx_trio.http.prometheus import Metrics, register_metrics
 from mlx_trio.http.state import AppState, EngineLike
 
@@ -42,6 +43,7 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     register_metrics(app, state)
     register_info(app, state)
     register_completions(app, state)
+    register_messages(app, state)
     register_admin(app, state)
     return app
 

@@ -16,12 +16,13 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from mlx_trio.errors import ActorCrashed, RequestError
+from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
 from mlx_trio.events import Finished, GenerationEvent, TextDelta
 from mlx_trio.http.errors import api_error, draining
 from mlx_trio.http.metrics import RequestLog
+from mlx_trio.http.output_router import OutputRouter
 from mlx_trio.http.requests import CompletionCall, decode_json_object, parse_chat, parse_text
-from mlx_trio.http.responses import ResponseShape
+from mlx_trio.http.responses import ResponseShape, gather
 from mlx_trio.http.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.sse import sse_stream
 from mlx_trio.http.state import AppState, closing
@@ -47,9 +48,10 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     if state.draining:
         raise draining()
     try:
-        prepared = state.engine.prepare(call.prompt, **call.prepare_kwargs())
+        prepared = state.engine.prepare(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
+    router = chat_router(state, call, prepared) if call.chat else None
     shape = ResponseShape.new(chat=call.chat, model=state.model_name())
     request_log = RequestLog(shape.id, kind="chat" if call.chat else "text", stream=call.stream,
                              metrics=state.metrics)
@@ -59,15 +61,16 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
-        first = await _first_event(events, request_log)
-        frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log)
+        first = await first_event(events, request_log)
+        frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log,
+                            router=router)
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
     outcome = "cancelled"
     try:
-        text, finished = await _collect(events, request_log)
+        text, finished = await collect(events, request_log)
         outcome = finished.finish_reason
     except Exception as exc:
         error = api_error(exc)
@@ -75,10 +78,35 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         raise
     finally:
         request_log.done(outcome)
-    return _json(shape.complete(text, finished.finish_reason, finished.usage))
+    if router is None:
+        return _json(shape.complete(text, finished.finish_reason, finished.usage))
+    content, reasoning, tool_calls = gather([*router.feed(text), *router.finish()])
+    return _json(shape.complete(content, router.finish_reason(finished.finish_reason), finished.usage,
+                                reasoning=reasoning, tool_calls=tool_calls))
 
 
-async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
+def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
+    """`tools` and the `tool_choice` constraint for `Engine.prepare`; none when the request uses no tools."""
+    if not call.tools.active:
+        return {}
+    fmt = state.engine.output_format
+    if not fmt.has_tool_calling:
+        raise InvalidParameter("tools", f"the model {state.model_name()!r} has no tool-calling format mlx-lm "
+                                        "recognises in its chat template; remove tools or send tool_choice 'none'")
+    kwargs: dict[str, Any] = {"tools": call.tools.template_tools()}
+    constraint = call.tools.constraint(fmt.tool_parser_kind)
+    if constraint is not None:
+        kwargs["constraint"] = constraint
+    return kwargs
+
+
+def chat_router(state: AppState, call: CompletionCall, prepared: Any, *, id_prefix: str = "call_") -> OutputRouter:
+    """The router for one chat answer; it starts in reasoning when the prompt left a think span open."""
+    return OutputRouter(state.engine.output_format, prompt_ids=getattr(prepared, "prompt_ids", ()),
+                        parse_tool_calls=call.tools.active, tools=call.tools.template_tools(), id_prefix=id_prefix)
+
+
+async def first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
     # Whatever ends this await (an error, the client leaving) also ends the generator: nothing to close.
     try:
         first = await anext(events)
@@ -94,7 +122,7 @@ async def _first_event(events: AsyncIterator[GenerationEvent], request_log: Requ
     return first
 
 
-async def _collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
+async def collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
     texts: list[str] = []
     async with closing(events):
         async for event in events:

@@ -52,6 +52,24 @@ class ApiError:
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error as the Anthropic API shapes it (for /v1/messages)."""
+        return {"type": "error", "error": {"type": _anthropic_type(self), "message": self.message}}
+
+
+# Paths whose clients expect Anthropic-shaped errors.
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error"}
+
+
+def _anthropic_type(error: ApiError) -> str:
+    if error.type == "overloaded_error":
+        return "overloaded_error"
+    if error.status >= 500:
+        return "api_error"
+    return _ANTHROPIC_TYPES.get(error.status, "invalid_request_error")
+
 
 class HttpError(Exception):
     """An error found by the HTTP layer itself (bad JSON, bad API key, CORS)."""
@@ -90,7 +108,7 @@ def invalid_value(param: str, message: str) -> HttpError:
 
 
 def unauthorized() -> HttpError:
-    return HttpError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+    return HttpError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                      type="authentication_error", code="invalid_api_key",
                      headers={"WWW-Authenticate": "Bearer"})
 
@@ -156,8 +174,9 @@ def _from_http_exception(exc: HTTPException, *, max_body_bytes: int | None, path
     return ApiError(status, message or exc.description or exc.name, type_, code, headers=headers)
 
 
-def error_response(error: ApiError) -> Response:
-    response = Response(_json_bytes(error.body()), status=error.status, mimetype="application/json")
+def error_response(error: ApiError, *, anthropic: bool = False) -> Response:
+    body = error.anthropic_body() if anthropic else error.body()
+    response = Response(_json_bytes(body), status=error.status, mimetype="application/json")
     response.headers.update(dict(error.headers))
     return response
 
@@ -179,7 +198,7 @@ def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
         else:  # the one line for a request refused before it reached the engine
             log.info("%s %s refused: %d %s%s", request.method, request.path, error.status, error.code,
                      f" ({error.param})" if error.param else "")
-        return error_response(error)
+        return error_response(error, anthropic=request.path.startswith(ANTHROPIC_PATHS))
 
     # Both registrations: quart looks HTTPException handlers up by status code first.
     app.register_error_handler(HTTPException, handle)

@@ -12,7 +12,7 @@ from mlx_trio.http.errors import origin_not_allowed, unauthorized
 # Reachable without a key: orchestrators probe health without credentials.
 PUBLIC_PATHS = frozenset({"/health"})
 ALLOWED_METHODS = "GET, POST, OPTIONS"
-DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type"
+DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
 PREFLIGHT_MAX_AGE_S = 600
 
 
@@ -43,9 +43,13 @@ def install_guards(app: Quart, config: ServerConfig) -> None:
 
 
 def _key_ok(expected: bytes) -> bool:
+    """OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients `x-api-key: <key>`; either will do."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     # compare_digest: the time taken must not tell how much of the key matched.
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected):
+        return True
+    api_key = request.headers.get("x-api-key")
+    return api_key is not None and hmac.compare_digest(api_key.strip().encode(), expected)
 
 
 def _preflight(config: ServerConfig) -> Response:

@@ -18,6 +18,7 @@ import attrs
 
 from mlx_trio.errors import ContextTooLong, InvalidParameter, RequestError
 from mlx_trio.http.errors import invalid_body, invalid_json
+from mlx_trio.http.tools import NO_TOOLS, ToolsRequest, parse_openai_tools, template_messages
 
 # Passed through to SamplingParams under the same names (mlx_lm.server's names).
 SAMPLING_FIELDS = (
@@ -58,6 +59,7 @@ class CompletionCall:
     chat_template_kwargs: Mapping[str, Any] | None
     stream: bool
     include_usage: bool
+    tools: ToolsRequest = NO_TOOLS
 
     @property
     def prompt_field(self) -> str:
@@ -86,7 +88,7 @@ def decode_json_object(raw: bytes | str) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers over Python's digit limit
         raise invalid_json(str(exc)) from None
     if not isinstance(body, dict):
-        raise invalid_body(_json_type(body))
+        raise invalid_body(json_type(body))
     return body
 
 
@@ -94,23 +96,25 @@ def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any])
     """`POST /v1/chat/completions`: `messages` plus the common fields."""
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise InvalidParameter("messages", f"must be a list of message objects, got {_json_type(messages)}")
+        raise InvalidParameter("messages", f"must be a list of message objects, got {json_type(messages)}")
     if not messages:
         raise InvalidParameter("messages", "must not be empty")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidParameter(f"messages[{i}]", f"must be an object, got {_json_type(message)}")
+            raise InvalidParameter(f"messages[{i}]", f"must be an object, got {json_type(message)}")
         if not isinstance(message.get("role"), str):
-            raise InvalidParameter(f"messages[{i}].role", f"must be a string, got {_json_type(message.get('role'))}")
+            raise InvalidParameter(f"messages[{i}].role", f"must be a string, got {json_type(message.get('role'))}")
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidParameter(f"messages[{i}].content",
-                                   f"must be a string, null or a list of text parts, got {_json_type(content)}")
+                                   f"must be a string, null or a list of text parts, got {json_type(content)}")
     if body.get("logprobs") not in (None, False):
         raise InvalidParameter("logprobs", "is not supported yet")
     if body.get("top_logprobs") not in (None, 0):
         raise InvalidParameter("top_logprobs", "is not supported yet")
-    return _common(body, chat=True, prompt=messages, template_defaults=template_defaults)
+    tools = parse_openai_tools(body)
+    call = _common(body, chat=True, prompt=template_messages(messages), template_defaults=template_defaults)
+    return attrs.evolve(call, tools=tools)
 
 
 def parse_text(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:
@@ -135,23 +139,23 @@ def _text_prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise InvalidParameter("prompt", "must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidParameter("prompt", "only one prompt per request is supported")
-    raise InvalidParameter("prompt", f"must be a non-empty string or a list of token ids, got {_json_type(prompt)}")
+    raise InvalidParameter("prompt", f"must be a non-empty string or a list of token ids, got {json_type(prompt)}")
 
 
 def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
             template_defaults: Mapping[str, Any]) -> CompletionCall:
-    _optional(body, "model", str)
-    _optional(body, "user", str)
-    stream = bool(_optional(body, "stream", bool))
+    optional_field(body, "model", str)
+    optional_field(body, "user", str)
+    stream = bool(optional_field(body, "stream", bool))
     include_usage = False
-    options = _optional(body, "stream_options", dict)
+    options = optional_field(body, "stream_options", dict)
     if options is not None:
-        include_usage = bool(_optional(options, "include_usage", bool, field="stream_options.include_usage"))
-    n = _optional(body, "n", int)
+        include_usage = bool(optional_field(options, "include_usage", bool, field="stream_options.include_usage"))
+    n = optional_field(body, "n", int)
     if n is not None and n != 1:
         raise InvalidParameter("n", f"only n=1 is supported, got {n}")
     sampling: dict[str, Any] = {}
@@ -159,7 +163,7 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise InvalidParameter(name, f"must be an integer >= 1, got {value!r:.80}")
         sampling["max_tokens"] = value
         break  # max_completion_tokens (OpenAI's newer name) wins, as in mlx_lm.server
@@ -173,12 +177,12 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
             raise InvalidParameter(name, f"must fit in 32 bits (at most {MAX_INT32}), got {value}")
     _check_logit_bias(sampling.get("logit_bias"))
     return CompletionCall(chat=chat, prompt=prompt, sampling=sampling,
-                          chat_template_kwargs=_template_kwargs(body, template_defaults) if chat else None,
+                          chat_template_kwargs=template_kwargs(body, template_defaults) if chat else None,
                           stream=stream, include_usage=include_usage)
 
 
-def _template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any] | None:
-    given = _optional(body, "chat_template_kwargs", dict) or {}
+def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any] | None:
+    given = optional_field(body, "chat_template_kwargs", dict) or {}
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(given))
     if reserved:
         raise InvalidParameter(f"chat_template_kwargs.{reserved[0]}", "is set by the server and cannot be overridden")
@@ -187,7 +191,7 @@ def _template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
 
 
 def _check_seed(seed: Any) -> None:
-    if _is_int(seed) and not 0 <= seed <= MAX_SEED:
+    if is_int(seed) and not 0 <= seed <= MAX_SEED:
         raise InvalidParameter("seed", f"must be between 0 and {MAX_SEED}, got {seed}")
 
 
@@ -200,24 +204,24 @@ def _check_logit_bias(bias: Any) -> None:
                                    f"bias for token {key!r:.40} must be between -100 and 100, got {value}")
 
 
-def _optional(body: Mapping[str, Any], name: str, kind: type, *, field: str | None = None) -> Any:
+def optional_field(body: Mapping[str, Any], name: str, kind: type, *, field: str | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return None
-    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    ok = is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
-        raise InvalidParameter(field or name, f"must be {_KIND_NAMES[kind]}, got {_json_type(value)}")
+        raise InvalidParameter(field or name, f"must be {_KIND_NAMES[kind]}, got {json_type(value)}")
     return value
 
 
 _KIND_NAMES = {str: "a string", bool: "a boolean", int: "an integer", dict: "an object"}
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
              list: "array", dict: "object"}
     return names.get(type(value), type(value).__name__)

@@ -17,6 +17,7 @@ import attrs
 
 import mlx_trio
 from mlx_trio.events import Usage
+from mlx_trio.http.output_router import Content, Piece, Reasoning, ToolCall, ToolCallMade
 
 
 def _version(dist: str) -> str:
@@ -64,11 +65,20 @@ class ResponseShape:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def complete(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        """The whole non-streamed response."""
+    def complete(self, text: str, finish_reason: str, usage: Usage, *, reasoning: str = "",
+                 tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
+        """The whole non-streamed response.
+
+        A chat message that only calls tools has `content` null (as OpenAI's);
+        `reasoning` and `tool_calls` appear only when there are some.
+        """
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+            if reasoning:
+                message["reasoning"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = [_tool_call(call) for call in tool_calls]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             head = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -88,6 +98,28 @@ class ResponseShape:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head(self._chunk_object), "choices": [choice]}
 
+    def piece_chunks(self, piece: Piece) -> list[dict[str, Any]]:
+        """Chat stream chunks for one routed piece.
+
+        A tool call is two chunks, as OpenAI streams them: its index, id, type
+        and name with empty arguments, then the arguments (one fragment: a
+        call is parsed whole, so it is sent whole).
+        """
+        if isinstance(piece, Content):
+            deltas: list[dict[str, Any]] = [{"content": piece.text}]
+        elif isinstance(piece, Reasoning):
+            deltas = [{"reasoning": piece.text}]
+        else:
+            call = piece.call
+            deltas = [
+                {"tool_calls": [{"index": piece.index, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]},
+                {"tool_calls": [{"index": piece.index, "function": {"arguments": call.arguments}}]},
+            ]
+        return [{**self._head(self._chunk_object),
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                for delta in deltas]
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The extra last chunk for `stream_options.include_usage`: no choices, only usage.
 
@@ -95,3 +127,14 @@ class ResponseShape:
         here, even for text completions; OpenAI sends the chunk object).
         """
         return {**self._head(self._chunk_object), "choices": [], "usage": usage_object(usage)}
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def gather(pieces: list[Piece]) -> tuple[str, str, tuple[ToolCall, ...]]:
+    """(content, reasoning, tool calls) of a whole non-streamed answer."""
+    content = "".join(p.text for p in pieces if isinstance(p, Content))
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    return content, reasoning, tuple(p.call for p in pieces if isinstance(p, ToolCallMade))

@@ -19,6 +19,7 @@ from typing import Any
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.errors import api_error
 from mlx_trio.http.metrics import RequestLog
+from mlx_trio.http.output_router import OutputRouter
 from mlx_trio.http.responses import ResponseShape
 from mlx_trio.http.state import closing
 
@@ -42,8 +43,12 @@ def comment(text: str) -> bytes:
 
 
 async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
-                     include_usage: bool, request_log: RequestLog) -> AsyncIterator[bytes]:
+                     include_usage: bool, request_log: RequestLog,
+                     router: OutputRouter | None = None) -> AsyncIterator[bytes]:
     """Frame one request's events as SSE: `first` (already taken from `events`), then the rest.
+
+    With a `router` (chat), text goes out as content, reasoning and tool-call
+    deltas; without one (text completions), as it came.
 
     Closing this generator early (the client went away: quart closes the body
     iterator, or cancels the task writing it) closes `events`, which cancels
@@ -54,11 +59,11 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
         async with closing(events):
             if shape.chat:
                 yield event(shape.chunk("", first=True))
-            for chunk in _frames(first, shape, include_usage):
+            for chunk in _frames(first, shape, include_usage, router):
                 yield chunk
             async for item in events:
                 request_log.saw(item)
-                for chunk in _frames(item, shape, include_usage):
+                for chunk in _frames(item, shape, include_usage, router):
                     yield chunk
                 if isinstance(item, Finished):
                     outcome = item.finish_reason
@@ -73,12 +78,20 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
     yield DONE
 
 
-def _frames(item: GenerationEvent, shape: ResponseShape, include_usage: bool) -> list[bytes]:
+def _frames(item: GenerationEvent, shape: ResponseShape, include_usage: bool,
+            router: OutputRouter | None) -> list[bytes]:
     if isinstance(item, PromptProgress):
         return [comment(f"keepalive {item.processed}/{item.total}")]
     if isinstance(item, TextDelta):
-        return [event(shape.chunk(item.text))] if item.text else []
-    frames = [event(shape.chunk("", finish_reason=item.finish_reason))]
+        if router is None:
+            return [event(shape.chunk(item.text))] if item.text else []
+        return [event(chunk) for piece in router.feed(item.text) for chunk in shape.piece_chunks(piece)]
+    frames = []
+    finish_reason = item.finish_reason
+    if router is not None:
+        frames = [event(chunk) for piece in router.finish() for chunk in shape.piece_chunks(piece)]
+        finish_reason = router.finish_reason(finish_reason)
+    frames.append(event(shape.chunk("", finish_reason=finish_reason)))
     if include_usage:
         frames.append(event(shape.usage_chunk(item.usage)))
     return frames

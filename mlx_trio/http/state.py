@@ -15,6 +15,7 @@ from mlx_trio.events import GenerationEvent
 from mlx_trio.http.config import ServerConfig
 from mlx_trio.http.drain import Drain
 from mlx_trio.http.prometheus import Metrics
+from mlx_trio.output_format import OutputFormat
 from mlx_trio.supervision.faults import Faults
 
 
@@ -31,8 +32,11 @@ class EngineLike(Protocol):
     @property
     def model_id(self) -> str: ...  # raises an MlxTrioError while the model loads
 
+    @property
+    def output_format(self) -> OutputFormat: ...  # the model's reasoning and tool-call markers
+
     def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                **sampling: Any) -> Any: ...
+                **sampling: Any) -> Any: ...  # also takes tools=[...] (only sent when a request has tools)
 
     def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
 

@@ -4,9 +4,10 @@ from mlx_trio.testing.tiny_models import (
     LLAMA,
     LLAMA_SWA,
     QWEN3,
+    QWEN3_TOOLS,
     TinyModelSpec,
     build_tiny_model,
     tiny_model,
 )
 
-__all__ = ["LLAMA", "LLAMA_SWA", "QWEN3", "TinyModelSpec", "build_tiny_model", "tiny_model"]
+__all__ = ["LLAMA", "LLAMA_SWA", "QWEN3", "QWEN3_TOOLS", "TinyModelSpec", "build_tiny_model", "tiny_model"]

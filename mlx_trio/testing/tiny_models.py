@@ -38,6 +38,49 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# For `TinyModelSpec(tools=True)`: single tokens that make mlx-lm's TokenizerWrapper see a
+# thinking model (`<think>`) and, with the template below, a Hermes/Qwen tool caller.
+TOOL_SPECIAL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+# Qwen3's template cut down to what tests need: tools in the system turn, assistant
+# `tool_calls` as `<tool_call>` JSON, `tool` results grouped in a user turn, and
+# `enable_thinking=False` closing an empty think span. mlx-lm infers the `json_tools`
+# parser from it (it names `<tool_call>` and `tool_call.name`).
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small model can still be a useful
 test subject when its weights are random, as long as it is deterministic and fast.
@@ -83,6 +126,8 @@ class TinyModelSpec:
     # residual stream is mostly the current token's embedding, so greedy decoding
     # falls into 2-token loops; a gain of ~3 lets the context steer the output.
     layer_scale: float = 3.0
+    # Thinking and tool-call tokens plus QWEN_TOOLS_TEMPLATE instead of plain ChatML.
+    tools: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.arch not in ("llama", "qwen3"):
@@ -91,20 +136,24 @@ class TinyModelSpec:
             raise ValueError("sliding_window is only supported for arch='llama'")
 
     def cache_key(self) -> str:
-        fields = json.dumps({**attrs.asdict(self), "build_version": BUILD_VERSION}, sort_keys=True)
+        fields_dict = attrs.asdict(self)
+        if not self.tools:
+            del fields_dict["tools"]  # keeps the keys of specs that predate the field
+        fields = json.dumps({**fields_dict, "build_version": BUILD_VERSION}, sort_keys=True)
         return f"{self.arch}-{hashlib.sha256(fields.encode()).hexdigest()[:16]}"
 
 
 LLAMA = TinyModelSpec("llama")
 QWEN3 = TinyModelSpec("qwen3")
 LLAMA_SWA = TinyModelSpec("llama", sliding_window=16)
+QWEN3_TOOLS = TinyModelSpec("qwen3", tools=True)
 
 
 def build_tiny_model(spec: TinyModelSpec, out_dir: Path) -> Path:
     """Write an mlx-lm model directory for `spec` into `out_dir` (created if needed); return it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer = train_tokenizer(spec.vocab_size, extra_special_tokens=TOOL_SPECIAL_TOKENS if spec.tools else ())
     config = model_config(spec, vocab_size=tokenizer.get_vocab_size())
     mx.save_safetensors(str(out_dir / "model.safetensors"), _random_weights(spec, config), metadata={"format": "mlx"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -121,7 +170,7 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: Path) -> Path:
             "clean_up_tokenization_spaces": False,
             "model_max_length": spec.max_position_embeddings,
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": CHATML_TEMPLATE,
+            "chat_template": QWEN_TOOLS_TEMPLATE if spec.tools else CHATML_TEMPLATE,
         },
         "special_tokens_map.json": {"eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>"},
         "generation_config.json": {"eos_token_id": eos_id},
@@ -156,14 +205,14 @@ def tiny_model(spec: TinyModelSpec, cache_root: Path | None = None) -> Path:
     return path
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE over the embedded corpus; ids 0-2 are the special tokens."""
+def train_tokenizer(vocab_size: int, *, extra_special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE over the embedded corpus; ids 0-2 are the special tokens, then any extra ones."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         # Every byte gets a token, so any text encodes even if the corpus lacks it.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

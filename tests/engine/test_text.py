@@ -70,3 +70,11 @@ def test_matches_a_plain_find_on_the_whole_text(text: str, stop: list[str]) -> N
     out, stopped, _ = _run(text, stop)
     assert out == expected
     assert stopped == hit
+
+
+def test_the_matched_stop_string_is_named() -> None:
+    """The update that stops names the stop string that matched first in the text (Anthropic's stop_sequence)."""
+    stream = TextStream(CharDetokenizer(), ["zz", "b"])
+    updates = [stream.add(ord(ch)) for ch in "abzz"[:2]]
+    assert updates[-1].stopped and updates[-1].stop == "b" and updates[-1].text == ""
+    assert not updates[0].stopped and updates[0].stop is None

@@ -8,6 +8,7 @@ import pytest
 from http_helpers import ServerThread, tiny_engine_config
 
 from mlx_trio.http import ServerConfig
+from mlx_trio.output_format import OutputFormat
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +19,14 @@ def live_server() -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tools_format() -> OutputFormat:
+    """The output format mlx-lm reads from the QWEN3_TOOLS tiny model (Hermes `<tool_call>` JSON, `<think>`)."""
+    from mlx_lm.tokenizer_utils import load  # noqa: PLC0415  (tests may import mlx-lm; the http package may not)
+
+    from mlx_trio.engine.output_format import read_output_format  # noqa: PLC0415
+    from mlx_trio.testing import QWEN3_TOOLS, tiny_model  # noqa: PLC0415
+
+    return read_output_format(load(tiny_model(QWEN3_TOOLS)))

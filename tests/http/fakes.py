@@ -10,6 +10,7 @@ import trio
 
 from mlx_trio.errors import ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
+from mlx_trio.output_format import PLAIN, OutputFormat
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision.faults import Faults
 
@@ -18,6 +19,11 @@ from mlx_trio.supervision.faults import Faults
 class FakeRequest:
     prompt_tokens: int
     params: SamplingParams
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        # Token 0 only: no marker of a real model's format (a think start would start in reasoning).
+        return (0,) * self.prompt_tokens
 
 
 class FakeEngine:
@@ -41,6 +47,7 @@ class FakeEngine:
         self.closed_streams = 0
         self.prepared: list[tuple[Any, dict[str, Any]]] = []
         self.faults = Faults()
+        self.output_format: OutputFormat = PLAIN
 
     def health(self) -> tuple[bool, str]:
         return (True, "ok") if self.loaded else (False, "loading model")
@@ -86,7 +93,7 @@ class FakeEngine:
                 stop = next((s for s in request.params.stop if s in text + word), None)
                 if stop is not None:
                     yield TextDelta((text + word)[len(text):(text + word).index(stop)], (i,))
-                    yield Finished("stop", Usage(request.prompt_tokens, i + 1))
+                    yield Finished("stop", Usage(request.prompt_tokens, i + 1), stop_sequence=stop)
                     return
                 text += word
                 yield TextDelta(word, (i,))
@@ -95,3 +102,34 @@ class FakeEngine:
             self.active -= 1
             self.kv_bytes -= 1000
             self.closed_streams += 1
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers each request with the next scripted text, a few characters per delta, then "stop".
+
+    `output_format` is a real model's (e.g. the QWEN3_TOOLS tiny model's, read
+    by mlx-lm), so the HTTP layer splits the script as it would that model's
+    output; small deltas cut the markers in pieces. `prepared` records each
+    request's prompt and keywords, `tools` included.
+    """
+
+    def __init__(self, output_format: OutputFormat, scripts: list[str], *, chars_per_delta: int = 3) -> None:
+        super().__init__(context_length=100_000)
+        self.output_format = output_format
+        self.scripts = list(scripts)
+        self.chars_per_delta = chars_per_delta
+
+    def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: Any = None, **sampling: Any) -> FakeRequest:
+        request = super().prepare(prompt, chat_template_kwargs=chat_template_kwargs, **sampling)
+        self.prepared[-1][1]["tools"] = tools
+        return request
+
+    async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
+        text = self.scripts.pop(0)
+        yield PromptProgress(request.prompt_tokens, request.prompt_tokens)
+        step = self.chars_per_delta
+        for i in range(0, len(text), step):
+            await trio.lowlevel.checkpoint()
+            yield TextDelta(text[i:i + step], (i,))
+        yield Finished("stop", Usage(request.prompt_tokens, len(text)))

@@ -1,0 +1,163 @@
+"""Split one request's generated text into content, reasoning and tool calls.
+
+The engine streams plain text; the model's markers (`<think>`, `<tool_call>`,
+…, read from its tokenizer by mlx-lm) say which part is which. The router
+drives mlx-lm's `TextStateMachine` over that text, which matches markers on
+text (so a marker split across deltas, or merged with the next byte into one
+token, still matches) and holds back text that may be the start of one.
+Reasoning and content come out as soon as they are known; a tool call comes
+out whole once its end marker arrives, parsed by mlx-lm's tool parser for
+the model. Both the OpenAI and the Anthropic shapes, streamed or not, are
+built from the same `Piece`s.
+
+A call that does not parse (truncated by max_tokens, or malformed) is given
+back as content, markers included, so no generated text is lost; so is
+every call when the request did not ask for tool parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from mlx_trio.output_format import NORMAL, REASONING, TOOL, OutputFormat
+
+log = logging.getLogger("mlx_trio.http")
+
+
+@attrs.frozen
+class ToolCall:
+    """One parsed call; `arguments` is JSON text (OpenAI's `function.arguments`)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@attrs.frozen
+class Content:
+    text: str
+
+
+@attrs.frozen
+class Reasoning:
+    text: str
+
+
+@attrs.frozen
+class ToolCallMade:
+    """The `index`-th call of this response (0-based, counting every call so far)."""
+
+    index: int
+    call: ToolCall
+
+
+Piece = Content | Reasoning | ToolCallMade
+
+
+class OutputRouter:
+    """One per request: `feed` each text delta, then `finish` once; both return the new pieces."""
+
+    def __init__(self, fmt: OutputFormat, *, prompt_ids: Sequence[int] = (), parse_tool_calls: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_") -> None:
+        self._fmt = fmt
+        self._parse = parse_tool_calls and fmt.has_tool_calling
+        self._tools = [dict(t) for t in tools] if tools else None
+        self._id_prefix = id_prefix
+        self._current = fmt.initial_state(prompt_ids)
+        self._sm_state = fmt.splitter.make_state(self._current) if fmt.splitter is not None else None
+        # Invariant: the body of the call being read, while `_current` is "tool".
+        self._tool_text = ""
+        # Whitespace written after a call, held back: between calls (Qwen puts "\n" there) and at
+        # the end it is call syntax and dropped; before more text it is content.
+        self._after_call: str | None = None
+        self.num_tool_calls = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._sm_state is None:
+            return [Content(text)] if text else []
+        self._sm_state, segments = self._fmt.splitter.split(self._sm_state, text)
+        return self._route(segments)
+
+    def finish(self) -> list[Piece]:
+        """Flush held-back text; a call left open (no end marker) is parsed as it stands.
+
+        Flushed, not dropped: the engine never puts EOS or a stop string into
+        the text, so what is held back here is the model's own output.
+        """
+        if self._sm_state is None:
+            return []
+        self._sm_state, held, state = self._fmt.splitter.flush(self._sm_state)
+        pieces = self._route([(state, held)])
+        if self._current == TOOL:
+            pieces.extend(self._end_call(closed=False))
+        self._after_call = None
+        return pieces
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """OpenAI's "tool_calls" when the model stopped after calling tools, else the engine's reason."""
+        return "tool_calls" if engine_reason == "stop" and self.num_tool_calls else engine_reason
+
+    def _route(self, segments: list[tuple[str | None, str]]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for state, text in segments:
+            if self._current == TOOL and state != TOOL:
+                pieces.extend(self._end_call(closed=True))
+            self._current = state or NORMAL
+            if state == TOOL:
+                self._after_call = None
+                self._tool_text += text
+            elif not text:
+                continue
+            elif state == REASONING:
+                pieces.append(Reasoning(text))
+            elif state == NORMAL or state is None:
+                if self._after_call is not None:
+                    if not text.strip():
+                        self._after_call += text
+                        continue
+                    text, self._after_call = self._after_call + text, None
+                pieces.append(Content(text))
+            # Other states belong to a response format's framing (headers): not shown, as in mlx_lm.server.
+        return pieces
+
+    def _end_call(self, *, closed: bool) -> list[Piece]:
+        body, self._tool_text = self._tool_text, ""
+        raw = (self._fmt.tool_call_start or "") + body + ((self._fmt.tool_call_end or "") if closed else "")
+        if not self._parse:
+            return [Content(raw)]
+        calls = self._parsed(body)
+        if calls is None:
+            return [Content(raw)]
+        pieces: list[Piece] = []
+        for call in calls:
+            pieces.append(ToolCallMade(self.num_tool_calls, call))
+            self.num_tool_calls += 1
+        self._after_call = ""
+        return pieces
+
+    def _parsed(self, body: str) -> list[ToolCall] | None:
+        assert self._fmt.parse_tool_call is not None  # `_parse` is only set for formats with a parser
+        try:
+            parsed = self._fmt.parse_tool_call(body, self._tools)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            return [self._call(item) for item in items]
+        except Exception as exc:  # noqa: BLE001  (mlx-lm's parsers raise whatever their parsing hits)
+            log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
+            return None
+
+    def _call(self, item: Any) -> ToolCall:
+        name, arguments = item["name"], item.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"no function name in {item!r:.80}")
+        if isinstance(arguments, str):
+            json.loads(arguments)  # arguments must be JSON text; a ValueError makes the call content
+        else:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call_id = item.get("id") if isinstance(item.get("id"), str) else None
+        return ToolCall(call_id or f"{self._id_prefix}{uuid.uuid4().hex[:24]}", name, arguments)

@@ -1,0 +1,65 @@
+"""read_output_format: mlx-lm's markers and parser for a model, and the real detokenizer feeding the router."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlx_lm.tokenizer_utils import load
+
+from mlx_trio.engine.model import load_model
+from mlx_trio.engine.output_format import read_output_format
+from mlx_trio.engine.text import TextStream
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.http.output_router import Content, OutputRouter, Reasoning, ToolCallMade
+from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
+
+ANSWER = ('<think>Paris it is.</think>Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>')
+
+
+def test_tool_model_format_is_read_from_its_tokenizer_and_template() -> None:
+    """QWEN3_TOOLS: single-token think markers, Hermes <tool_call> markers and mlx-lm's json_tools parser."""
+    tokenizer = load(Path(tiny_model(QWEN3_TOOLS)))
+    fmt = read_output_format(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (fmt.think_start, fmt.think_end, fmt.think_start_ids, fmt.think_end_ids) == (
+        "<think>", "</think>", (ids[0],), (ids[1],))
+    assert (fmt.tool_call_start, fmt.tool_call_end, fmt.tool_parser_kind) == ("<tool_call>", "</tool_call>", "json_tools")
+    assert fmt.has_tool_calling and fmt.has_thinking
+    assert fmt.parse_tool_call('\n{"name": "f", "arguments": {"a": 1}}\n', None) == {"name": "f", "arguments": {"a": 1}}
+
+
+def test_chatml_model_has_no_markers() -> None:
+    """The plain ChatML tiny Llama: no thinking, no tool calling."""
+    fmt = read_output_format(load(Path(tiny_model(LLAMA))))
+    assert not fmt.has_tool_calling and not fmt.has_thinking and fmt.tool_parser_kind is None
+    assert fmt.initial_state([1, 2, 3]) == "normal"
+
+
+def test_real_detokenizer_token_by_token_feeds_the_router() -> None:
+    """The model's own token ids, detokenized one at a time as a session does, route to the exact pieces."""
+    tokenizer = load(Path(tiny_model(QWEN3_TOOLS)))
+    router = OutputRouter(read_output_format(tokenizer), parse_tool_calls=True)
+    text = TextStream(tokenizer.detokenizer)
+    pieces = []
+    for token in tokenizer.encode(ANSWER, add_special_tokens=False):
+        pieces += router.feed(text.add(token).text)
+    pieces += router.feed(text.finish().text) + router.finish()
+    assert "".join(p.text for p in pieces if isinstance(p, Reasoning)) == "Paris it is."
+    assert "".join(p.text for p in pieces if isinstance(p, Content)) == "Sure."
+    [call] = [p for p in pieces if isinstance(p, ToolCallMade)]
+    assert call.call.name == "get_weather" and json.loads(call.call.arguments) == {"city": "Paris"}
+
+
+def test_tools_for_a_model_without_tool_calling_are_refused() -> None:
+    """LoadedModel.encode refuses tools for a template mlx-lm finds no tool format in, naming `tools`."""
+    model = load_model(str(tiny_model(LLAMA)))
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(InvalidParameter) as info:
+        model.encode([{"role": "user", "content": "hi"}], tools=tools)
+    assert info.value.field == "tools"
+    tool_model = load_model(str(tiny_model(QWEN3_TOOLS)))
+    with_tools = tool_model.encode([{"role": "user", "content": "hi"}], tools=tools)
+    assert len(with_tools) > len(tool_model.encode([{"role": "user", "content": "hi"}]))

@@ -1,0 +1,113 @@
+"""OutputRouter: a model's text → content, reasoning and tool calls, however the text is cut into deltas."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_trio.http.output_router import Content, OutputRouter, Piece, Reasoning, ToolCallMade
+from mlx_trio.output_format import PLAIN, OutputFormat
+
+CALL_F = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_G = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+ANSWER = "<think>The user wants weather.</think>\n\nLet me check." + CALL_F + "\n" + CALL_G
+
+
+def _route(fmt: OutputFormat, deltas: list[str], **options: object) -> tuple[list[Piece], OutputRouter]:
+    router = OutputRouter(fmt, **options)  # type: ignore[arg-type]
+    pieces = [p for d in deltas for p in router.feed(d)]
+    return pieces + router.finish(), router
+
+
+def _merged(pieces: list[Piece]) -> list[tuple[str, object]]:
+    """Adjacent text pieces of one kind joined, calls without their random ids."""
+    out: list[tuple[str, object]] = []
+    for piece in pieces:
+        if isinstance(piece, ToolCallMade):
+            out.append(("call", (piece.index, piece.call.name, json.loads(piece.call.arguments))))
+            continue
+        kind = "content" if isinstance(piece, Content) else "reasoning"
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, str(out[-1][1]) + piece.text)
+        else:
+            out.append((kind, piece.text))
+    return out
+
+
+EXPECTED = [
+    ("reasoning", "The user wants weather."),
+    ("content", "\n\nLet me check."),
+    ("call", (0, "get_weather", {"city": "Paris"})),
+    ("call", (1, "get_time", {})),
+]
+
+
+def test_whole_answer_splits_into_reasoning_content_and_two_calls(tools_format: OutputFormat) -> None:
+    """One delta: reasoning, the content between, then both calls with indices 0 and 1; finish is tool_calls."""
+    pieces, router = _route(tools_format, [ANSWER], parse_tool_calls=True)
+    assert _merged(pieces) == EXPECTED
+    assert router.num_tool_calls == 2
+    assert router.finish_reason("stop") == "tool_calls" and router.finish_reason("length") == "length"
+    ids = [p.call.id for p in pieces if isinstance(p, ToolCallMade)]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(ANSWER) - 1), max_size=30, unique=True))
+def test_any_cut_into_deltas_routes_the_same(tools_format: OutputFormat, cuts: list[int]) -> None:
+    """Markers split across deltas still match: every cut gives the same pieces, and no marker text leaks."""
+    bounds = [0, *sorted(cuts), len(ANSWER)]
+    pieces, _ = _route(tools_format, [ANSWER[a:b] for a, b in pairwise(bounds)], parse_tool_calls=True)
+    assert _merged(pieces) == EXPECTED
+    shown = "".join(p.text for p in pieces if isinstance(p, (Content, Reasoning)))
+    assert "<" not in shown and ">" not in shown
+
+
+def test_prompt_ending_in_an_open_think_starts_in_reasoning(tools_format: OutputFormat) -> None:
+    """When the generation prompt opened <think>, text up to </think> is reasoning without a start marker."""
+    think, end = tools_format.think_start_ids[0], tools_format.think_end_ids[0]
+    pieces, _ = _route(tools_format, ["plan", "</think>", "answer"], prompt_ids=[1, 2, think])
+    assert _merged(pieces) == [("reasoning", "plan"), ("content", "answer")]
+    closed, _ = _route(tools_format, ["answer"], prompt_ids=[think, 7, end])
+    assert _merged(closed) == [("content", "answer")]
+
+
+def test_calls_are_content_when_the_request_asked_for_no_tool_parsing(tools_format: OutputFormat) -> None:
+    """Without tools (or with tool_choice none), a call the model writes anyway stays content, markers and all."""
+    pieces, router = _route(tools_format, ["Hi " + CALL_F], parse_tool_calls=False)
+    assert _merged(pieces) == [("content", "Hi " + CALL_F)]
+    assert router.finish_reason("stop") == "stop"
+
+
+def test_truncated_or_malformed_call_is_given_back_as_content(tools_format: OutputFormat) -> None:
+    """A call cut by max_tokens, or one that is not JSON, comes back as content so no text is lost."""
+    truncated, router = _route(tools_format, ["x", CALL_F[:30]], parse_tool_calls=True)
+    assert _merged(truncated) == [("content", "x" + CALL_F[:30])]
+    assert router.num_tool_calls == 0 and router.finish_reason("length") == "length"
+    bad, _ = _route(tools_format, ["<tool_call>not json</tool_call>done"], parse_tool_calls=True)
+    assert _merged(bad) == [("content", "<tool_call>not json</tool_call>done")]
+
+
+def test_whitespace_after_a_call_is_dropped_unless_text_follows(tools_format: OutputFormat) -> None:
+    """The newline between or after calls is call syntax; text after a call keeps its leading whitespace."""
+    pieces, _ = _route(tools_format, [CALL_F, "\n", CALL_G, "\n\n"], parse_tool_calls=True)
+    assert [kind for kind, _ in _merged(pieces)] == ["call", "call"]
+    more, _ = _route(tools_format, [CALL_F, "\n", " Done."], parse_tool_calls=True)
+    assert _merged(more)[1:] == [("content", "\n Done.")]
+
+
+def test_a_held_back_marker_prefix_is_flushed_at_the_end(tools_format: OutputFormat) -> None:
+    """Text that only looked like the start of a marker is shown once the answer ends."""
+    router = OutputRouter(tools_format, parse_tool_calls=True)
+    assert router.feed("a <tool") == [Content("a ")]
+    assert router.finish() == [Content("<tool")]
+
+
+def test_plain_format_passes_text_through() -> None:
+    """A model without markers: every delta is content, unchanged."""
+    pieces, router = _route(PLAIN, ["<think>x", "</think>"], parse_tool_calls=True)
+    assert pieces == [Content("<think>x"), Content("</think>")]
+    assert router.finish_reason("stop") == "stop"

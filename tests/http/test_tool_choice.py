@@ -1,0 +1,90 @@
+"""tool_choice_constraint: the lark grammar that forces Hermes/Qwen tool calls, checked with llguidance."""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+import pytest
+from transformers import AutoTokenizer
+
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.http.tool_choice import tool_choice_constraint
+from mlx_trio.params import Constraint
+from mlx_trio.testing import QWEN3_TOOLS, tiny_model
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [WEATHER, TIME]
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(str(tiny_model(QWEN3_TOOLS))))
+
+
+def _accepts(tokenizer: llguidance.LLTokenizer, constraint: Constraint, text: str) -> bool:
+    """Whether the grammar lets the model write `text` (tokenized as the model would) and then stop."""
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(constraint.source))
+    assert not matcher.is_error(), matcher.get_error()
+    hf = AutoTokenizer.from_pretrained(str(tiny_model(QWEN3_TOOLS)))
+    for token in hf.encode(text, add_special_tokens=False):
+        if not matcher.consume_token(token):
+            return False
+    return matcher.is_accepting()
+
+
+def test_auto_and_none_need_no_constraint() -> None:
+    """Nothing to enforce for "auto" and "none", whatever the format."""
+    assert tool_choice_constraint(TOOLS, "auto", "json_tools") is None
+    assert tool_choice_constraint(TOOLS, "none", None) is None
+
+
+def test_required_grammar_is_exact_and_valid() -> None:
+    """"required" is a lark grammar: one or more newline-separated calls, one alternative per function."""
+    constraint = tool_choice_constraint(TOOLS, "required", "json_tools")
+    assert constraint is not None and constraint.kind == "lark"
+    lines = constraint.source.splitlines()
+    assert lines[:3] == ["%llguidance {}", 'start: call ("\\n" call)*',
+                         'call: <tool_call> "\\n" (fn_0 | fn_1) "\\n" </tool_call>']
+    assert lines[3].startswith('fn_0: %json {"type": "object", "properties": {"name": {"const": "get_weather"}')
+    assert lines[4] == ('fn_1: %json {"type": "object", "properties": {"name": {"const": "get_time"}, '
+                        '"arguments": {"type": "object"}}, "required": ["name", "arguments"], '
+                        '"additionalProperties": false}')
+    assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(constraint.source)) == ""
+
+
+def test_required_accepts_calls_and_rejects_text(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    """With the model's own tokens: calls (one or two) pass; prose, or arguments off the schema, do not."""
+    constraint = tool_choice_constraint(TOOLS, "required", "json_tools")
+    assert constraint is not None
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert _accepts(ll_tokenizer, constraint, call)
+    assert _accepts(ll_tokenizer, constraint, call + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not _accepts(ll_tokenizer, constraint, "Sure! " + call)
+    assert not _accepts(ll_tokenizer, constraint, call.replace('"city"', '"town"'))
+
+
+def test_named_function_allows_only_that_function_once(ll_tokenizer: llguidance.LLTokenizer) -> None:
+    """A named function: exactly one call of it; another function, or a second call, is refused."""
+    constraint = tool_choice_constraint(TOOLS, "function", "json_tools", function_name="get_time")
+    assert constraint is not None and "get_weather" not in constraint.source
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert _accepts(ll_tokenizer, constraint, call)
+    assert not _accepts(ll_tokenizer, constraint, call + "\n" + call)
+    assert not _accepts(ll_tokenizer, constraint, call.replace("get_time", "get_weather"))
+
+
+def test_parallel_false_allows_one_call() -> None:
+    """parallel_tool_calls false: the start rule is a single call."""
+    constraint = tool_choice_constraint(TOOLS, "required", "json_tools", parallel=False)
+    assert constraint is not None and constraint.source.splitlines()[1] == "start: call"
+
+
+@pytest.mark.parametrize("kind", [None, "mistral", "qwen3_coder"])
+def test_formats_without_a_grammar_are_refused(kind: str | None) -> None:
+    """"required" on a format we cannot write as a grammar is a 400 on tool_choice, never a silent "auto"."""
+    with pytest.raises(InvalidParameter) as info:
+        tool_choice_constraint(TOOLS, "required", kind)
+    assert info.value.field == "tool_choice"
+    assert "use tool_choice 'auto'" in str(info.value)
