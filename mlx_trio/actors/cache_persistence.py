@@ -244,9 +244,9 @@ class CachePersistenceActor:
             self._writes += 1
 
     def _degrade(self, exc: OSError) -> None:
-        if not self._degraded:
-            self._degraded = True
-            log.warning("prompt cache directory unusable (%s): continuing with the prompt cache in RAM only", exc)
+        # Called at most once: writes are sequential, and none is attempted once degraded.
+        self._degraded = True
+        log.warning("prompt cache directory unusable (%s): continuing with the prompt cache in RAM only", exc)
 
     def _finish(self, pending: _PendingWrite) -> None:
         if pending.caches is not None:

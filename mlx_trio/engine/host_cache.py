@@ -32,8 +32,11 @@ def to_host(caches: Sequence[Any], tokens: Sequence[int]) -> HostEntry:
 
     Reads the caches, never changes them. A `KVCache` is cut to its `offset`
     (its buffer grows in steps of 256 positions, the tail holds nothing). Raises
-    ValueError for a state leaf that is neither an array nor a plain scalar.
+    ValueError when a layer's `offset` is not `len(tokens)` (the entry would be
+    stored under the wrong key), or for a state leaf that is neither an array
+    nor a plain scalar.
     """
+    _check_offsets(caches, len(tokens))
     states = [_compact_state(c) for c in caches]
     mx.eval([leaf for s in states for leaf in _leaves(s) if isinstance(leaf, mx.array)])
     arrays: dict[str, np.ndarray] = {}
@@ -77,6 +80,7 @@ def from_host(entry: HostEntry) -> list[Any]:
         return node
 
     caches = [_cache_class(name).from_state(decode(tree)) for name, tree in zip(classes, trees)]
+    _check_offsets(caches, len(entry.tokens))
     mx.eval([leaf for c in caches for leaf in _leaves(c.state) if isinstance(leaf, mx.array)])
     return caches
 
@@ -91,6 +95,13 @@ def _compact_state(cache: Any) -> Any:
         n = cache.offset
         return cache.keys[..., :n, :], cache.values[..., :n, :], n
     return cache.state
+
+
+def _check_offsets(caches: Sequence[Any], num_tokens: int) -> None:
+    # Layers that count positions must hold exactly the entry's tokens (recurrent state has no count).
+    wrong = [i for i, c in enumerate(caches) if getattr(c, "offset", num_tokens) != num_tokens]
+    if wrong:
+        raise ValueError(f"layer {wrong[0]} holds {caches[wrong[0]].offset} positions, the entry {num_tokens} tokens")
 
 
 def _cache_class(name: Any) -> type:

@@ -147,10 +147,20 @@ def test_metadata_naming_anything_but_a_cache_class_is_refused(bad: Any) -> None
 
 def test_a_state_leaf_that_cannot_be_stored_is_refused() -> None:
     """A state holding something other than arrays and plain scalars raises instead of writing garbage."""
-    odd = KVCache()
-    odd.offset = object()
+    odd = ArraysCache(1)
+    odd[0] = object()
     with pytest.raises(ValueError, match="unserialisable object"):
         to_host([odd], [])
+
+
+def test_caches_must_hold_exactly_the_entry_tokens() -> None:
+    """An offset that disagrees with the tokens would file the entry under a wrong key: refused both ways."""
+    caches = _prefilled(_llama_swa(), PROMPT[:SPLIT])
+    with pytest.raises(ValueError, match=f"holds {SPLIT} positions, the entry {SPLIT - 1} tokens"):
+        to_host(caches, PROMPT[:SPLIT - 1])
+    entry = to_host(caches, PROMPT[:SPLIT])
+    with pytest.raises(ValueError, match="positions"):
+        from_host(attrs.evolve(entry, tokens=entry.tokens + (1,)))
 
 
 def test_host_entry_defaults_its_byte_count() -> None:
