@@ -3,7 +3,7 @@
 An engine owns one `Faults` registry. Actors call `faults.check(actor_id)`
 at each message or step; an armed fault for that id fires there, once. Ids
 are the ones `/v1/status` shows (`decode-step`, `prefill`, `admission`,
-`gpu-lease`, `http`, `session-req-7`); the id `session` matches any session.
+`gpu-lease`, `cache-persistence`, `http`, `session-req-7`); the id `session` matches any session.
 `GET/POST /v1/admin/faults` (only with `--enable-fault-injection`) arms them.
 """
 
@@ -16,7 +16,7 @@ import attrs
 
 class FaultKind(enum.Enum):
     RAISE = "raise"  # raise InjectedFault inside the actor (or inside a lease job for gpu-lease)
-    HANG = "hang"  # a lease job that never finishes, until the watchdog gives up on it
+    HANG = "hang"  # a lease job that never finishes, until the watchdog gives up on it (cache-persistence: its next write)
     FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
 
 

@@ -1,0 +1,272 @@
+"""The cache-persistence actor: the prompt cache's SSD tier, written in the background.
+
+The RAM tier hands it entries it evicts or finishes with (`offer_nowait`) and
+asks it for a stored prefix on a miss (`restore`). Writing never holds a
+request back: the queue is bounded and a full queue drops the entry (it is
+only a cache); the lease is held only to copy the arrays to the host
+(`engine.host_cache.to_host`), and the file is written on a worker thread
+(`engine.cache_files.CacheFileStore`). The first disk error (full, read-only,
+directory removed) stops writing for good, with one warning: the prompt
+cache goes on in RAM only. Bad files are read as misses, never raised.
+
+Faults (`supervision/faults.py`, id "cache-persistence"), all firing after
+an entry is materialised and before its file is written: `raise` crashes the
+actor (queued entries are lost, no partial file is ever visible), `hang`
+blocks it (offers then fill the queue and are dropped), `fail-write` fails
+that one write (counted in `ssd_errors`; the actor keeps writing).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.messages import drain_nowait
+from mlx_trio.engine.cache_files import CacheFileStore, StoredEntryInfo
+from mlx_trio.engine.cache_identity import identity_of_directory
+from mlx_trio.engine.host_cache import from_host, model_cache_layout, to_host
+from mlx_trio.engine.host_entry import HostEntry
+from mlx_trio.engine.model import LoadedModel
+from mlx_trio.errors import LeaseClosed
+from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
+
+log = logging.getLogger("mlx_trio.cache_persistence")
+
+ACTOR_ID = "cache-persistence"
+# Entries waiting for the disk. Each holds a full KV cache in device memory
+# until it is copied out, so the queue is short: past it, entries are dropped.
+DEFAULT_MAX_QUEUE = 8
+# How many stored prefixes `restore` tries when the longest ones turn out unusable.
+_RESTORE_ATTEMPTS = 3
+
+OpenStore = Callable[[], Awaitable[CacheFileStore]]
+
+
+@attrs.frozen
+class PersistenceStatistics:
+    enabled: bool  # a directory was configured
+    degraded: bool  # writing stopped after a disk error, or the directory could not be opened: RAM only
+    entries: int  # entry files indexed
+    bytes: int  # their total size
+    ssd_reads: int  # restores served from disk
+    ssd_writes: int  # entry files written
+    ssd_errors: int  # failed writes, and stored entries that could not be rebuilt
+    dropped: int  # offers refused because the queue was full
+    queue_depth: int  # entries waiting to be written
+    mailbox_depth: int  # the same number, under the name the supervision tree reads
+
+
+@attrs.define(eq=False)
+class _PendingWrite:
+    """An offered entry. `caches` belong to the lease thread and are dropped there."""
+
+    caches: list[Any] | None
+    tokens: tuple[int, ...]
+
+    def release(self) -> None:
+        self.caches = None  # run on the lease thread (free_nowait), so the arrays die there
+
+
+def _materialise(pending: _PendingWrite) -> HostEntry:
+    """Lease thread: copy the caches out and drop our reference to them here, on their thread."""
+    caches, pending.caches = pending.caches, None
+    assert caches is not None
+    return to_host(caches, pending.tokens)
+
+
+def _write(store: CacheFileStore, entry: HostEntry, fail: bool) -> StoredEntryInfo | None:
+    """Worker thread: write one entry file (or fail it, when a fail-write fault is armed)."""
+    if fail:
+        raise InjectedFault(f"fail-write injected into {ACTOR_ID}")
+    return store.write(entry)
+
+
+class CachePersistenceActor:
+    """Writes offered prompt-cache entries to disk in the background, and restores them on request.
+
+    Args:
+      lease: runs `to_host` / `from_host`, the only MLX work here.
+      open_store: makes this server's `CacheFileStore` (see `store_opener`);
+        None means no `--prompt-cache-dir`: the actor runs, refuses every
+        offer and restores nothing.
+      max_queue: entries that may wait for the disk before offers are dropped.
+    """
+
+    def __init__(self, lease: GpuLease, open_store: OpenStore | None, *, faults: Faults | None = None,
+                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        self._lease = lease
+        self._open_store = open_store
+        self._faults = faults or Faults()
+        self.inbox_send, self._inbox = trio.open_memory_channel[_PendingWrite](max_queue)
+        self._store: CacheFileStore | None = None  # set once scanned; reads keep it after a write error
+        self._degraded = False
+        self._reads = self._writes = self._errors = self._dropped = 0
+        # Invariant: _unfinished counts offered entries not yet written or released; _idle is set iff it is 0.
+        self._unfinished = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def offer_nowait(self, caches: Sequence[Any], tokens: Sequence[int]) -> bool:
+        """Queue `caches` (holding exactly `tokens`) for writing; never blocks.
+
+        True: the actor now owns `caches`; the caller must not use or change
+        them again. False (no directory, writing stopped, or the queue is full,
+        which counts as `dropped`): nothing was taken, the caller keeps them.
+        """
+        if self._open_store is None or self._degraded:
+            return False
+        try:
+            self.inbox_send.send_nowait(_PendingWrite(list(caches), tuple(tokens)))
+        except trio.WouldBlock:
+            self._dropped += 1
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        if self._unfinished == 0:
+            self._idle = trio.Event()
+        self._unfinished += 1
+        return True
+
+    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None:
+        """Caches rebuilt from the longest stored prefix of `tokens` (at most `max_len` long), and its length.
+
+        None on a miss, before the directory is scanned, or when the stored
+        files are unusable (they are removed): a bad file never raises here.
+        The caller owns the returned caches (arrays of the lease thread).
+
+        Raises:
+          LeaseClosed: the lease stopped while rebuilding.
+        """
+        store = self._store
+        if store is None:
+            return None
+        for _ in range(_RESTORE_ATTEMPTS):
+            info = store.longest_prefix(tokens, max_len=max_len)
+            if info is None:
+                return None
+            entry = await trio.to_thread.run_sync(store.read, info.key)
+            if entry is None:
+                continue  # read removed it; try the next longest
+            try:
+                caches = await self._lease.run(from_host, entry)
+            except LeaseClosed:
+                raise
+            except Exception:
+                self._errors += 1
+                log.warning("prompt cache entry %s could not be rebuilt: removed", info.key, exc_info=True)
+                await trio.to_thread.run_sync(store.remove, info.key)
+                continue
+            self._reads += 1
+            return caches, len(entry.tokens)
+        return None
+
+    async def drain(self) -> None:
+        """Return once every entry offered so far is written or given up (graceful shutdown)."""
+        await self._idle.wait()
+
+    def statistics(self) -> PersistenceStatistics:
+        store = self._store
+        depth = self._inbox.statistics().current_buffer_used
+        return PersistenceStatistics(
+            enabled=self._open_store is not None, degraded=self._degraded,
+            entries=len(store.entries) if store is not None else 0, bytes=store.nbytes if store is not None else 0,
+            ssd_reads=self._reads, ssd_writes=self._writes, ssd_errors=self._errors, dropped=self._dropped,
+            queue_depth=depth, mailbox_depth=depth,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
+        """Report started at once, open and scan the directory, then write offered entries until cancelled.
+
+        On exit (stopped or crashed) the entries still queued are given up and
+        their caches dropped on the lease thread.
+        """
+        task_status.started(self)
+        try:
+            if self._open_store is not None:
+                await self._open(self._open_store)
+            async for pending in self._inbox:
+                try:
+                    await self._persist(pending)
+                finally:
+                    self._finish(pending)
+        finally:
+            self.inbox_send.close()
+            for pending in drain_nowait(self._inbox):
+                self._finish(pending)
+
+    async def _open(self, open_store: OpenStore) -> None:
+        try:
+            store = await open_store()
+            await trio.to_thread.run_sync(store.scan)
+        except OSError as exc:
+            self._degrade(exc)
+            return
+        self._store = store
+        log.info("prompt cache %s: %d entries, %d bytes on disk", store.directory, len(store.entries), store.nbytes)
+
+    async def _persist(self, pending: _PendingWrite) -> None:
+        store = self._store
+        if store is None or self._degraded:
+            return
+        try:
+            entry = await self._lease.run(_materialise, pending)
+        except LeaseClosed:
+            raise
+        except Exception:
+            self._errors += 1
+            log.exception("copying a prompt cache entry to the host failed")
+            return
+        self._faults.check(ACTOR_ID)  # raise: crash now, between materialising and writing
+        if self._faults.take(ACTOR_ID, FaultKind.HANG):
+            await trio.sleep_forever()
+        fail = self._faults.take(ACTOR_ID, FaultKind.FAIL_WRITE)
+        try:
+            info = await trio.to_thread.run_sync(_write, store, entry, fail)
+        except InjectedFault as exc:
+            self._errors += 1
+            log.warning("prompt cache write failed: %s", exc)
+            return
+        except OSError as exc:
+            self._errors += 1
+            self._degrade(exc)
+            return
+        except Exception:
+            self._errors += 1
+            log.exception("prompt cache write failed")
+            return
+        if info is not None:
+            self._writes += 1
+
+    def _degrade(self, exc: OSError) -> None:
+        # Called at most once: writes are sequential, and none is attempted once degraded.
+        self._degraded = True
+        log.warning("prompt cache directory unusable (%s): continuing with the prompt cache in RAM only", exc)
+
+    def _finish(self, pending: _PendingWrite) -> None:
+        if pending.caches is not None:
+            self._lease.free_nowait(pending.release)
+        self._unfinished -= 1
+        if self._unfinished == 0:
+            self._idle.set()
+
+
+def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], directory: str | Path,
+                 max_bytes: int) -> OpenStore:
+    """An `OpenStore` for the served model: waits for it, then derives its `CacheIdentity`.
+
+    The cache layout needs mlx-lm's `make_prompt_cache` (lease); hashing the
+    model's files is plain IO (worker thread).
+    """
+    async def open_store() -> CacheFileStore:
+        loaded = await get_model()
+        layout = await lease.run(model_cache_layout, loaded.model)
+        identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, layout)
+        return CacheFileStore(directory, max_bytes=max_bytes, identity=identity)
+
+    return open_store
