@@ -91,6 +91,10 @@ class Engine:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
         await self.actors.wait_ready()
 
+    async def drain_persistence(self) -> None:
+        """Wait until the prompt cache's SSD tier has written what it was offered (graceful shutdown)."""
+        await self.actors.drain_persistence()
+
     # -- requests -------------------------------------------------------------
 
     def prepare(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,

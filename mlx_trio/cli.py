@@ -179,7 +179,7 @@ async def _drain_unless_signalled(server: HttpServer, signals: AsyncIterator[int
         report = await server.drain()
         log.info("drain done in %.1f s: %d request(s) were in flight, %d cut",
                  report.elapsed_s, report.in_flight_at_start, report.cut)
-        # The SSD write queue of the prompt cache, once the engine has one.
+        # The SSD write queue of the prompt cache (test fakes of the engine may have none).
         drain_persistence = getattr(server.engine, "drain_persistence", None)
         if drain_persistence is not None:
             with trio.move_on_after(server.config.shutdown_timeout_s) as flush:

@@ -110,6 +110,7 @@ class CachePersistenceActor:
         # Invariant: _unfinished counts offered entries not yet written or released; _idle is set iff it is 0.
         self._unfinished = 0
         self._idle = trio.Event()
+        self._opened = trio.Event()  # set once the directory was scanned (or found unusable)
         self._idle.set()
 
     def offer_nowait(self, caches: Sequence[Any], tokens: Sequence[int]) -> bool:
@@ -136,13 +137,17 @@ class CachePersistenceActor:
     async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None:
         """Caches rebuilt from the longest stored prefix of `tokens` (at most `max_len` long), and its length.
 
-        None on a miss, before the directory is scanned, or when the stored
+        Waits for the directory's scan. None on a miss, or when the stored
         files are unusable (they are removed): a bad file never raises here.
         The caller owns the returned caches (arrays of the lease thread).
 
         Raises:
           LeaseClosed: the lease stopped while rebuilding.
         """
+        if self._open_store is not None:
+            # A request that arrives while the directory is scanned waits for the scan (a
+            # restarted server's first requests are the ones the SSD tier is for).
+            await self._opened.wait()
         store = self._store
         if store is None:
             return None
@@ -207,6 +212,8 @@ class CachePersistenceActor:
         except OSError as exc:
             self._degrade(exc)
             return
+        finally:
+            self._opened.set()
         self._store = store
         log.info("prompt cache %s: %d entries, %d bytes on disk", store.directory, len(store.entries), store.nbytes)
 

@@ -27,6 +27,8 @@ import trio
 
 from mlx_trio.actors.admission import AdmissionActor, Limits
 from mlx_trio.actors.batch_decode import BatchDecodeActor
+from mlx_trio.actors.cache_persistence import ACTOR_ID as PERSISTENCE_ID
+from mlx_trio.actors.cache_persistence import CachePersistenceActor, store_opener
 from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import PrefillActor
@@ -62,6 +64,7 @@ class EngineActors:
         self.decoder: SerialDecodeActor | BatchDecodeActor | None = None
         self.prefill: PrefillActor | None = None
         self.admission: AdmissionActor | None = None
+        self.persistence: CachePersistenceActor | None = None
         # The prompt cache outlives actor restarts; created once the KV budget is known.
         self.caching: PromptCaching | None = None
         self._budget: int | None = None
@@ -81,6 +84,8 @@ class EngineActors:
             ChildSpec("decode-step", self._run_batch_decoder, kind="decode-step"),
             ChildSpec("prefill", self._run_prefill, kind="prefill"),
             ChildSpec("admission", self._run_admission, kind="admission"),
+            # Last: under rest_for_one its crash restarts only itself (it is only a cache).
+            ChildSpec(PERSISTENCE_ID, self._run_persistence, kind=PERSISTENCE_ID),
         ]
 
     @property
@@ -113,6 +118,7 @@ class EngineActors:
         """The prompt cache's tiers and the prefill work it saved (`/stats.prompt_cache`)."""
         stats = self.caching.statistics() if self.caching is not None else None
         prefill = self.prefill.statistics() if self.prefill is not None else None
+        ssd = self.persistence.statistics() if self.persistence is not None else None
         return {
             "enabled": stats is not None,
             "entries": stats.entries if stats else 0, "bytes": stats.bytes if stats else 0,
@@ -121,6 +127,13 @@ class EngineActors:
             "hit_tokens": stats.hit_tokens if stats else 0, "evictions": stats.evictions if stats else 0,
             "prefill_tokens": prefill.prefill_tokens if prefill else 0,
             "snapshots": prefill.snapshots if prefill else 0,
+            "ssd": {
+                "enabled": bool(ssd and ssd.enabled), "degraded": bool(ssd and ssd.degraded),
+                "entries": ssd.entries if ssd else 0, "bytes": ssd.bytes if ssd else 0,
+                "reads": ssd.ssd_reads if ssd else 0, "writes": ssd.ssd_writes if ssd else 0,
+                "errors": ssd.ssd_errors if ssd else 0, "dropped": ssd.dropped if ssd else 0,
+                "queue_depth": ssd.queue_depth if ssd else 0,
+            },
         }
 
     def _lane_counters(self) -> dict[str, Any]:
@@ -263,8 +276,23 @@ class EngineActors:
                  "(--prompt-cache-bytes, --prompt-cache-size)", max_bytes / 2**20, self.config.prompt_cache_size)
         return PromptCaching(
             max_bytes=max_bytes, max_entries=self.config.prompt_cache_size, get_lease=lambda: self.lease,
+            get_persistence=lambda: self.persistence,
             room=lambda: self.admission.unreserved_bytes() if self.admission is not None else None,
         )
+
+    async def _run_persistence(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.lease is not None
+        directory = self.config.prompt_cache_dir
+        opener = (store_opener(self.lease, self._wait_model, directory, self.config.prompt_cache_ssd_bytes)
+                  if directory is not None and self.config.prompt_cache_bytes != 0 else None)
+        persistence = CachePersistenceActor(self.lease, opener, faults=self.faults)
+        self.persistence = persistence
+        await persistence.run(task_status=task_status)
+
+    async def drain_persistence(self) -> None:
+        """Wait until the SSD tier has written what it was offered (graceful shutdown)."""
+        if self.persistence is not None:
+            await self.persistence.drain()
 
     async def _wait_model(self) -> LoadedModel:
         """The loaded model; if loading failed for good, wait forever (health reports why) instead of crash-looping."""

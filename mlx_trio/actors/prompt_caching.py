@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
+from mlx_trio.engine import cache_clone
 from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
 log = logging.getLogger("mlx_trio.prompt_cache")
@@ -23,11 +24,12 @@ log = logging.getLogger("mlx_trio.prompt_cache")
 
 class _Lease(Protocol):
     def free_nowait(self, close: Callable[[], object]) -> None: ...
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class _Persistence(Protocol):
-    def offer_nowait(self, caches: list[Any], tokens: tuple[int, ...]) -> bool: ...
-    async def restore(self, tokens: Sequence[int]) -> CacheEntry | None: ...
+    def offer_nowait(self, caches: Sequence[Any], tokens: Sequence[int]) -> bool: ...
+    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None: ...
 
 
 class PromptCaching:
@@ -54,22 +56,28 @@ class PromptCaching:
         hit = self.cache.lookup(prompt)
         if hit is not None:
             return hit
-        persistence = self._get_persistence()
-        if persistence is None:
+        persistence, lease = self._get_persistence(), self._get_lease()
+        if persistence is None or lease is None:
             return None
-        restored = await persistence.restore(prompt)
-        if restored is None or not self.cache.put(restored):
+        # At most all but the last token: a lookup must leave that one to compute.
+        restored = await persistence.restore(prompt, max_len=len(prompt) - 1)
+        if restored is None:
+            return None
+        caches, length = restored
+        entry = await lease.run(cache_clone.entry, tuple(prompt[:length]), caches)
+        if not self.cache.put(entry):
             return None
         return self.cache.lookup(prompt)
 
     def has(self, tokens: Sequence[int]) -> bool:
         return tokens in self.cache
 
-    def store(self, entry: CacheEntry, *, persist: bool = True) -> None:
+    def store(self, entry: CacheEntry) -> None:
         """Put `entry` in RAM and queue it for the SSD tier (a full write queue drops it, never blocks)."""
         # Offer first: a put may evict (and free) the entry at once when it is too big for RAM.
-        persistence = self._get_persistence() if persist else None
+        persistence = self._get_persistence()
         if persistence is not None:
+            # Entries are never written again, so the writer may read them while RAM serves them.
             persistence.offer_nowait(list(entry.caches), entry.tokens)
         self.cache.put(entry)
         room = self._room()

@@ -228,8 +228,7 @@ class DecodeBatch:
                 return None
             for cache in caches:
                 cache.trim(excess)
-        mx.eval([c.state for c in caches])
-        return CacheEntry(tuple(tokens[:num_fed]), caches, cache_clone.nbytes(caches), cache_clone.trimmable(caches))
+        return cache_clone.entry(tokens[:num_fed], caches)
 
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""

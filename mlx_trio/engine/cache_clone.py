@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from mlx_trio.engine.prompt_cache import CacheEntry
+
 Cache = Any
 
 
@@ -50,8 +52,12 @@ def take(caches: Sequence[Cache], trim: int) -> list[Cache]:
     return copies
 
 
-def snapshot(caches: Sequence[Cache]) -> list[Cache]:
-    """An evaluated clone to store: what later prefill chunks write into `caches` never reaches it."""
-    copies = clone(caches)
-    mx.eval([c.state for c in copies])
-    return copies
+def entry(tokens: Sequence[int], caches: list[Cache]) -> CacheEntry:
+    """`caches` (holding exactly `tokens`), evaluated, as a prompt-cache entry. Takes them over."""
+    mx.eval([c.state for c in caches])
+    return CacheEntry(tuple(tokens), caches, nbytes(caches), trimmable(caches))
+
+
+def snapshot(tokens: Sequence[int], caches: Sequence[Cache]) -> CacheEntry:
+    """An entry of a clone of `caches`: what later prefill chunks write into them never reaches it."""
+    return entry(tokens, clone(caches))

@@ -87,9 +87,7 @@ class SoloRow:
 
     def snapshot(self) -> CacheEntry:
         """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
-        copies = cache_clone.snapshot(self.caches)
-        return CacheEntry(self._prompt_ids[: self.fed], copies, cache_clone.nbytes(copies),
-                          cache_clone.trimmable(copies))
+        return cache_clone.snapshot(self._prompt_ids[: self.fed], self.caches)
 
     def prefill_chunk(self, limit: int | None = None) -> int:
         """Prefill up to `prefill_step_size` (or `limit`) prompt tokens into `caches`; returns how many remain.

@@ -154,3 +154,30 @@ async def test_a_seeded_stream_resumes_its_random_sequence_exactly(batch: int) -
                     engine.faults.arm("decode-step", "raise")
         assert engine.faults.fired
     assert tuple(got) == undisturbed
+
+
+@pytest.mark.parametrize("kind", ["raise", "fail-write"])
+async def test_a_failed_or_killed_ssd_write_loses_no_request_and_leaves_no_partial_file(solo, tmp_path, kind) -> None:
+    """The cache-persistence actor dies (or one write fails) mid-write: streams are untouched, files stay whole."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, prompt_cache_dir=tmp_path) as engine:
+        engine.faults.arm("cache-persistence", kind)
+        streams = await _run_streams(engine, lambda: None)
+        assert streams == solo
+        # A lone row always hands its caches to the prompt cache, which offers them to the SSD tier.
+        await engine.complete(" ".join(["the sea and the wind"] * 20), max_tokens=4)
+        with trio.fail_after(20):
+            while not engine.faults.fired:
+                await trio.sleep(0.01)
+            await engine.drain_persistence()
+        await _wait_healthy(engine)
+        node = _node(engine.status()["tree"], "cache-persistence")
+        ssd = engine.status()["prompt_cache"]["ssd"]
+        assert node is not None and node["restarts"] == (1 if kind == "raise" else 0)
+        assert kind == "raise" or ssd["errors"] == 1
+        again = (await engine.complete(PROMPTS[0], max_tokens=MAX_TOKENS)).token_ids
+        await engine.drain_persistence()
+    assert again == solo[0]
+    assert not list(tmp_path.rglob("*.tmp*"))
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, prompt_cache_dir=tmp_path) as engine:
+        assert (await engine.complete(PROMPTS[0], max_tokens=MAX_TOKENS)).token_ids == solo[0]
+        assert engine.status()["prompt_cache"]["ssd"]["errors"] == 0
