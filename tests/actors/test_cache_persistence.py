@@ -150,8 +150,10 @@ async def test_a_crash_during_a_write_leaves_no_partial_file_and_a_restart_works
     with pytest.RaisesGroup(InjectedFault):
         async with trio.open_nursery() as nursery:
             await _started(nursery, actor)
-            assert actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:5]), PROMPT[:5])
-            assert actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:6]), PROMPT[:6])
+            # Both prepared first: the actor may crash at any checkpoint after the first offer.
+            five, six = await lease.run(_prefill, model, PROMPT[:5]), await lease.run(_prefill, model, PROMPT[:6])
+            assert actor.offer_nowait(five, PROMPT[:5])
+            assert actor.offer_nowait(six, PROMPT[:6])
             await trio.sleep_forever()
     with trio.fail_after(WAIT_S):
         await actor.drain()  # both entries were given up: nothing waits on a dead actor
