@@ -20,7 +20,7 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
-from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.batch import DecodeBatch, Decoded
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed
 from mlx_trio.supervision.faults import Faults
@@ -115,9 +115,9 @@ class BatchDecodeActor:
         if not joins and not leaving:
             return
         if batch.size:
-            tokens = await self._lease.run(batch.flush)
-            if tokens is not None:
-                self._emit(batch.request_ids, tokens)
+            decoded = await self._lease.run(batch.flush_decoded)
+            if decoded is not None:
+                self._emit(batch.request_ids, decoded)
             leaving = [rid for rid, row in self._rows.items() if row.done]
         if leaving:
             await self._lease.run(batch.leave, leaving)
@@ -135,22 +135,23 @@ class BatchDecodeActor:
         batch = self._batch
         assert batch is not None
         ids = list(batch.request_ids)
-        tokens = await self._lease.run(batch.step)
+        decoded = await self._lease.run(batch.step_decoded)
         self._steps += 1
-        if tokens is not None:
-            self._emit(ids, tokens)
+        if decoded is not None:
+            self._emit(ids, decoded)
         self._kv_bytes = batch.nbytes
 
-    def _emit(self, request_ids: list[str], tokens: list[int]) -> None:
+    def _emit(self, request_ids: list[str], decoded: Decoded) -> None:
         eos = self._model.eos_token_ids
-        for rid, token in zip(request_ids, tokens, strict=True):
+        for rid, token, logprobs in zip(request_ids, decoded.token_ids, decoded.logprobs, strict=True):
             row = self._rows.get(rid)
             if row is None or row.done:
                 continue  # already finished: this is the pipeline's wasted extra token
             row.num_generated += 1
             self._tokens += 1
             try:
-                row.request.reply.send_nowait(TokensDecoded(rid, (token,)))
+                row.request.reply.send_nowait(
+                    TokensDecoded(rid, (token,), (logprobs,) if logprobs is not None else None))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 row.done = True
                 self._cancelled += 1

@@ -12,6 +12,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
 
@@ -26,10 +27,12 @@ class PrefillProgressed:
 
 @attrs.frozen
 class TokensDecoded:
-    """New token ids of `request_id`, in order."""
+    """New token ids of `request_id`, in order; with their logprobs when the request asks for them."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    # Parallel to token_ids, or None when the request does not ask for logprobs.
+    logprobs: tuple[SampledLogprobs, ...] | None = None
 
 
 @attrs.frozen
@@ -64,6 +67,9 @@ class Generate:
     # Random draws a resumed request already made: a seeded row skips them, so its
     # sampling continues exactly where the interrupted run stood.
     rng_draws: int = 0
+    # How many tokens at the end of prompt_ids this request generated before a resume:
+    # a constrained request's grammar consumes them, so it continues where it stood.
+    resumed_tokens: int = 0
 
 
 @attrs.frozen

@@ -25,6 +25,7 @@ from mlx_trio.http.responses import ResponseShape
 from mlx_trio.http.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.sse import sse_stream
 from mlx_trio.http.state import AppState, closing
+from mlx_trio.logprobs import TokenLogprob
 
 Parser = Callable[..., CompletionCall]
 
@@ -60,14 +61,15 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
         first = await _first_event(events, request_log)
-        frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log)
+        frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log,
+                            logprobs=call.wants_logprobs)
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
     outcome = "cancelled"
     try:
-        text, finished = await _collect(events, request_log)
+        text, finished, logprobs = await _collect(events, request_log)
         outcome = finished.finish_reason
     except Exception as exc:
         error = api_error(exc)
@@ -75,7 +77,8 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         raise
     finally:
         request_log.done(outcome)
-    return _json(shape.complete(text, finished.finish_reason, finished.usage))
+    return _json(shape.complete(text, finished.finish_reason, finished.usage,
+                                logprobs=logprobs if call.wants_logprobs else None))
 
 
 async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
@@ -94,15 +97,18 @@ async def _first_event(events: AsyncIterator[GenerationEvent], request_log: Requ
     return first
 
 
-async def _collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
+async def _collect(events: AsyncIterator[GenerationEvent],
+                   request_log: RequestLog) -> tuple[str, Finished, list[TokenLogprob]]:
     texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with closing(events):
         async for event in events:
             request_log.saw(event)
             if isinstance(event, TextDelta):
                 texts.append(event.text)
+                logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
-                return "".join(texts), event
+                return "".join(texts), event, logprobs
     raise ActorCrashed("the generation ended without a finish event")
 
 

@@ -4,7 +4,9 @@ Framing (OpenAI's, which the `openai` SDK parses): `data: <json>\\n\\n` per
 chunk; the first chunk carries the chat role; `PromptProgress` becomes an SSE
 comment (`: keepalive processed/total`), which clients ignore but which keeps
 proxies and idle timeouts from closing a long prefill; the last content chunk
-carries `finish_reason`; an optional usage chunk follows; `data: [DONE]` is
+carries `finish_reason`; a request that asked for logprobs gets each
+token's in the chunk that carries it (a chunk may carry logprobs for
+tokens whose text is still held back); an optional usage chunk follows; `data: [DONE]` is
 always the last event, even after an error, which is sent in-band as
 `data: {"error": {...}}` because the headers (200) are already out.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.errors import api_error
+from mlx_trio.http.logprobs import text_length
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.responses import ResponseShape
 from mlx_trio.http.state import closing
@@ -42,7 +45,7 @@ def comment(text: str) -> bytes:
 
 
 async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
-                     include_usage: bool, request_log: RequestLog) -> AsyncIterator[bytes]:
+                     include_usage: bool, request_log: RequestLog, logprobs: bool = False) -> AsyncIterator[bytes]:
     """Frame one request's events as SSE: `first` (already taken from `events`), then the rest.
 
     Closing this generator early (the client went away: quart closes the body
@@ -50,15 +53,16 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
     the request in the engine and frees its KV cache.
     """
     outcome = "cancelled"
+    frames = _Frames(shape, include_usage=include_usage, logprobs=logprobs)
     try:
         async with closing(events):
             if shape.chat:
                 yield event(shape.chunk("", first=True))
-            for chunk in _frames(first, shape, include_usage):
+            for chunk in frames.of(first):
                 yield chunk
             async for item in events:
                 request_log.saw(item)
-                for chunk in _frames(item, shape, include_usage):
+                for chunk in frames.of(item):
                     yield chunk
                 if isinstance(item, Finished):
                     outcome = item.finish_reason
@@ -73,12 +77,26 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
     yield DONE
 
 
-def _frames(item: GenerationEvent, shape: ResponseShape, include_usage: bool) -> list[bytes]:
-    if isinstance(item, PromptProgress):
-        return [comment(f"keepalive {item.processed}/{item.total}")]
-    if isinstance(item, TextDelta):
-        return [event(shape.chunk(item.text))] if item.text else []
-    frames = [event(shape.chunk("", finish_reason=item.finish_reason))]
-    if include_usage:
-        frames.append(event(shape.usage_chunk(item.usage)))
-    return frames
+class _Frames:
+    """One stream's events → SSE frames; counts the text offset of the logprobs sent so far."""
+
+    def __init__(self, shape: ResponseShape, *, include_usage: bool, logprobs: bool) -> None:
+        self._shape = shape
+        self._include_usage = include_usage
+        self._logprobs = logprobs
+        self._text_offset = 0
+
+    def of(self, item: GenerationEvent) -> list[bytes]:
+        shape = self._shape
+        if isinstance(item, PromptProgress):
+            return [comment(f"keepalive {item.processed}/{item.total}")]
+        if isinstance(item, TextDelta):
+            if self._logprobs and item.logprobs:
+                chunk = shape.chunk(item.text, logprobs=item.logprobs, text_offset=self._text_offset)
+                self._text_offset += text_length(item.logprobs)
+                return [event(chunk)]
+            return [event(shape.chunk(item.text))] if item.text else []
+        frames = [event(shape.chunk("", finish_reason=item.finish_reason))]
+        if self._include_usage:
+            frames.append(event(shape.usage_chunk(item.usage)))
+        return frames
