@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -17,7 +18,6 @@ from batch_driver import Arrival, Outcome, run_schedule, serial_run
 from mlx_trio.engine.grammar import build_grammar_tokenizer
 from mlx_trio.params import Constraint, SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
-from mlx_lm import load
 
 TOP = 5
 MAX_TOKENS = 12
