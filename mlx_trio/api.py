@@ -30,6 +30,7 @@ from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.output_format import OutputFormat
+from mlx_trio.logprobs import TokenLogprob
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -105,6 +106,8 @@ class Engine:
         without a tool-calling format refuses them.
         """
         params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
+        if params.constraint is not None:
+            self.model.check_constraint(params.constraint)
         if isinstance(prompt, str) and not prompt:
             raise InvalidParameter("prompt", "must not be empty")
         if not isinstance(prompt, str) and not isinstance(prompt, Sequence):
@@ -188,12 +191,14 @@ class Engine:
         """Generate to the end and return the whole text."""
         texts: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         async for event in self.generate(prompt, **kwargs):
             if isinstance(event, TextDelta):
                 texts.append(event.text)
                 ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
-                return Completion("".join(texts), tuple(ids), event.finish_reason, event.usage)
+                return Completion("".join(texts), tuple(ids), event.finish_reason, event.usage, tuple(logprobs))
         raise ActorCrashed("generation ended without a finish event")
 
     # -- actors ----------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import attrs
 
+from mlx_trio.logprobs import TokenLogprob
+
 
 @attrs.frozen
 class Usage:
@@ -33,10 +35,14 @@ class PromptProgress:
 
 @attrs.frozen
 class TextDelta:
-    """New visible text and the token ids that produced it (text may lag ids by a token)."""
+    """New visible text and the token ids that produced it (text may lag ids by a token).
+
+    `logprobs` is parallel to `token_ids` when the request asked for logprobs, else empty.
+    """
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -60,3 +66,4 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -19,15 +19,18 @@ from mlx_trio.errors import InvalidParameter
 
 # mlx_lm.server's defaults: a context of 20 tokens for each penalty.
 DEFAULT_PENALTY_CONTEXT = 20
+# OpenAI's limit for chat's `top_logprobs`; the top-k is computed on the device per token.
+MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen
 class Constraint:
-    """A grammar the sampled tokens must follow (enforced by the engine's grammar sampler).
+    """A grammar the output must follow, enforced token by token (engine/grammar.py).
 
-    `kind` "json_schema": `source` is the JSON text of a JSON Schema the whole
-    output must match. "lark": `source` is an llguidance Lark grammar (which
-    may embed `%json { ... }` schemas).
+    `kind` "json_schema": `source` is the schema's JSON text. `kind` "lark":
+    `source` is an llguidance Lark grammar (which may embed `%json {...}`).
+    The grammar is compiled and checked in `Engine.prepare`, so a bad one is
+    an `InvalidParameter` naming the field "constraint".
     """
 
     kind: Literal["json_schema", "lark"]
@@ -59,10 +62,18 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None
+    # Report the sampled token's logprob (and the `top_logprobs` most likely tokens')
+    # from the row's processed distribution: after logits processors and the grammar mask.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> SamplingParams:
@@ -109,12 +120,15 @@ class SamplingParams:
                 raise InvalidParameter("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
         if any(s == "" for s in self.stop):
             raise InvalidParameter("stop", "stop strings must be non-empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameter("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         return self
 
 
 _MAX_INT32 = 2**31 - 1  # MLX slices and gathers take 32-bit indices
 
-_INT_FIELDS = {"max_tokens", "top_k", "repetition_context_size", "presence_context_size", "frequency_context_size", "seed"}
+_INT_FIELDS = {"max_tokens", "top_k", "repetition_context_size", "presence_context_size", "frequency_context_size",
+               "seed", "top_logprobs"}
 _FLOAT_FIELDS = {
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 }
@@ -133,12 +147,20 @@ def _coerce(name: str, value: Any) -> Any:
         if not math.isfinite(value):
             raise InvalidParameter(name, f"must be finite, got {value!r}")
         return float(value)
+    if name == "logprobs":
+        if not isinstance(value, bool):
+            raise InvalidParameter(name, f"must be a boolean, got {type(value).__name__} {value!r}")
+        return value
+    if name == "constraint":
+        if not isinstance(value, Constraint):
+            raise InvalidParameter(name, f"must be a Constraint, got {type(value).__name__}")
+        if value.kind not in ("json_schema", "lark") or not isinstance(value.source, str):
+            raise InvalidParameter(name, f"kind must be 'json_schema' or 'lark' with a str source, got {value.kind!r}")
+        return value
     if name == "stop":
         return _coerce_stop(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
-    if name == "constraint" and not isinstance(value, Constraint):
-        raise InvalidParameter("constraint", f"must be a Constraint, got {type(value).__name__}")
     return value
 
 

@@ -127,7 +127,7 @@ async def test_status_tree_names_each_actor_and_counts(engine) -> None:
     tree = engine.status()["tree"]
     assert tree["id"] == "root"
     engine_sup = next(c for c in tree["children"] if c["id"] == "engine")
-    lane = ["decode-step"] if engine.config.batch == 1 else ["decode-step", "prefill", "admission"]
+    lane = ["decode-step"] if engine.config.batch == 1 else ["decode-step", "prefill", "admission", "cache-persistence"]
     assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", *lane]
     assert all(c["state"] == "running" for c in engine_sup["children"])
     assert engine.health() == (True, "ok")
@@ -142,10 +142,10 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
     from mlx_trio.engine.serial import SerialGeneration
 
     if engine.config.batch == 1:
-        watched = {SerialGeneration: ("__init__", "prefill_chunk", "step", "close")}
+        watched = {SerialGeneration: ("__init__", "prefill_chunk", "step_decoded", "close")}
     else:
         watched = {SoloRow: ("__init__", "prefill_chunk", "first_token"),
-                   DecodeBatch: ("join", "step", "flush", "leave")}
+                   DecodeBatch: ("join", "step_decoded", "flush_decoded", "leave")}
     seen: list[tuple[str, int]] = []
     for cls, names in watched.items():
         for name in names:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.params import SamplingParams
+from mlx_trio.params import Constraint, SamplingParams
 
 VOCAB = 100
 
@@ -27,6 +27,12 @@ VOCAB = 100
         ({"repetition_penalty": -1}, "repetition_penalty"),
         ({"repetition_context_size": 0}, "repetition_context_size"),
         ({"stop": 5}, "stop"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": True}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"constraint": {"type": "object"}}, "constraint"),
+        ({"constraint": Constraint("regex", "a+")}, "constraint"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
@@ -76,3 +82,11 @@ def test_constraint_passes_through_and_must_be_a_constraint() -> None:
     with pytest.raises(InvalidParameter) as info:
         SamplingParams.from_kwargs({"constraint": "start: x"})
     assert info.value.field == "constraint"
+
+
+def test_logprobs_and_constraint_fields() -> None:
+    """top_logprobs alone implies logprobs; a Constraint passes through unchanged."""
+    constraint = Constraint("lark", 'start: "a"\n')
+    params = SamplingParams.from_kwargs({"top_logprobs": 3, "constraint": constraint}).validate(vocab_size=VOCAB)
+    assert params.wants_logprobs and params.constraint == constraint
+    assert not SamplingParams().wants_logprobs and SamplingParams(logprobs=True).wants_logprobs

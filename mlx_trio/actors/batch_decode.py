@@ -21,7 +21,7 @@ import trio
 from mlx_trio.actors.gpu_lease import GpuLease, LeaseFuture
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.actors.prompt_caching import PromptCaching
-from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.batch import DecodeBatch, Decoded
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.errors import ActorCrashed
 from mlx_trio.supervision.faults import Faults
@@ -128,9 +128,9 @@ class BatchDecodeActor:
             return
         await self._land_ahead()
         if batch.size:
-            tokens = await self._lease.run(batch.flush)
-            if tokens is not None:
-                self._emit(batch.request_ids, tokens)
+            decoded = await self._lease.run(batch.flush_decoded)
+            if decoded is not None:
+                self._emit(batch.request_ids, decoded)
             leaving = [rid for rid, row in self._rows.items() if row.done]
         if leaving:
             await self._put_finished(leaving)
@@ -177,12 +177,12 @@ class BatchDecodeActor:
         assert batch is not None
         ids = list(batch.request_ids)
         pending, self._ahead = self._ahead, None
-        tokens = await (pending.result() if pending is not None else self._lease.run(batch.step))
+        decoded = await (pending.result() if pending is not None else self._lease.run(batch.step_decoded))
         self._steps += 1
         if not self._joins.statistics().current_buffer_used:
-            self._ahead = self._lease.submit(batch.step)
-        if tokens is not None:
-            self._emit(ids, tokens)
+            self._ahead = self._lease.submit(batch.step_decoded)
+        if decoded is not None:
+            self._emit(ids, decoded)
         self._kv_bytes = batch.nbytes
 
     async def _land_ahead(self) -> None:
@@ -192,21 +192,22 @@ class BatchDecodeActor:
             batch = self._batch
             assert batch is not None
             ids = list(batch.request_ids)
-            tokens = await pending.result()
+            decoded = await pending.result()
             self._steps += 1
-            if tokens is not None:
-                self._emit(ids, tokens)
+            if decoded is not None:
+                self._emit(ids, decoded)
 
-    def _emit(self, request_ids: list[str], tokens: list[int]) -> None:
+    def _emit(self, request_ids: list[str], decoded: Decoded) -> None:
         eos = self._model.eos_token_ids
-        for rid, token in zip(request_ids, tokens, strict=True):
+        for rid, token, logprobs in zip(request_ids, decoded.token_ids, decoded.logprobs, strict=True):
             row = self._rows.get(rid)
             if row is None or row.done:
                 continue  # already finished: this is the pipeline's wasted extra token
             row.generated.append(token)
             self._tokens += 1
             try:
-                row.request.reply.send_nowait(TokensDecoded(rid, (token,)))
+                row.request.reply.send_nowait(
+                    TokensDecoded(rid, (token,), (logprobs,) if logprobs is not None else None))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 row.done = True
                 self._cancelled += 1

@@ -94,6 +94,7 @@ class SerialDecodeActor:
                 gen = await self._lease.run(partial(
                     SerialGeneration, self._model.model, cmd.prompt_ids, cmd.params,
                     prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
+                    grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens,
                 ))
                 self._active_gen = gen
                 await self._generate(cmd, gen)
@@ -122,9 +123,9 @@ class SerialDecodeActor:
         reason = "length"
         for _ in range(cmd.params.max_tokens):
             self._faults.check("decode-step")
-            token = await self._lease.run(gen.step)
+            token, logprobs = await self._lease.run(gen.step_decoded)
             self._tokens += 1
-            cmd.reply.send_nowait(TokensDecoded(rid, (token,)))
+            cmd.reply.send_nowait(TokensDecoded(rid, (token,), (logprobs,) if logprobs is not None else None))
             if token in self._model.eos_token_ids:
                 reason = "stop"
                 break

@@ -12,6 +12,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
 
@@ -27,10 +28,12 @@ class PrefillProgressed:
 
 @attrs.frozen
 class TokensDecoded:
-    """New token ids of `request_id`, in order."""
+    """New token ids of `request_id`, in order; with their logprobs when the request asks for them."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    # Parallel to token_ids, or None when the request does not ask for logprobs.
+    logprobs: tuple[SampledLogprobs, ...] | None = None
 
 
 @attrs.frozen
@@ -67,6 +70,9 @@ class Generate:
     rng_draws: int = 0
     # The prompt's last message boundary (tokens), where prefill stores a prompt-cache snapshot.
     snapshot_at: int | None = None
+    # How many tokens at the end of prompt_ids this request generated before a resume:
+    # a constrained request's grammar consumes them, so it continues where it stood.
+    resumed_tokens: int = 0
 
 
 @attrs.frozen

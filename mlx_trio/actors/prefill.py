@@ -137,6 +137,7 @@ class PrefillActor:
                 SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
                 prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
                 hit=hit, snapshot_at=self._snapshot_point(cmd, hit, caching),
+                grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens,
             ))
             self._active = row
             self._cached_tokens += row.cached_tokens
@@ -155,7 +156,8 @@ class PrefillActor:
                                                         cached_tokens=row.cached_tokens))
             self._faults.check("prefill")
             token0 = await self._lease.run(row.first_token)
-            cmd.reply.send_nowait(TokensDecoded(rid, (token0,)))
+            logprobs = (row.token0_logprobs,) if row.token0_logprobs is not None else None
+            cmd.reply.send_nowait(TokensDecoded(rid, (token0,), logprobs))
             self._prefilled += 1
             if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
                 reason = "stop" if token0 in self._model.eos_token_ids else "length"

@@ -25,6 +25,7 @@ from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, Pre
 from mlx_trio.engine.text import TextStream
 from mlx_trio.errors import ActorCrashed, EngineRestarted, MlxTrioError, Overloaded, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
+from mlx_trio.logprobs import SampledLogprobs, TokenLogprob, TopLogprob
 from mlx_trio.params import SamplingParams
 from mlx_trio.supervision.faults import Faults
 
@@ -146,7 +147,7 @@ class SessionActor:
         command = Generate(
             request.request_id, request.prompt_ids + tuple(self.generated),
             attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
-            send, rng_draws=done, snapshot_at=request.snapshot_at,
+            send, rng_draws=done, resumed_tokens=done, snapshot_at=request.snapshot_at,
         )
         with self._replies:
             try:
@@ -170,7 +171,7 @@ class SessionActor:
                     self.cached_tokens = event.cached_tokens
                     await self._out.send(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
-                if await self._tokens(event.token_ids, text, eos):
+                if await self._tokens(event.token_ids, event.logprobs, text, eos):
                     return
             elif isinstance(event, GenerationEnded):
                 if event.reason == "error":
@@ -186,26 +187,39 @@ class SessionActor:
         # The channel closed without a GenerationEnded: the decoder died mid-request.
         raise _EngineFailed(ActorCrashed("the decoder stopped before the request finished"))
 
-    async def _tokens(self, token_ids: tuple[int, ...], text: TextStream, eos: frozenset[int]) -> bool:
+    async def _tokens(self, token_ids: tuple[int, ...], logprobs: tuple[SampledLogprobs, ...] | None,
+                      text: TextStream, eos: frozenset[int]) -> bool:
         """Relay new tokens; True when a stop string ended the request."""
         visible: list[int] = []
+        visible_logprobs: list[TokenLogprob] = []
         pieces: list[str] = []
         stopped: str | None = None
-        for token in token_ids:
+        for i, token in enumerate(token_ids):
             self.generated.append(token)
             if token in eos:
                 continue  # counted (as mlx_lm.server does) but never shown
             visible.append(token)
+            if logprobs is not None:
+                visible_logprobs.append(self._token_logprob(token, logprobs[i]))
             update = text.add(token)
             pieces.append(update.text)
             if update.stopped:
                 stopped = update.stop
                 break
         if visible or any(pieces):
-            await self._out.send(TextDelta("".join(pieces), tuple(visible)))
+            await self._out.send(TextDelta("".join(pieces), tuple(visible), tuple(visible_logprobs)))
         if stopped is not None:
             await self._finish("stop", stop_sequence=stopped)
         return stopped is not None
+
+    def _token_logprob(self, token: int, sampled: SampledLogprobs) -> TokenLogprob:
+        """The engine's ids and floats, with each token's text and bytes (the tokenizer is ours)."""
+        def shown(token_id: int) -> tuple[str, tuple[int, ...]]:
+            raw = self._model.token_bytes(token_id)  # type: ignore[attr-defined]
+            return raw.decode("utf-8", errors="replace"), tuple(raw)
+
+        top = tuple(TopLogprob(*shown(tid), lp) for tid, lp in sampled.top)
+        return TokenLogprob(*shown(token), sampled.logprob, top)
 
     async def _finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),

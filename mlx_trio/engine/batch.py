@@ -12,6 +12,11 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   unread token register, sample per row, `async_eval` the new register, and
   only then read the previous one. The device computes step n+1 while the
   caller handles step n's tokens.
+- **Constrained rows** (a grammar) need their previous token on the host
+  before their next mask exists, so while one is in the batch a step first
+  reads the register, then queues the next step. The device still computes
+  step n+1 while the caller handles step n; only the graph build waits.
+  Without one, the step is exactly the pipeline above.
 - **Leave** filters the rows out; full-attention layers drop the padding all
   survivors share. When one row remains it is extracted back to solo caches,
   so B=1 is the serial graph again (measured in `leave`).
@@ -36,6 +41,8 @@ from mlx_trio.engine import batch_caches, cache_clone
 from mlx_trio.engine.prompt_cache import CacheEntry
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.token_logprobs import LogprobArrays, arrays_of, to_record
+from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
 _CLEAR_CACHE_EVERY = 256
@@ -49,6 +56,14 @@ class BatchRow:
     sampler: RowSampler
     # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
     num_fed: int
+
+
+@attrs.frozen
+class Decoded:
+    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledLogprobs | None, ...]
 
 
 class DecodeBatch:
@@ -71,6 +86,8 @@ class DecodeBatch:
         self._inputs: mx.array | None = None
         # Invariant: _unread iff _inputs came from a step and were not yet returned.
         self._unread = False
+        # While _unread: per row, the logprob arrays of the unread tokens (None: not asked).
+        self._unread_logprobs: list[LogprobArrays | None] = []
         self._num_steps = 0
 
     @property
@@ -131,6 +148,16 @@ class DecodeBatch:
         mx.clear_cache()
 
     def step(self) -> list[int] | None:
+        """`step_decoded()`'s token ids only."""
+        decoded = self.step_decoded()
+        return list(decoded.token_ids) if decoded is not None else None
+
+    def flush(self) -> list[int] | None:
+        """`flush_decoded()`'s token ids only."""
+        decoded = self.flush_decoded()
+        return list(decoded.token_ids) if decoded is not None else None
+
+    def step_decoded(self) -> Decoded | None:
         """Queue one decode step for every row; return the previous step's tokens (batch order).
 
         Mutates the caches (one token per row). Returns None when the
@@ -138,27 +165,43 @@ class DecodeBatch:
         """
         if not self._rows:
             raise RuntimeError("step() on an empty batch")
+        previous: Decoded | None = None
+        if self._unread and any(row.sampler.is_constrained for row in self._rows):
+            # A grammar's mask for this step needs the previous token consumed: read it first.
+            previous = self._read()
         inputs = self._inputs
         logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
-        sampled, contexts = self._sample(logits, inputs)
+        sampled, contexts, logprobs = self._sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
         # Start the next step on the device before reading the current one (pipelining).
-        mx.async_eval(sampled, contexts)
-        previous = inputs.tolist() if self._unread else None
+        mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
+        if self._unread:
+            previous = self._read()
         self._inputs = sampled
+        self._unread_logprobs = logprobs
         self._unread = True
         self._num_steps += 1
         if self._num_steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return previous
 
-    def flush(self) -> list[int] | None:
+    def flush_decoded(self) -> Decoded | None:
         """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""
         if not self._unread:
             return None
+        return self._read()
+
+    def _read(self) -> Decoded:
+        """Read the register (waiting for its step), advance the rows' grammars, mark it returned."""
+        assert self._inputs is not None
+        tokens = self._inputs.tolist()
+        for row, token in zip(self._rows, tokens):
+            row.sampler.accept(token)
+        records = tuple(to_record(arrays) if arrays is not None else None for arrays in self._unread_logprobs)
         self._unread = False
-        return self._inputs.tolist()
+        self._unread_logprobs = []
+        return Decoded(tuple(tokens), records or (None,) * len(tokens))
 
     def leave(self, request_ids: Collection[str]) -> None:
         """Drop these rows (unknown ids raise KeyError, leaving the batch unchanged).
@@ -193,6 +236,8 @@ class DecodeBatch:
                     batch_caches.filter_layer(cache, keep)
         self._rows = [self._rows[i] for i in keep]
         self._inputs = self._inputs[mx.array(keep)]
+        if self._unread_logprobs:
+            self._unread_logprobs = [self._unread_logprobs[i] for i in keep]
         mx.eval(self._caches_state())
         mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
@@ -237,6 +282,7 @@ class DecodeBatch:
         self._solo = False
         self._inputs = None
         self._unread = False
+        self._unread_logprobs = []
 
     def _index(self, request_id: str) -> int:
         for i, row in enumerate(self._rows):
@@ -244,8 +290,9 @@ class DecodeBatch:
                 return i
         raise KeyError(request_id)
 
-    def _sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
-        """The next token of every row `[B]` and the processor contexts to evaluate with it."""
+    def _sample(self, logits: mx.array,
+                inputs: mx.array) -> tuple[mx.array, list[mx.array], list[LogprobArrays | None]]:
+        """The next token of every row `[B]`, the processor contexts to evaluate with it, per-row logprob arrays."""
         rows = self._rows
         greedy: mx.array | None = None
         if any(row.sampler.is_plain_greedy for row in rows):
@@ -253,15 +300,18 @@ class DecodeBatch:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             greedy = mx.argmax(logprobs, axis=-1)
             if all(row.sampler.is_plain_greedy for row in rows):
-                return greedy, []
+                return greedy, [], [None] * len(rows)
         pieces: list[mx.array] = []
         contexts: list[mx.array] = []
+        row_logprobs: list[LogprobArrays | None] = []
         for i, row in enumerate(rows):
             if row.sampler.is_plain_greedy:
                 assert greedy is not None
                 pieces.append(greedy[i : i + 1])
+                row_logprobs.append(None)
             else:
                 pieces.append(row.sampler.sample(logits[i : i + 1], inputs[i : i + 1]))
+                row_logprobs.append(row.sampler.last_logprobs if row.sampler.wants_logprobs else None)
                 if row.sampler.context is not None:
                     contexts.append(row.sampler.context)
-        return mx.concatenate(pieces), contexts
+        return mx.concatenate(pieces), contexts, row_logprobs

@@ -9,6 +9,10 @@ the tokens `stream_generate` draws for it alone, whatever else is batched
 with it. Filters, order and temperature scaling are `make_sampler`'s, and
 the logits processors are `make_logits_processors`' (via engine/sampling.py).
 
+A row may also be constrained (a `GrammarMatcher` masks its logits before
+sampling; `accept()` advances it once the token is read) and may ask for
+logprobs (`last_logprobs` holds the lazy arrays of the latest draw).
+
 Runs on the lease thread: the arrays it returns are lazy.
 """
 
@@ -20,7 +24,9 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from mlx_trio.engine.grammar import GrammarMatcher
 from mlx_trio.engine.sampling import build_logits_processors
+from mlx_trio.engine.token_logprobs import LogprobArrays, gather_logprobs
 from mlx_trio.params import SamplingParams
 
 _Filter = Callable[[mx.array], mx.array]
@@ -35,10 +41,15 @@ class RowSampler:
     exactly as `generate_step` builds its `tokens`.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], *, rng_draws: int = 0) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], *, rng_draws: int = 0,
+                 matcher: GrammarMatcher | None = None) -> None:
         # `rng_draws`: samples a resumed request already drew; skipping them continues its key sequence.
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        self._matcher = matcher
+        self._num_top: int | None = params.top_logprobs if params.wants_logprobs else None
+        # The logprob arrays of the latest `sample()` (lazy), when the row asks for logprobs.
+        self.last_logprobs: LogprobArrays | None = None
         self._processors = build_logits_processors(params)
         self._temperature = params.temperature
         self._filters = _filter_chain(params)
@@ -56,8 +67,22 @@ class RowSampler:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Temperature 0 and no processors: the batch may argmax this row with all the others at once."""
-        return self._key is None and not self._processors
+        """Temperature 0, no processors, no grammar, no logprobs: the batch may argmax this row with the others."""
+        return self._key is None and not self._processors and self._matcher is None and self._num_top is None
+
+    @property
+    def is_constrained(self) -> bool:
+        """A grammar masks this row: its next draw needs its previous token read and `accept`ed first."""
+        return self._matcher is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self._num_top is not None
+
+    def accept(self, token: int) -> None:
+        """`token`, drawn by the latest `sample()`, was read on the host: advance the grammar past it."""
+        if self._matcher is not None:
+            self._matcher.consume((token,))
 
     @property
     def context(self) -> mx.array | None:
@@ -77,7 +102,16 @@ class RowSampler:
             )
             for processor in self._processors:
                 logits = processor(self._context, logits)
+        if self._matcher is not None:
+            logits = self._matcher.apply(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = self._draw(logprobs)
+        if self._num_top is not None:
+            # From the processed distribution, before temperature and filters (mlx-lm's logprobs).
+            self.last_logprobs = gather_logprobs(logprobs, token, self._num_top)
+        return token
+
+    def _draw(self, logprobs: mx.array) -> mx.array:
         if self._key is None:
             return mx.argmax(logprobs, axis=-1)
         for apply_filter in self._filters:

@@ -24,8 +24,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine import cache_clone
 from mlx_trio.engine.chunked_prefill import ChunkedPrefill
 from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit
+from mlx_trio.engine.grammar import GrammarMatcher
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
+from mlx_trio.engine.token_logprobs import arrays_of, to_record
+from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
 
@@ -49,9 +52,14 @@ class SoloRow:
         rng_draws: int = 0,
         hit: CacheHit | None = None,
         snapshot_at: int | None = None,
+        grammar_tokenizer: Any = None,
+        resumed_tokens: int = 0,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
+        # `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.constraint`
+        # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a
+        # resume, which its grammar has already seen.
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
@@ -64,12 +72,16 @@ class SoloRow:
         self.caches: list[Any] = (
             cache_clone.take(hit.entry.caches, hit.trim) if hit is not None else make_prompt_cache(model)
         )
-        self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws)
+        matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
+                                         prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
+        self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
         self.num_prompt_tokens = len(prompt_ids)
         self.snapshot_at = snapshot_at
         self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
                                        start=self.cached_tokens, split_at=snapshot_at)
         self.token0: int | None = None
+        # Token 0's logprobs, when the request asks for them (set by `first_token`).
+        self.token0_logprobs: SampledLogprobs | None = None
 
     @property
     def prefill_remaining(self) -> int:
@@ -108,8 +120,12 @@ class SoloRow:
         last = self._prefill.take_rest()
         logits = self._model(last[None], cache=self.caches)[:, -1, :]
         token = self.sampler.sample(logits, last)
-        mx.eval(token, self.sampler.context)
+        logprobs = self.sampler.last_logprobs
+        mx.eval(token, self.sampler.context, *arrays_of(logprobs))
         self.token0 = token.item()
+        self.sampler.accept(self.token0)
+        if logprobs is not None:
+            self.token0_logprobs = to_record(logprobs)
         return self.token0
 
     def close(self) -> None:

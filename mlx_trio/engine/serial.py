@@ -8,6 +8,10 @@ is one job on the GPU lease, so the Trio side can interleave other work (and
 notice a cancelled client) between chunks and tokens. Because the graph is the
 same, the token ids are mlx-lm's token ids, which the goldens check.
 
+A constrained request (a grammar) reads each token before queueing the
+next step, whose mask depends on it; logprobs, when asked for, are gathered
+in the same graph as the token (engine/token_logprobs.py).
+
 Every method must run on the lease thread: the arrays held between calls are
 lazy or `async_eval`'d and belong to that thread's stream.
 """
@@ -15,13 +19,17 @@ lazy or `async_eval`'d and belong to that thread's stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine.chunked_prefill import ChunkedPrefill
+from mlx_trio.engine.grammar import GrammarMatcher
 from mlx_trio.engine.sampling import build_logits_processors, build_sampler
+from mlx_trio.engine.token_logprobs import LogprobArrays, arrays_of, gather_logprobs, to_record
+from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -46,9 +54,15 @@ class SerialGeneration:
         *,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         rng_draws: int = 0,
+        grammar_tokenizer: Any = None,
+        resumed_tokens: int = 0,
     ) -> None:
+        # `grammar_tokenizer` and `resumed_tokens` as for `SoloRow` (engine/rows.py).
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        self._matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
+                                               prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
+        self._num_top: int | None = params.top_logprobs if params.wants_logprobs else None
         self._model = model
         self._cache = make_prompt_cache(model)
         self._sampler = build_sampler(params)
@@ -61,6 +75,7 @@ class SerialGeneration:
         # Prompt + sampled tokens seen by the logits processors (mlx-lm's `tokens`).
         self._context: mx.array | None = None
         self._next: mx.array | None = None
+        self._next_logprobs: LogprobArrays | None = None
         self.num_generated = 0
 
     @property
@@ -84,7 +99,11 @@ class SerialGeneration:
         return self.prefill_remaining
 
     def step(self) -> int:
-        """Return the next token id; queue the following step first (pipelined).
+        """`step_decoded()`'s token id only."""
+        return self.step_decoded()[0]
+
+    def step_decoded(self) -> tuple[int, SampledLogprobs | None]:
+        """Return the next token id (and its logprobs if asked for); queue the following step first (pipelined).
 
         The first call feeds the rest of the prompt (its last token). The
         caller decides when to stop; after `max_tokens` calls no further step
@@ -99,19 +118,24 @@ class SerialGeneration:
                 for _ in range(self._rng_draws):
                     # Each random op takes one key from the global sequence, as each sample did.
                     mx.random.uniform(shape=(1,))
-            self._next = self._sample(self._prefill.take_rest())
-            mx.async_eval(self._next)
-        current = self._next
+            self._next, self._next_logprobs = self._sample(self._prefill.take_rest())
+            mx.async_eval(self._next, *arrays_of(self._next_logprobs))
+        current, current_logprobs = self._next, self._next_logprobs
         self.num_generated += 1
+        if self._matcher is not None:
+            # The next step's mask depends on this token: read and consume it first.
+            self._matcher.consume((current.item(),))
         if self.num_generated < self._max_tokens:
-            self._next = self._sample(current)
+            self._next, self._next_logprobs = self._sample(current)
             # The context too: a processor that ignores it (logit_bias alone) would
             # otherwise leave an ever longer lazy concat chain behind.
-            mx.async_eval(self._next, *([self._context] if self._context is not None else []))
+            mx.async_eval(self._next, *([self._context] if self._context is not None else []),
+                          *arrays_of(self._next_logprobs))
         token = current.item()
+        record = to_record(current_logprobs) if current_logprobs is not None else None
         if self.num_generated % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return token
+        return token, record
 
     def close(self) -> None:
         """Drop every array this request holds (in the lease thread, which owns them)."""
@@ -119,8 +143,9 @@ class SerialGeneration:
         self._prefill.release()
         self._context = None
         self._next = None
+        self._next_logprobs = None
 
-    def _sample(self, input_tokens: mx.array) -> mx.array:
+    def _sample(self, input_tokens: mx.array) -> tuple[mx.array, LogprobArrays | None]:
         logits = self._model(input_tokens[None], cache=self._cache)[:, -1, :]
         if self._processors:
             self._context = (
@@ -128,5 +153,10 @@ class SerialGeneration:
             )
             for processor in self._processors:
                 logits = processor(self._context, logits)
+        if self._matcher is not None:
+            logits = self._matcher.apply(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self._sampler(logprobs)
+        token = self._sampler(logprobs)
+        if self._num_top is None:
+            return token, None
+        return token, gather_logprobs(logprobs, token, self._num_top)

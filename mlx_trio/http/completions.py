@@ -26,6 +26,7 @@ from mlx_trio.http.responses import ResponseShape, gather
 from mlx_trio.http.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.sse import sse_stream
 from mlx_trio.http.state import AppState, closing
+from mlx_trio.logprobs import TokenLogprob
 
 Parser = Callable[..., CompletionCall]
 
@@ -63,14 +64,14 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
         first = await first_event(events, request_log)
         frames = sse_stream(first, events, shape, include_usage=call.include_usage, request_log=request_log,
-                            router=router)
+                            router=router, logprobs=call.wants_logprobs)
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
     outcome = "cancelled"
     try:
-        text, finished = await collect(events, request_log)
+        text, finished, logprobs = await collect(events, request_log)
         outcome = finished.finish_reason
     except Exception as exc:
         error = api_error(exc)
@@ -78,11 +79,12 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         raise
     finally:
         request_log.done(outcome)
+    wanted = logprobs if call.wants_logprobs else None
     if router is None:
-        return _json(shape.complete(text, finished.finish_reason, finished.usage))
+        return _json(shape.complete(text, finished.finish_reason, finished.usage, logprobs=wanted))
     content, reasoning, tool_calls = gather([*router.feed(text), *router.finish()])
     return _json(shape.complete(content, router.finish_reason(finished.finish_reason), finished.usage,
-                                reasoning=reasoning, tool_calls=tool_calls))
+                                reasoning=reasoning, tool_calls=tool_calls, logprobs=wanted))
 
 
 def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
@@ -96,6 +98,9 @@ def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"tools": call.tools.template_tools()}
     constraint = call.tools.constraint(fmt.tool_parser_kind)
     if constraint is not None:
+        if "constraint" in call.sampling:
+            raise InvalidParameter("tool_choice", "a required or named tool_choice cannot be combined with "
+                                                  "response_format; drop one of them")
         kwargs["constraint"] = constraint
     return kwargs
 
@@ -122,15 +127,18 @@ async def first_event(events: AsyncIterator[GenerationEvent], request_log: Reque
     return first
 
 
-async def collect(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> tuple[str, Finished]:
+async def collect(events: AsyncIterator[GenerationEvent],
+                  request_log: RequestLog) -> tuple[str, Finished, list[TokenLogprob]]:
     texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with closing(events):
         async for event in events:
             request_log.saw(event)
             if isinstance(event, TextDelta):
                 texts.append(event.text)
+                logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
-                return "".join(texts), event
+                return "".join(texts), event, logprobs
     raise ActorCrashed("the generation ended without a finish event")
 
 

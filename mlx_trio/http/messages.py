@@ -64,7 +64,7 @@ async def _messages(state: AppState) -> Response:
         return response
     outcome = "cancelled"
     try:
-        text, finished = await collect(events, request_log)
+        text, finished, _ = await collect(events, request_log)
         outcome = finished.finish_reason
     except Exception as exc:
         error = api_error(exc)

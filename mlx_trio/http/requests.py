@@ -1,8 +1,10 @@
 """Chat and text completion bodies → `Engine.prepare` arguments, naming the field on error.
 
 Only wire concerns live here: JSON decoding, OpenAI field names and aliases
-(`max_completion_tokens`), shapes (`messages` vs `prompt`), fields we refuse
-rather than silently ignore (`n` > 1, `echo`, `logprobs`). Value ranges that
+(`max_completion_tokens`), shapes (`messages` vs `prompt`), the two spellings
+of logprobs (chat's bool + `top_logprobs`, text's int), `response_format` into
+a `Constraint`, fields we refuse rather than silently ignore (`n` > 1,
+`echo`). Value ranges that
 depend on the model (top_k vs vocabulary, context length) are checked by
 `Engine.prepare`, which raises the same `InvalidParameter`.
 """
@@ -19,6 +21,7 @@ import attrs
 from mlx_trio.errors import ContextTooLong, InvalidParameter, RequestError
 from mlx_trio.http.errors import invalid_body, invalid_json
 from mlx_trio.http.tools import NO_TOOLS, ToolsRequest, parse_openai_tools, template_messages
+from mlx_trio.params import MAX_TOP_LOGPROBS, Constraint
 
 # Passed through to SamplingParams under the same names (mlx_lm.server's names).
 SAMPLING_FIELDS = (
@@ -65,6 +68,10 @@ class CompletionCall:
     def prompt_field(self) -> str:
         return "messages" if self.chat else "prompt"
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.sampling.get("logprobs"))
+
     def prepare_kwargs(self) -> dict[str, Any]:
         return {"chat_template_kwargs": self.chat_template_kwargs, **self.sampling}
 
@@ -74,6 +81,9 @@ class CompletionCall:
             return InvalidParameter("messages", exc.message)
         if isinstance(exc, ContextTooLong) and exc.field != self.prompt_field:
             return ContextTooLong(exc.message, field=self.prompt_field)
+        if isinstance(exc, InvalidParameter) and exc.field == "constraint":
+            # The grammar came from response_format, or else from tool_choice (see tool_kwargs).
+            return InvalidParameter("response_format" if "constraint" in self.sampling else "tool_choice", exc.message)
         return exc
 
 
@@ -108,13 +118,13 @@ def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any])
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidParameter(f"messages[{i}].content",
                                    f"must be a string, null or a list of text parts, got {json_type(content)}")
-    if body.get("logprobs") not in (None, False):
-        raise InvalidParameter("logprobs", "is not supported yet")
-    if body.get("top_logprobs") not in (None, 0):
-        raise InvalidParameter("top_logprobs", "is not supported yet")
     tools = parse_openai_tools(body)
     call = _common(body, chat=True, prompt=template_messages(messages), template_defaults=template_defaults)
-    return attrs.evolve(call, tools=tools)
+    logprobs = bool(optional_field(body, "logprobs", bool))
+    top_logprobs = _top_logprobs(body, "top_logprobs")
+    if top_logprobs is not None and not logprobs:
+        raise InvalidParameter("top_logprobs", "requires logprobs: true")
+    return attrs.evolve(_with_logprobs(call, logprobs, top_logprobs or 0), tools=tools)
 
 
 def parse_text(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:
@@ -126,9 +136,52 @@ def parse_text(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any])
         raise InvalidParameter("suffix", "is not supported")
     if body.get("best_of") not in (None, 1):
         raise InvalidParameter("best_of", "only best_of=1 is supported")
-    if body.get("logprobs") not in (None, 0, False):
-        raise InvalidParameter("logprobs", "is not supported yet")
-    return _common(body, chat=False, prompt=prompt, template_defaults=template_defaults)
+    call = _common(body, chat=False, prompt=prompt, template_defaults=template_defaults)
+    # The legacy endpoint's `logprobs` is the number of top logprobs (0: the sampled token's only).
+    top_logprobs = None if body.get("logprobs") is False else _top_logprobs(body, "logprobs")
+    return _with_logprobs(call, top_logprobs is not None, top_logprobs or 0)
+
+
+def _top_logprobs(body: Mapping[str, Any], name: str) -> int | None:
+    value = optional_field(body, name, int)
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidParameter(name, f"must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {value}")
+    return value
+
+
+def _with_logprobs(call: CompletionCall, logprobs: bool, top_logprobs: int) -> CompletionCall:
+    if not logprobs:
+        return call
+    return attrs.evolve(call, sampling={**call.sampling, "logprobs": True, "top_logprobs": top_logprobs})
+
+
+def parse_response_format(value: Any) -> Constraint | None:
+    """`response_format` → the `Constraint` that enforces it (None for plain text).
+
+    `json_object` is any JSON object; `json_schema` takes `json_schema.schema`
+    (OpenAI's nesting). Whether the schema can be enforced is checked by
+    `Engine.prepare`, which names the field "constraint" (see `in_wire_terms`).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParameter("response_format", f"must be an object, got {json_type(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_schema", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidParameter("response_format.json_schema", f"must be an object, got {json_type(spec)}")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidParameter("response_format.json_schema.schema",
+                                   f"must be a JSON schema object, got {json_type(schema)}")
+        return Constraint("json_schema", json.dumps(schema))
+    raise InvalidParameter("response_format.type",
+                           f"must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}")
 
 
 def _text_prompt(prompt: Any) -> str | list[int]:
@@ -176,6 +229,9 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
         if isinstance(value, int) and not -MAX_INT32 - 1 <= value <= MAX_INT32:
             raise InvalidParameter(name, f"must fit in 32 bits (at most {MAX_INT32}), got {value}")
     _check_logit_bias(sampling.get("logit_bias"))
+    constraint = parse_response_format(body.get("response_format"))
+    if constraint is not None:
+        sampling["constraint"] = constraint
     return CompletionCall(chat=chat, prompt=prompt, sampling=sampling,
                           chat_template_kwargs=template_kwargs(body, template_defaults) if chat else None,
                           stream=stream, include_usage=include_usage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import time
 import uuid
+from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
@@ -18,6 +19,8 @@ import attrs
 import mlx_trio
 from mlx_trio.events import Usage
 from mlx_trio.http.output_router import Content, Piece, Reasoning, ToolCall, ToolCallMade
+from mlx_trio.http.logprobs import chat_logprobs, text_logprobs
+from mlx_trio.logprobs import TokenLogprob
 
 
 def _version(dist: str) -> str:
@@ -65,9 +68,16 @@ class ResponseShape:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
+    def logprobs(self, items: Sequence[TokenLogprob] | None, *, text_offset: int = 0) -> dict[str, Any] | None:
+        """The choice's `logprobs` (None when the request did not ask for them)."""
+        if items is None:
+            return None
+        return chat_logprobs(items) if self.chat else text_logprobs(items, text_offset=text_offset)
+
     def complete(self, text: str, finish_reason: str, usage: Usage, *, reasoning: str = "",
-                 tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
-        """The whole non-streamed response.
+                 tool_calls: tuple[ToolCall, ...] = (),
+                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        """The whole non-streamed response; `logprobs` are every visible token's, when asked for.
 
         A chat message that only calls tools has `content` null (as OpenAI's);
         `reasoning` and `tool_calls` appear only when there are some.
@@ -78,24 +88,31 @@ class ResponseShape:
                 message["reasoning"] = reasoning
             if tool_calls:
                 message["tool_calls"] = [_tool_call(call) for call in tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": usage_object(usage)}
 
-    def chunk(self, text: str, *, first: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
-        """One stream chunk. The chat role is sent in the first delta only (OpenAI's framing)."""
+    def chunk(self, text: str, *, first: bool = False, finish_reason: str | None = None,
+              logprobs: Sequence[TokenLogprob] | None = None, text_offset: int = 0) -> dict[str, Any]:
+        """One stream chunk. The chat role is sent in the first delta only (OpenAI's framing).
+
+        `logprobs` are this chunk's tokens' (None when not asked for);
+        `text_offset` is where they start, for the text completions shape.
+        """
+        shaped = self.logprobs(logprobs, text_offset=text_offset)
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text or first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason}
         return {**self._head(self._chunk_object), "choices": [choice]}
 
     def piece_chunks(self, piece: Piece) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ Framing (OpenAI's, which the `openai` SDK parses): `data: <json>\\n\\n` per
 chunk; the first chunk carries the chat role; `PromptProgress` becomes an SSE
 comment (`: keepalive processed/total`), which clients ignore but which keeps
 proxies and idle timeouts from closing a long prefill; the last content chunk
-carries `finish_reason`; an optional usage chunk follows; `data: [DONE]` is
+carries `finish_reason`; a request that asked for logprobs gets each
+token's in the chunk that carries it (a chunk may carry logprobs for
+tokens whose text is still held back); an optional usage chunk follows; `data: [DONE]` is
 always the last event, even after an error, which is sent in-band as
 `data: {"error": {...}}` because the headers (200) are already out.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.errors import api_error
+from mlx_trio.http.logprobs import text_length
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.output_router import OutputRouter
 from mlx_trio.http.responses import ResponseShape
@@ -43,8 +46,8 @@ def comment(text: str) -> bytes:
 
 
 async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], shape: ResponseShape, *,
-                     include_usage: bool, request_log: RequestLog,
-                     router: OutputRouter | None = None) -> AsyncIterator[bytes]:
+                     include_usage: bool, request_log: RequestLog, router: OutputRouter | None = None,
+                     logprobs: bool = False) -> AsyncIterator[bytes]:
     """Frame one request's events as SSE: `first` (already taken from `events`), then the rest.
 
     With a `router` (chat), text goes out as content, reasoning and tool-call
@@ -55,15 +58,16 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
     the request in the engine and frees its KV cache.
     """
     outcome = "cancelled"
+    frames = _Frames(shape, include_usage=include_usage, logprobs=logprobs, router=router)
     try:
         async with closing(events):
             if shape.chat:
                 yield event(shape.chunk("", first=True))
-            for chunk in _frames(first, shape, include_usage, router):
+            for chunk in frames.of(first):
                 yield chunk
             async for item in events:
                 request_log.saw(item)
-                for chunk in _frames(item, shape, include_usage, router):
+                for chunk in frames.of(item):
                     yield chunk
                 if isinstance(item, Finished):
                     outcome = item.finish_reason
@@ -78,20 +82,40 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
     yield DONE
 
 
-def _frames(item: GenerationEvent, shape: ResponseShape, include_usage: bool,
-            router: OutputRouter | None) -> list[bytes]:
-    if isinstance(item, PromptProgress):
-        return [comment(f"keepalive {item.processed}/{item.total}")]
-    if isinstance(item, TextDelta):
-        if router is None:
-            return [event(shape.chunk(item.text))] if item.text else []
-        return [event(chunk) for piece in router.feed(item.text) for chunk in shape.piece_chunks(piece)]
-    frames = []
-    finish_reason = item.finish_reason
-    if router is not None:
-        frames = [event(chunk) for piece in router.finish() for chunk in shape.piece_chunks(piece)]
-        finish_reason = router.finish_reason(finish_reason)
-    frames.append(event(shape.chunk("", finish_reason=finish_reason)))
-    if include_usage:
-        frames.append(event(shape.usage_chunk(item.usage)))
-    return frames
+class _Frames:
+    """One stream's events → SSE frames: text through the router (if any), logprobs with their text offset."""
+
+    def __init__(self, shape: ResponseShape, *, include_usage: bool, logprobs: bool,
+                 router: OutputRouter | None) -> None:
+        self._shape = shape
+        self._include_usage = include_usage
+        self._logprobs = logprobs
+        self._router = router
+        self._text_offset = 0
+
+    def of(self, item: GenerationEvent) -> list[bytes]:
+        shape, router = self._shape, self._router
+        if isinstance(item, PromptProgress):
+            return [comment(f"keepalive {item.processed}/{item.total}")]
+        if isinstance(item, TextDelta):
+            frames: list[bytes] = []
+            if router is not None:
+                frames = [event(chunk) for piece in router.feed(item.text) for chunk in shape.piece_chunks(piece)]
+                text = ""  # the router's chunks carry the text; logprobs go in a chunk of their own
+            else:
+                text = item.text
+            if self._logprobs and item.logprobs:
+                frames.append(event(shape.chunk(text, logprobs=item.logprobs, text_offset=self._text_offset)))
+                self._text_offset += text_length(item.logprobs)
+            elif text:
+                frames.append(event(shape.chunk(text)))
+            return frames
+        frames = []
+        finish_reason = item.finish_reason
+        if router is not None:
+            frames = [event(chunk) for piece in router.finish() for chunk in shape.piece_chunks(piece)]
+            finish_reason = router.finish_reason(finish_reason)
+        frames.append(event(shape.chunk("", finish_reason=finish_reason)))
+        if self._include_usage:
+            frames.append(event(shape.usage_chunk(item.usage)))
+        return frames

@@ -73,4 +73,6 @@ def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        # Compact JSON, as for response_format: flexible whitespace lets a weak model pad forever.
+        "x-guidance": {"whitespace_flexible": False},
     }

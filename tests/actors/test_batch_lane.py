@@ -137,7 +137,7 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
 
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:2], 30)
-    original = DecodeBatch.step
+    original = DecodeBatch.step_decoded
     calls = {"n": 0}
 
     def flaky_step(self):
@@ -146,7 +146,7 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
             raise RuntimeError("injected step failure")
         return original(self)
 
-    monkeypatch.setattr(DecodeBatch, "step", flaky_step)
+    monkeypatch.setattr(DecodeBatch, "step_decoded", flaky_step)
     async with open_engine(str(path), batch=4) as engine:
         results: dict[int, tuple[int, ...]] = {}
 

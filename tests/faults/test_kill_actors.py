@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import trio
 from mlx_trio import open_engine
 from mlx_trio.errors import MlxTrioError
 from mlx_trio.events import TextDelta
+from mlx_trio.params import Constraint
 from tests.prompts import PROMPTS
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
@@ -181,3 +183,26 @@ async def test_a_failed_or_killed_ssd_write_loses_no_request_and_leaves_no_parti
     async with open_engine(str(tiny_model(LLAMA)), batch=8, prompt_cache_dir=tmp_path) as engine:
         assert (await engine.complete(PROMPTS[0], max_tokens=MAX_TOKENS)).token_ids == solo[0]
         assert engine.status()["prompt_cache"]["ssd"]["errors"] == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
+async def test_a_constrained_stream_resumes_its_grammar_where_it_stood(batch: int) -> None:
+    """A JSON-schema stream killed mid-object continues the object: same tokens as undisturbed, valid JSON."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "n"], "additionalProperties": False}
+    params = {"max_tokens": 60, "temperature": 0.9, "seed": 3,
+              "constraint": Constraint("json_schema", json.dumps(schema))}
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch) as engine:
+        undisturbed = await engine.complete(PROMPTS[2], **params)
+        got: list[int] = []
+        text: list[str] = []
+        async for event in engine.generate(PROMPTS[2], **params):
+            if isinstance(event, TextDelta):
+                got.extend(event.token_ids)
+                text.append(event.text)
+                if len(got) >= 4 and not engine.faults.fired and not engine.faults.armed():
+                    engine.faults.arm("decode-step", "raise")
+        assert engine.faults.fired
+    assert undisturbed.finish_reason == "stop" and tuple(got) == undisturbed.token_ids
+    assert set(json.loads("".join(text))) == {"name", "n"}

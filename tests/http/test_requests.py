@@ -9,6 +9,7 @@ import pytest
 from mlx_trio.errors import ContextTooLong, InvalidParameter
 from mlx_trio.http.errors import HttpError
 from mlx_trio.http.requests import decode_json_object, parse_chat, parse_text
+from mlx_trio.params import Constraint
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -93,3 +94,31 @@ def test_decode_rejects_non_objects_with_an_http_error() -> None:
     with pytest.raises(HttpError) as info:
         decode_json_object(b"[]")
     assert info.value.error.status == 400 and info.value.error.code == "invalid_body"
+
+
+def test_logprobs_in_both_spellings() -> None:
+    """Chat: a bool plus top_logprobs; text: an int, the number of top logprobs (0 = the sampled token's only)."""
+    assert chat(logprobs=True, top_logprobs=4).sampling["top_logprobs"] == 4
+    assert chat(logprobs=True).sampling["logprobs"] is True and chat(logprobs=True).wants_logprobs
+    assert "logprobs" not in chat(logprobs=False).sampling and not chat().wants_logprobs
+    text = parse_text({"prompt": "hi", "logprobs": 0}, template_defaults={})
+    assert text.wants_logprobs and text.sampling["top_logprobs"] == 0
+    assert not parse_text({"prompt": "hi", "logprobs": False}, template_defaults={}).wants_logprobs
+
+
+def test_response_format_becomes_a_constraint() -> None:
+    """json_object is any object; json_schema carries the schema's JSON text; text is no constraint."""
+    assert chat(response_format={"type": "json_object"}).sampling["constraint"] == Constraint(
+        "json_schema", '{"type": "object"}')
+    call = chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})
+    assert call.sampling["constraint"] == Constraint("json_schema", '{"type": "integer"}')
+    assert "constraint" not in chat(response_format={"type": "text"}).sampling
+
+
+def test_constraint_errors_name_the_body_key_the_grammar_came_from() -> None:
+    """Engine.prepare says "constraint"; the body key is response_format, or else tool_choice."""
+    with_format = chat(response_format={"type": "json_object"})
+    error = with_format.in_wire_terms(InvalidParameter("constraint", "unsupported"))
+    assert isinstance(error, InvalidParameter) and error.field == "response_format"
+    error = chat().in_wire_terms(InvalidParameter("constraint", "unsupported"))
+    assert isinstance(error, InvalidParameter) and error.field == "tool_choice"

@@ -50,17 +50,17 @@ def test_required_grammar_is_exact_and_valid() -> None:
     assert lines[3].startswith('fn_0: %json {"type": "object", "properties": {"name": {"const": "get_weather"}')
     assert lines[4] == ('fn_1: %json {"type": "object", "properties": {"name": {"const": "get_time"}, '
                         '"arguments": {"type": "object"}}, "required": ["name", "arguments"], '
-                        '"additionalProperties": false}')
+                        '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}')
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(constraint.source)) == ""
 
 
 def test_required_accepts_calls_and_rejects_text(ll_tokenizer: llguidance.LLTokenizer) -> None:
-    """With the model's own tokens: calls (one or two) pass; prose, or arguments off the schema, do not."""
+    """With the model's own tokens: compact calls (one or two) pass; prose, or arguments off the schema, do not."""
     constraint = tool_choice_constraint(TOOLS, "required", "json_tools")
     assert constraint is not None
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
     assert _accepts(ll_tokenizer, constraint, call)
-    assert _accepts(ll_tokenizer, constraint, call + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert _accepts(ll_tokenizer, constraint, call + '\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>')
     assert not _accepts(ll_tokenizer, constraint, "Sure! " + call)
     assert not _accepts(ll_tokenizer, constraint, call.replace('"city"', '"town"'))
 
@@ -69,7 +69,7 @@ def test_named_function_allows_only_that_function_once(ll_tokenizer: llguidance.
     """A named function: exactly one call of it; another function, or a second call, is refused."""
     constraint = tool_choice_constraint(TOOLS, "function", "json_tools", function_name="get_time")
     assert constraint is not None and "get_weather" not in constraint.source
-    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    call = '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
     assert _accepts(ll_tokenizer, constraint, call)
     assert not _accepts(ll_tokenizer, constraint, call + "\n" + call)
     assert not _accepts(ll_tokenizer, constraint, call.replace("get_time", "get_weather"))

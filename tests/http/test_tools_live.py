@@ -25,12 +25,15 @@ from mlx_trio.testing import QWEN3_TOOLS, tiny_model
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                             "required": ["city"]}}}
+# For the agent loops: a random-weight model never closes a free string, so the argument is an enum.
+WEATHER_IN = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-NEEDS_GRAMMAR = pytest.mark.xfail(reason="needs issue8-grammar: tool_choice 'required' is enforced by the grammar "
-                                         "engine", strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -133,26 +136,25 @@ def test_anthropic_messages_on_the_real_engine(claude: anthropic.Anthropic, toke
     assert streamed.usage.input_tokens == message.usage.input_tokens
 
 
-@NEEDS_GRAMMAR
 def test_openai_agent_loop(client: openai.OpenAI) -> None:
     """tool_choice required makes the model call get_weather; with the result, it answers in text."""
-    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=200)
+    # One call (as most agent loops ask): a random-weight model left free would chain calls to max_tokens.
+    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER_IN], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200)
     assert first.choices[0].finish_reason == "tool_calls"
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
     history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], tool_choice="none",
+    second = client.chat.completions.create(model="m", messages=history, tools=[WEATHER_IN], tool_choice="none",
                                             max_tokens=8)
     assert second.choices[0].message.tool_calls is None and second.choices[0].message.content
 
 
-@NEEDS_GRAMMAR
 def test_anthropic_agent_loop(claude: anthropic.Anthropic) -> None:
     """tool_choice any makes the model use the tool; the tool_result turn gets a text answer."""
-    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
-    first = claude.messages.create(model="m", max_tokens=200, messages=ASK, tools=[tool], tool_choice={"type": "any"})
+    tool = {"name": "get_weather", "input_schema": WEATHER_IN["function"]["parameters"]}
+    first = claude.messages.create(model="m", max_tokens=200, messages=ASK, tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert first.stop_reason == "tool_use"
     tool_use = next(b for b in first.content if b.type == "tool_use")
     assert tool_use.name == "get_weather" and "city" in tool_use.input
