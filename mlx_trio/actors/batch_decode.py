@@ -12,6 +12,7 @@ re-raises, so the supervisor restarts this actor with an empty batch.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -28,6 +29,8 @@ from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.decode_step")
 
+# Decode steps kept queued on the lease beyond the one being handled (see BatchDecodeActor._step).
+STEPS_AHEAD = 2
 # A batched row's KV is copied out for the prompt cache only when its prompt is this long.
 EXTRACT_MIN_PROMPT_TOKENS = 256
 
@@ -74,8 +77,8 @@ class BatchDecodeActor:
         # Joins taken from the channel but not yet in the batch: a failure in between must
         # still end them (their sessions resume), or they would wait forever.
         self._joining: list[JoinRow] = []
-        # A step job queued ahead of the one whose tokens are being handled (see _step).
-        self._ahead: LeaseFuture[list[int] | None] | None = None
+        # Step jobs queued on the lease whose tokens are not handled yet, oldest first (see _step).
+        self._ahead: collections.deque[LeaseFuture[Decoded | None]] = collections.deque()
         self._kv_bytes = 0
         self._steps = self._tokens = self._finished = self._cancelled = 0
 
@@ -165,34 +168,34 @@ class BatchDecodeActor:
                 caching.store(entry)
 
     async def _step(self) -> None:
-        """Run one step and emit the tokens it returns, with the next step already queued.
+        """Emit the tokens of the oldest queued step, keeping `STEPS_AHEAD` steps queued on the lease.
 
-        The next step is queued *before* the tokens are emitted when no join
-        is waiting: the lease thread then goes straight on while the Trio side
-        wakes sessions and callers, instead of idling for the whole hop
-        (docs/benchmarks.md, "lease hop"). The cost: a row that finishes on
-        these tokens is fed one more token, whose output is dropped.
+        While no join waits, steps are queued ahead: when one finishes, the
+        next is already in the lease's queue, so the lease thread goes
+        straight on instead of idling for the hop to Trio and back (waking
+        this actor, emitting, waking sessions and callers: 0.4-1.1 ms per
+        step on an H200, docs/benchmarks.md). The cost: a row that finishes
+        is fed up to `STEPS_AHEAD` more tokens whose outputs are dropped.
         """
         batch = self._batch
         assert batch is not None
         ids = list(batch.request_ids)
-        pending, self._ahead = self._ahead, None
-        decoded = await (pending.result() if pending is not None else self._lease.run(batch.step_decoded))
-        self._steps += 1
         if not self._joins.statistics().current_buffer_used:
-            self._ahead = self._lease.submit(batch.step_decoded)
+            while len(self._ahead) < STEPS_AHEAD:
+                self._ahead.append(self._lease.submit(batch.step_decoded))
+        decoded = await (self._ahead.popleft().result() if self._ahead else self._lease.run(batch.step_decoded))
+        self._steps += 1
         if decoded is not None:
             self._emit(ids, decoded)
         self._kv_bytes = batch.nbytes
 
     async def _land_ahead(self) -> None:
-        """Wait for the step queued ahead, if any, and emit its tokens: membership may change after it."""
-        pending, self._ahead = self._ahead, None
-        if pending is not None:
-            batch = self._batch
-            assert batch is not None
-            ids = list(batch.request_ids)
-            decoded = await pending.result()
+        """Wait for every step queued ahead and emit its tokens: membership may change after them."""
+        batch = self._batch
+        assert batch is not None
+        ids = list(batch.request_ids)
+        while self._ahead:
+            decoded = await self._ahead.popleft().result()
             self._steps += 1
             if decoded is not None:
                 self._emit(ids, decoded)
