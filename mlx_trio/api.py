@@ -14,6 +14,7 @@ there and never reaches an actor), starts a session, and yields its events.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -138,7 +139,9 @@ class Engine:
         Sampling keywords are `SamplingParams` fields. Leaving the loop early
         cancels the request and frees its KV cache.
         """
-        request = self.prepare(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling)
+        # Off the event loop: tokenizing a long prompt would stall every running stream.
+        request = await trio.to_thread.run_sync(
+            partial(self.prepare, prompt, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling))
         async for event in self.stream(request):
             yield event
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
+import trio
 from quart import Quart, Response, request
 
 from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
@@ -48,10 +50,7 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     call = parse(body, template_defaults=state.config.chat_template_args)
     if state.draining:
         raise draining()
-    try:
-        prepared = state.engine.prepare(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
-    except RequestError as exc:
-        raise call.in_wire_terms(exc) from None
+    prepared = await prepare(state, call)
     router = chat_router(state, call, prepared) if call.chat else None
     shape = ResponseShape.new(chat=call.chat, model=state.model_name())
     request_log = RequestLog(shape.id, kind="chat" if call.chat else "text", stream=call.stream,
@@ -85,6 +84,20 @@ async def _complete(state: AppState, parse: Parser) -> Response:
     content, reasoning, tool_calls = gather([*router.feed(text), *router.finish()])
     return _json(shape.complete(content, router.finish_reason(finished.finish_reason), finished.usage,
                                 reasoning=reasoning, tool_calls=tool_calls, logprobs=wanted))
+
+
+async def prepare(state: AppState, call: CompletionCall) -> Any:
+    """`Engine.prepare` in a worker thread; its errors in the body's own terms.
+
+    Off the event loop because rendering the chat template and tokenizing a
+    long prompt take milliseconds to tens of them (no MLX work: tokenizers
+    and grammar compilation only), which would stall every running stream.
+    """
+    try:
+        return await trio.to_thread.run_sync(
+            partial(state.engine.prepare, call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call)))
+    except RequestError as exc:
+        raise call.in_wire_terms(exc) from None
 
 
 def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from mlx_trio.errors import RequestError
 from mlx_trio.events import Finished, GenerationEvent, TextDelta
 from mlx_trio.http.anthropic_requests import parse_messages
 from mlx_trio.http.anthropic_responses import MessageBlocks, MessageShape, stop_reason, usage_object
-from mlx_trio.http.completions import chat_router, collect, first_event, tool_kwargs
+from mlx_trio.http.completions import chat_router, collect, first_event, prepare
 from mlx_trio.http.errors import api_error, draining
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.output_router import OutputRouter
@@ -47,10 +47,7 @@ async def _messages(state: AppState) -> Response:
     call = parse_messages(body, template_defaults=state.config.chat_template_args)
     if state.draining:
         raise draining()
-    try:
-        prepared = state.engine.prepare(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
-    except RequestError as exc:
-        raise call.in_wire_terms(exc) from None
+    prepared = await prepare(state, call)
     router = chat_router(state, call, prepared, id_prefix="toolu_")
     shape = MessageShape.new(model=state.model_name())
     request_log = RequestLog(shape.id, kind="messages", stream=call.stream, metrics=state.metrics)

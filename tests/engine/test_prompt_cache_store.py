@@ -94,16 +94,18 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def lookup(self, prompt: tuple[int, ...]) -> None:
         hit = self.cache.lookup(prompt)
         target = prompt[:-1]
+        # What each entry can serve: all of it when it is a prefix of the target, else (trimmed) the
+        # shared prefix when it is trimmable; the lookup must find the most.
+        usable = {t: (len(t) if _lcp(t, target) == len(t) else _lcp(t, target) if e.trimmable else 0)
+                  for t, e in self.model.items()}
+        best = max(usable.values(), default=0)
         if hit is None:
-            # Nothing usable: no entry of 2+ tokens is a prefix of the target.
-            assert not any(len(t) >= 2 and target[: len(t)] == t for t in self.model)
+            assert best == 0
             return
         tokens = hit.entry.tokens
         assert self.model.get(tokens) is hit.entry
-        assert 0 < hit.usable <= len(target) and tokens[: hit.usable] == target[: hit.usable]
+        assert hit.usable == usable[tokens] == best and tokens[: hit.usable] == target[: hit.usable]
         assert hit.trim == 0 or hit.entry.trimmable
-        assert hit.usable >= max((len(t) for t in self.model if len(t) >= 2 and target[: len(t)] == t), default=0)
-        assert hit.usable <= max(_lcp(t, target) for t in self.model)
         self.model[tokens] = self.model.pop(tokens)  # most recently used now
 
     @rule(limit=st.integers(0, 60))
