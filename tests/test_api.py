@@ -145,7 +145,7 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
         watched = {SerialGeneration: ("__init__", "prefill_chunk", "step_decoded", "close")}
     else:
         watched = {SoloRow: ("__init__", "prefill_chunk", "first_token"),
-                   DecodeBatch: ("join", "step_decoded", "flush_decoded", "leave")}
+                   DecodeBatch: ("join_many", "step_decoded", "flush_decoded", "leave")}
     seen: list[tuple[str, int]] = []
     for cls, names in watched.items():
         for name in names:

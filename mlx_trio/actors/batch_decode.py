@@ -141,11 +141,12 @@ class BatchDecodeActor:
             for rid in leaving:
                 del self._rows[rid]
                 self._release(rid)
-        while self._joining:
-            join = self._joining[0]
-            await self._lease.run(batch.join, join.row, join.token0)
-            self._joining.pop(0)
-            self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
+        if self._joining:
+            # One job for every waiting row: the running rows' KV is copied once, not once per joiner.
+            await self._lease.run(batch.join_many, [(join.row, join.token0) for join in self._joining])
+            for join in self._joining:
+                self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
+            self._joining = []
         self._kv_bytes = batch.nbytes
 
     async def _put_finished(self, leaving: list[str]) -> None:

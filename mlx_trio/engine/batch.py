@@ -30,7 +30,7 @@ Every method runs on the lease thread; none hands out a lazy array.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -116,32 +116,48 @@ class DecodeBatch:
         return self._rows[self._index(request_id)].num_fed
 
     def join(self, row: SoloRow, token0: int) -> None:
-        """Add `row` as the last row; `token0` is its next input. Takes the row's caches and sampler.
+        """`join_many` of one row."""
+        self.join_many([(row, token0)])
 
-        Requires `is_flushed`. Raises TypeError if a layer cannot batch (the
-        batch is unchanged then); the caller keeps such models serial.
+    def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
+        """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
+
+        One row into an empty batch is adopted (zero copy: it keeps the serial
+        graph); otherwise every layer takes all the joiners in one merge or
+        extend, so the running rows' KV is copied once per settle, not once per
+        joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
+        (the batch is unchanged then); the caller keeps such models serial.
         """
         if self._unread:
             raise RuntimeError("join() needs a flushed batch")
-        if not row.caches or row.token0 is None:
+        rows = [row for row, _ in joiners]
+        ids = [row.request_id for row in rows]
+        if any(not row.caches or row.token0 is None for row in rows):
             raise RuntimeError("join() takes a row after first_token() and before close()")
-        if row.request_id in self.request_ids:
-            raise ValueError(f"request {row.request_id!r} is already in the batch")
-        if not self._rows:
-            self._caches = row.caches  # adopt: the lone row keeps its serial graph
+        if len(set(ids)) != len(ids) or set(ids) & set(self.request_ids):
+            raise ValueError(f"requests already in the batch or given twice: {ids}")
+        if not rows:
+            return
+        if not self._rows and len(rows) == 1:
+            self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
             self._solo = True
         else:
-            if not batch_caches.can_batch(row.caches):
+            if not all(batch_caches.can_batch(row.caches) for row in rows):
                 raise TypeError("this model's caches cannot batch")
+            if self._rows:
+                running, news, solo = self._caches, rows, self._solo
+            else:  # several rows into an empty batch: the first plays the running (solo) row
+                running, news, solo = rows[0].caches, rows[1:], True
             self._caches = [
-                batch_caches.join_layer(running, new, running_is_solo=self._solo)
-                for running, new in zip(self._caches, row.caches)
+                batch_caches.join_layer(layer, [row.caches[i] for row in news], running_is_solo=solo)
+                for i, layer in enumerate(running)
             ]
             self._solo = False
-        token = mx.array([token0], dtype=mx.uint32)
-        self._inputs = token if self._inputs is None else mx.concatenate([self._inputs, token])
-        self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
-        row.caches = []  # owned by the batch now (adopted or copied by merge)
+        tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
+        self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
+        for row in rows:
+            self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
+            row.caches = []  # owned by the batch now (adopted or copied by merge)
         # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join.
         mx.eval(self._caches_state())

@@ -9,10 +9,10 @@ cache, adopted zero-copy: `KVCache`, `RotatingKVCache`, `ArraysCache`,
 
 | running layer            | join                                                          |
 | ------------------------ | ------------------------------------------------------------- |
-| solo (any kind)          | `merge([running, new])`: left-pad both into a batch cache      |
-| `BatchKVCache`           | `extend(merge([new]))`: pad + one B-axis concat, rows untouched |
-| `BatchRotatingKVCache`   | re-merge: `extract` every row, then `merge(rows + [new])`      |
-| `ArraysCache` (SSM)      | `extend(merge([new]))`: B-axis concat, no temporal axis         |
+| solo (any kind)          | `merge([running, *new])`: left-pad all into a batch cache      |
+| `BatchKVCache`           | `extend(merge(new))`: pad + one B-axis concat, rows untouched   |
+| `BatchRotatingKVCache`   | re-merge: `extract` every row, then `merge(rows + new)`        |
+| `ArraysCache` (SSM)      | `extend(merge(new))`: B-axis concat, no temporal axis           |
 | `CacheList`              | the rule above for each child                                  |
 
 Rotating layers re-merge rather than `extend`: `merge` rebuilds every row in
@@ -44,25 +44,29 @@ def can_extract(caches: Sequence[Cache]) -> bool:
     return all(hasattr(c, "extract") for c in caches)
 
 
-def join_layer(running: Cache, new: Cache, *, running_is_solo: bool) -> Cache:
-    """The layer cache of the running rows plus `new` as the last row (may mutate `running`).
+def join_layer(running: Cache, new: Sequence[Cache], *, running_is_solo: bool) -> Cache:
+    """The layer cache of the running rows plus the `new` rows last, in order (may mutate `running`).
 
-    `new` is a solo cache; it is not mutated, and the result never shares
-    buffers with it that a later step could overwrite.
+    `new` are solo caches; they are not mutated, and the result never shares
+    buffers with them that a later step could overwrite.
     """
+    if not new:
+        return running
     if isinstance(running, CacheList):
-        return CacheList(
-            *(join_layer(r, n, running_is_solo=running_is_solo) for r, n in zip(running.caches, new.caches))
-        )
-    if not hasattr(new, "merge"):
-        raise TypeError(f"{type(new).__name__} cannot batch (no merge)")
+        return CacheList(*(
+            join_layer(r, [n.caches[i] for n in new], running_is_solo=running_is_solo)
+            for i, r in enumerate(running.caches)
+        ))
+    first = new[0]
+    if not all(hasattr(n, "merge") for n in new):
+        raise TypeError(f"{type(first).__name__} cannot batch (no merge)")
     if running_is_solo:
-        return type(running).merge([running, new])
+        return type(running).merge([running, *new])
     if isinstance(running, BatchRotatingKVCache):
         rows = [running.extract(i) for i in range(batch_size(running))]
-        return BatchRotatingKVCache.merge([*rows, new])
+        return BatchRotatingKVCache.merge([*rows, *new])
     if hasattr(running, "extend"):
-        running.extend(type(new).merge([new]))
+        running.extend(type(first).merge(list(new)))
         return running
     raise TypeError(f"{type(running).__name__} cannot take a joining row (no extend)")
 

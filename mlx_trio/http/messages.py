@@ -20,7 +20,6 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from mlx_trio.errors import RequestError
 from mlx_trio.events import Finished, GenerationEvent, TextDelta
 from mlx_trio.http.anthropic_requests import parse_messages
 from mlx_trio.http.anthropic_responses import MessageBlocks, MessageShape, stop_reason, usage_object

@@ -58,6 +58,34 @@ async def test_arming_a_fault_over_http_arms_it_in_the_engine() -> None:
         assert listed["fired"] == [{"actor": "session", "kind": "raise"}]
 
 
+class PersistenceTreeEngine(FakeEngine):
+    """A fake engine whose status tree holds the batch lane's actors and the cache-persistence actor."""
+
+    def status(self) -> dict[str, Any]:
+        leaf = {"restart": "permanent", "state": "running", "restarts": 0}
+        engine = {"id": "engine", "kind": "supervisor", "children": [
+            {"id": actor, "kind": actor, **leaf}
+            for actor in ("gpu-lease", "decode-step", "prefill", "admission", "cache-persistence")]}
+        return {**super().status(), "tree": {"id": "root", "kind": "supervisor", "children": [engine]}}
+
+
+async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor() -> None:
+    """POST {"actor": "cache-persistence", "kind": "fail-write"} is 200 and arms FAIL_WRITE for that actor,
+    which is what CachePersistenceActor takes before its next SSD write."""
+    engine = PersistenceTreeEngine()
+    async with serve_fake(engine, enable_fault_injection=True) as (_, client):
+        response = await client.post("/v1/admin/faults", json={"actor": "cache-persistence", "kind": "fail-write"})
+        assert response.status_code == 200, response.text
+        assert response.json() == {"armed": {"actor": "cache-persistence", "kind": "fail-write"}}
+        assert [(f.actor, f.kind) for f in engine.faults.armed()] == [("cache-persistence", FaultKind.FAIL_WRITE)]
+        # Armed for that actor only, and of that kind only: a raise check does not consume it.
+        engine.faults.check("cache-persistence")
+        assert not engine.faults.take("decode-step", FaultKind.FAIL_WRITE)
+        assert engine.faults.take("cache-persistence", FaultKind.FAIL_WRITE)
+        assert (await client.get("/v1/admin/faults")).json() == {
+            "armed": [], "fired": [{"actor": "cache-persistence", "kind": "fail-write"}]}
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"actor": "http", "kind": "explode"}, "kind", ["'raise'", "'hang'", "'fail-write'", "explode"]),
     ({"actor": "http"}, "kind", ["'raise'"]),
