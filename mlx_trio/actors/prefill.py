@@ -9,6 +9,7 @@ row that is already finished at token 0 never joins the batch.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -17,11 +18,12 @@ import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.messages import Admitted, Generate, close_replies, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded
+from mlx_trio.actors.messages import (Admitted, Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded,
+                                      close_replies, drain_nowait)
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.prompt_cache import CacheHit
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.rows import SoloRow, prefill_rows
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import Faults, InjectedFault
 
@@ -70,12 +72,17 @@ class PrefillActor:
         self.inbox_send, self._inbox = trio.open_memory_channel[Admitted](max_rows)
         self._active: SoloRow | None = None
         self._active_request: Generate | None = None
+        # Admitted requests taken from the inbox ahead of their turn (FIFO), and the cohort
+        # being prefilled together (see _prefill_cohort).
+        self._backlog: collections.deque[Admitted] = collections.deque()
+        self._cohort_requests: list[Generate] = []
         self._prefilled = self._cancelled = self._failed = 0
         self._prefill_tokens = self._cached_tokens = self._snapshots = 0
 
     def in_flight(self) -> list[Generate]:
-        """The request being prefilled, if any (queued ones are in the inbox buffer, owned by us too)."""
-        return [self._active_request] if self._active_request is not None else []
+        """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
+        active = [self._active_request] if self._active_request is not None else []
+        return [*active, *self._cohort_requests, *(admitted.request for admitted in self._backlog)]
 
     def statistics(self) -> PrefillStatistics:
         row = self._active
@@ -91,12 +98,20 @@ class PrefillActor:
         task_status.started(self)
         try:
             self._model = await self._get_model()
-            async for admitted in self._inbox:
-                await self._prefill(admitted)
+            while True:
+                first = self._backlog.popleft() if self._backlog else await self._inbox.receive()
+                self._backlog.extend(drain_nowait(self._inbox))
+                cohort = await self._cohort(first)
+                if cohort:
+                    await self._prefill_cohort(cohort)
+                else:
+                    await self._prefill(first)
         finally:
             self.inbox_send.close()
-            for admitted in close_replies(self._inbox):
+            for admitted in [*self._backlog, *close_replies(self._inbox)]:
+                admitted.request.reply.close()
                 self._release(admitted.request.request_id)
+            self._backlog.clear()
 
     def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
         """Where this prefill stores a snapshot (batching-design.md §4.2), or None.
@@ -124,12 +139,119 @@ class PrefillActor:
                 return at
         return None
 
+    async def _cohort(self, first: Admitted) -> list[tuple[Admitted, CacheHit | None]]:
+        """`first` and the backlog's next requests that are short enough to prefill in one lease job.
+
+        Empty when `first` itself is not short (it then prefills chunk by
+        chunk). A request is short when its uncached prompt fits one chunk
+        (the smaller one while rows decode) and it stores no snapshot; the
+        whole cohort's tokens fit one chunk too, so running rows still stall
+        for at most one chunk's worth of prefill.
+        """
+        budget = self._decoding_chunk if self._decoding() else self._prefill_step_size
+        caching = self._get_caching()
+        cohort: list[tuple[Admitted, CacheHit | None]] = []
+        used = 0
+        candidate: Admitted | None = first
+        while candidate is not None:
+            cmd = candidate.request
+            hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
+            uncached = len(cmd.prompt_ids) - 1 - (hit.usable if hit is not None else 0)
+            if used + uncached > budget or self._snapshot_point(cmd, hit, caching) is not None:
+                if not cohort:
+                    return []
+                self._backlog.appendleft(candidate)  # its turn comes next, in order
+                break
+            cohort.append((candidate, hit))
+            used += uncached
+            candidate = self._backlog.popleft() if self._backlog else None
+        return cohort
+
+    async def _prefill_cohort(self, cohort: list[tuple[Admitted, CacheHit | None]]) -> None:
+        """Prefill short requests, each alone on its own caches, in one lease job; then hand each on.
+
+        The same solo prefill as `_prefill` (so token-identical), without a
+        lease round trip per chunk and per token 0: B requests arriving
+        together cost one job instead of 3B.
+        """
+        self._cohort_requests = [admitted.request for admitted, _ in cohort]
+        specs = [
+            partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
+                    prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
+                    grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens)
+            for cmd, hit in ((admitted.request, hit) for admitted, hit in cohort)
+        ]
+        try:
+            self._faults.check("prefill")
+            outcomes = await self._lease.run(prefill_rows, specs)
+        except BaseException:
+            for admitted, _ in cohort:
+                admitted.request.reply.close()
+                self._release(admitted.request.request_id)
+            self._cohort_requests = []
+            raise
+        for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
+            self._cohort_requests.remove(admitted.request)
+            cmd = admitted.request
+            if isinstance(outcome, Exception):
+                self._fail(cmd, outcome)
+                cmd.reply.close()
+                self._release(cmd.request_id)
+                continue
+            self._prefill_tokens += outcome.fed - 1 - outcome.cached_tokens
+            self._cached_tokens += outcome.cached_tokens
+            total = len(cmd.prompt_ids)
+            try:
+                cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, outcome.cached_tokens, total,
+                                                        cached_tokens=outcome.cached_tokens))
+                cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, total - 1, total,
+                                                        cached_tokens=outcome.cached_tokens))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the session left: _hand_on notices and frees the row
+            await self._hand_on(cmd, outcome)
+
+    def _fail(self, cmd: Generate, exc: Exception) -> None:
+        """A prefill error is this request's alone: tell its session (the caller frees the rest)."""
+        self._failed += 1
+        log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
+        try:
+            cmd.reply.send_nowait(GenerationEnded(cmd.request_id, "error", exc))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            pass
+
+    async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
+        """Send token 0, then end the request there or pass the row to the decoder; frees what does not join."""
+        rid, joined = cmd.request_id, False
+        caching = self._get_caching()
+        try:
+            token0 = row.token0
+            assert token0 is not None
+            logprobs = (row.token0_logprobs,) if row.token0_logprobs is not None else None
+            cmd.reply.send_nowait(TokensDecoded(rid, (token0,), logprobs))
+            self._prefilled += 1
+            if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
+                reason = "stop" if token0 in self._model.eos_token_ids else "length"
+                if caching is not None:
+                    # The row never joins: its prompt-only caches go back to the prompt cache.
+                    caching.store(await self._lease.run(row.snapshot))
+                cmd.reply.send_nowait(GenerationEnded(rid, reason))
+                return
+            await self._join.send(JoinRow(cmd, row, token0))
+            joined = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._cancelled += 1
+        finally:
+            if not joined:
+                cmd.reply.close()
+                self._lease.free_nowait(row.close)
+                self._release(rid)
+
     async def _prefill(self, admitted: Admitted) -> None:
+        """Prefill one request chunk by chunk (one lease job each, decode steps in between), then hand it on."""
         cmd = admitted.request
         self._active_request = cmd
         rid, total = cmd.request_id, len(cmd.prompt_ids)
         row: SoloRow | None = None
-        joined = False
         caching = self._get_caching()
         try:
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
@@ -155,37 +277,22 @@ class PrefillActor:
                 cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total,
                                                         cached_tokens=row.cached_tokens))
             self._faults.check("prefill")
-            token0 = await self._lease.run(row.first_token)
-            logprobs = (row.token0_logprobs,) if row.token0_logprobs is not None else None
-            cmd.reply.send_nowait(TokensDecoded(rid, (token0,), logprobs))
-            self._prefilled += 1
-            if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
-                reason = "stop" if token0 in self._model.eos_token_ids else "length"
-                if caching is not None:
-                    # The row never joins: its prompt-only caches go back to the prompt cache.
-                    caching.store(await self._lease.run(row.snapshot))
-                cmd.reply.send_nowait(GenerationEnded(rid, reason))
-                return
-            await self._join.send(JoinRow(cmd, row, token0))
-            joined = True
+            await self._lease.run(row.first_token)
         except trio.BrokenResourceError:
-            self._cancelled += 1
+            self._cancelled += 1  # the session left
         except (LeaseClosed, InjectedFault):
             # Not this request's fault: crash, and let the session resume on the restarted actor.
             raise
         except Exception as exc:
-            self._failed += 1
-            log.exception("prefill of %s failed", rid)
-            try:
-                cmd.reply.send_nowait(GenerationEnded(rid, "error", exc))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                pass
+            self._fail(cmd, exc)
         finally:
             self._active = None
             self._active_request = None
-            if not joined:
-                # The row never reached the batch: free its caches and its reservation here.
+            if row is None or row.token0 is None:
+                # The row never got to token 0: free its caches and its reservation here.
                 cmd.reply.close()
                 if row is not None:
                     self._lease.free_nowait(row.close)
                 self._release(rid)
+        if row is not None and row.token0 is not None:
+            await self._hand_on(cmd, row)

@@ -14,7 +14,7 @@ Every method runs on the lease thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -132,3 +132,27 @@ class SoloRow:
         """Drop the row's caches (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
         self._prefill.release()
+
+
+def prefill_rows(makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
+    """Make, prefill and sample token 0 of each row in turn: one lease job for a cohort of short prompts.
+
+    Each row is exactly what `prefill_chunk()` until done then `first_token()`
+    gives, so a cohort row is token-identical to one prefilled alone. An
+    error is one row's own: it is returned in that row's place (its caches
+    dropped) and the others go on.
+    """
+    rows: list[SoloRow | Exception] = []
+    for make in makers:
+        row: SoloRow | None = None
+        try:
+            row = make()
+            while row.prefill_remaining:
+                row.prefill_chunk()
+            row.first_token()
+            rows.append(row)
+        except Exception as exc:
+            if row is not None:
+                row.close()
+            rows.append(exc)
+    return rows
