@@ -284,7 +284,8 @@ class EngineActors:
         assert self.lease is not None
         directory = self.config.prompt_cache_dir
         opener = (store_opener(self.lease, self._wait_model, directory, self.config.prompt_cache_ssd_bytes)
-                  if directory is not None and self.config.prompt_cache_bytes != 0 else None)
+                  if directory is not None and self.config.prompt_cache_bytes != 0 and self.config.prompt_cache_size > 0
+                  else None)
         persistence = CachePersistenceActor(self.lease, opener, faults=self.faults)
         self.persistence = persistence
         await persistence.run(task_status=task_status)

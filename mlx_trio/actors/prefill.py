@@ -120,9 +120,10 @@ class PrefillActor:
         for one. It goes at the prompt's last message boundary, so sibling
         agents (same system prompt) and the conversation's next turn hit it,
         even while this request still decodes. Caches that cannot be trimmed
-        (sliding windows, recurrent state) also get one at the end of the
-        prompt, since the finish-time entry (prompt + generated) cannot be
-        cut back to serve a repeat of this prompt.
+        (sliding windows, recurrent state) get one at the end of the prompt
+        instead when there is no new boundary to store (the finish-time entry,
+        prompt + generated, cannot be cut back to serve a repeat of this
+        prompt). One snapshot per prefill at most.
         """
         if caching is None:
             return None

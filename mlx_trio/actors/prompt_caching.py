@@ -67,7 +67,9 @@ class PromptCaching:
         entry = await lease.run(cache_clone.entry, tuple(prompt[:length]), caches)
         if not self.cache.put(entry):
             return None
-        return self.cache.lookup(prompt)
+        hit = self.cache.lookup(prompt)
+        self._fit()  # after the lookup: the hit holds its entry even if the ceiling evicts it
+        return hit
 
     def has(self, tokens: Sequence[int]) -> bool:
         return tokens in self.cache
@@ -80,6 +82,10 @@ class PromptCaching:
             # Entries are never written again, so the writer may read them while RAM serves them.
             persistence.offer_nowait(list(entry.caches), entry.tokens)
         self.cache.put(entry)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Give way to live rows: hold no more than the shared KV ceiling leaves free."""
         room = self._room()
         if room is not None:
             self.cache.trim_to(room)
