@@ -68,16 +68,7 @@ async def _complete(state: AppState, parse: Parser) -> Response:
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
-    outcome = "cancelled"
-    try:
-        text, finished, logprobs = await collect(events, request_log)
-        outcome = finished.finish_reason
-    except Exception as exc:
-        error = api_error(exc)
-        outcome = error.code or error.type
-        raise
-    finally:
-        request_log.done(outcome)
+    text, finished, logprobs = await collect(events, request_log)
     wanted = logprobs if call.wants_logprobs else None
     if router is None:
         return _json(shape.complete(text, finished.finish_reason, finished.usage, logprobs=wanted))
@@ -142,17 +133,27 @@ async def first_event(events: AsyncIterator[GenerationEvent], request_log: Reque
 
 async def collect(events: AsyncIterator[GenerationEvent],
                   request_log: RequestLog) -> tuple[str, Finished, list[TokenLogprob]]:
+    """A whole non-streamed generation: its text, its `Finished` and its logprobs; logs the outcome."""
     texts: list[str] = []
     logprobs: list[TokenLogprob] = []
-    async with closing(events):
-        async for event in events:
-            request_log.saw(event)
-            if isinstance(event, TextDelta):
-                texts.append(event.text)
-                logprobs.extend(event.logprobs)
-            elif isinstance(event, Finished):
-                return "".join(texts), event, logprobs
-    raise ActorCrashed("the generation ended without a finish event")
+    outcome = "cancelled"
+    try:
+        async with closing(events):
+            async for event in events:
+                request_log.saw(event)
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                    logprobs.extend(event.logprobs)
+                elif isinstance(event, Finished):
+                    outcome = event.finish_reason
+                    return "".join(texts), event, logprobs
+        raise ActorCrashed("the generation ended without a finish event")
+    except Exception as exc:
+        error = api_error(exc)
+        outcome = error.code or error.type
+        raise
+    finally:
+        request_log.done(outcome)
 
 
 def _json(payload: Any) -> Response:

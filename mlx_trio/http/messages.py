@@ -58,16 +58,7 @@ async def _messages(state: AppState) -> Response:
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         response.timeout = None  # as for chat streams: a stream may outlive quart's response timeout
         return response
-    outcome = "cancelled"
-    try:
-        text, finished, _ = await collect(events, request_log)
-        outcome = finished.finish_reason
-    except Exception as exc:
-        error = api_error(exc)
-        outcome = error.code or error.type
-        raise
-    finally:
-        request_log.done(outcome)
+    text, finished, _ = await collect(events, request_log)
     blocks = MessageBlocks()
     for piece in [*router.feed(text), *router.finish()]:
         blocks.add(piece)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -13,13 +15,8 @@ from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
-
-@attrs.frozen
-class Arrival:
-    request_id: str
-    at_step: int
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from batch_reference import Arrival  # noqa: E402  (one arrival record for the engine and the reference)
 
 
 @attrs.define
