@@ -99,13 +99,16 @@ class PrefillActor:
         try:
             self._model = await self._get_model()
             while True:
-                first = self._backlog.popleft() if self._backlog else await self._inbox.receive()
+                # Requests stay in the backlog (where a crash or restart ends them) until taken
+                # below, with no checkpoint between taking and owning them.
+                if not self._backlog:
+                    self._backlog.append(await self._inbox.receive())
                 self._backlog.extend(drain_nowait(self._inbox))
-                cohort = await self._cohort(first)
-                if cohort:
-                    await self._prefill_cohort(cohort)
+                hits, first_hit = await self._cohort()
+                if hits:
+                    await self._prefill_cohort([(self._backlog.popleft(), hit) for hit in hits])
                 else:
-                    await self._prefill(first)
+                    await self._prefill(self._backlog.popleft(), first_hit)
         finally:
             self.inbox_send.close()
             for admitted in [*self._backlog, *close_replies(self._inbox)]:
@@ -140,33 +143,31 @@ class PrefillActor:
                 return at
         return None
 
-    async def _cohort(self, first: Admitted) -> list[tuple[Admitted, CacheHit | None]]:
-        """`first` and the backlog's next requests that are short enough to prefill in one lease job.
+    async def _cohort(self) -> tuple[list[CacheHit | None], CacheHit | None]:
+        """Prompt-cache hits of the backlog's first requests that are short enough to prefill in one job.
 
-        Empty when `first` itself is not short (it then prefills chunk by
+        Empty when the first itself is not short (it then prefills chunk by
         chunk). A request is short when its uncached prompt fits one chunk
         (the smaller one while rows decode) and it stores no snapshot; the
         whole cohort's tokens fit one chunk too, so running rows still stall
-        for at most one chunk's worth of prefill.
+        for at most one chunk's worth of prefill. Takes nothing from the backlog;
+        also returns the first request's hit (its one lookup, when it prefills alone).
         """
         budget = self._decoding_chunk if self._decoding() else self._prefill_step_size
         caching = self._get_caching()
-        cohort: list[tuple[Admitted, CacheHit | None]] = []
+        hits: list[CacheHit | None] = []
         used = 0
-        candidate: Admitted | None = first
-        while candidate is not None:
-            cmd = candidate.request
+        first_hit: CacheHit | None = None
+        for i, admitted in enumerate(list(self._backlog)):
+            cmd = admitted.request
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
+            first_hit = hit if i == 0 else first_hit
             uncached = len(cmd.prompt_ids) - 1 - (hit.usable if hit is not None else 0)
             if used + uncached > budget or self._snapshot_point(cmd, hit, caching) is not None:
-                if not cohort:
-                    return []
-                self._backlog.appendleft(candidate)  # its turn comes next, in order
                 break
-            cohort.append((candidate, hit))
+            hits.append(hit)
             used += uncached
-            candidate = self._backlog.popleft() if self._backlog else None
-        return cohort
+        return hits, first_hit
 
     async def _prefill_cohort(self, cohort: list[tuple[Admitted, CacheHit | None]]) -> None:
         """Prefill short requests, each alone on its own caches, in one lease job; then hand each on.
@@ -182,34 +183,42 @@ class PrefillActor:
                     grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens)
             for cmd, hit in ((admitted.request, hit) for admitted, hit in cohort)
         ]
+        outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
             outcomes = await self._lease.run(prefill_rows, specs)
-        except BaseException:
-            for admitted, _ in cohort:
-                admitted.request.reply.close()
-                self._release(admitted.request.request_id)
-            self._cohort_requests = []
-            raise
-        for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
-            self._cohort_requests.remove(admitted.request)
-            cmd = admitted.request
-            if isinstance(outcome, Exception):
-                self._fail(cmd, outcome)
+            for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
+                cmd = admitted.request
+                self._cohort_requests.remove(cmd)
+                if isinstance(outcome, Exception):
+                    self._fail(cmd, outcome)
+                    cmd.reply.close()
+                    self._release(cmd.request_id)
+                    continue
+                self._prefill_tokens += outcome.fed - 1 - outcome.cached_tokens
+                self._cached_tokens += outcome.cached_tokens
+                total = len(cmd.prompt_ids)
+                try:
+                    cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, outcome.cached_tokens, total,
+                                                            cached_tokens=outcome.cached_tokens))
+                    cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, total - 1, total,
+                                                            cached_tokens=outcome.cached_tokens))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the session left: _hand_on notices and frees the row
+                await self._hand_on(cmd, outcome)
+        finally:
+            # Stopped or crashed part-way (a lease fault, a restart cancelling us): whatever was not
+            # handed on is ended here, so its session resumes instead of waiting forever.
+            pending = {cmd.request_id for cmd in self._cohort_requests}
+            for (admitted, _), outcome in zip(cohort, outcomes or [None] * len(cohort)):
+                cmd = admitted.request
+                if cmd.request_id not in pending:
+                    continue
                 cmd.reply.close()
                 self._release(cmd.request_id)
-                continue
-            self._prefill_tokens += outcome.fed - 1 - outcome.cached_tokens
-            self._cached_tokens += outcome.cached_tokens
-            total = len(cmd.prompt_ids)
-            try:
-                cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, outcome.cached_tokens, total,
-                                                        cached_tokens=outcome.cached_tokens))
-                cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, total - 1, total,
-                                                        cached_tokens=outcome.cached_tokens))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the session left: _hand_on notices and frees the row
-            await self._hand_on(cmd, outcome)
+                if isinstance(outcome, SoloRow):
+                    self._lease.free_nowait(outcome.close)
+            self._cohort_requests = []
 
     def _fail(self, cmd: Generate, exc: Exception) -> None:
         """A prefill error is this request's alone: tell its session (the caller frees the rest)."""
@@ -247,15 +256,17 @@ class PrefillActor:
                 self._lease.free_nowait(row.close)
                 self._release(rid)
 
-    async def _prefill(self, admitted: Admitted) -> None:
-        """Prefill one request chunk by chunk (one lease job each, decode steps in between), then hand it on."""
+    async def _prefill(self, admitted: Admitted, hit: CacheHit | None) -> None:
+        """Prefill one request chunk by chunk (one lease job each, decode steps in between), then hand it on.
+
+        `hit` is its prompt-cache lookup (made by `_cohort`).
+        """
         cmd = admitted.request
         self._active_request = cmd
         rid, total = cmd.request_id, len(cmd.prompt_ids)
         row: SoloRow | None = None
         caching = self._get_caching()
         try:
-            hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             row = await self._lease.run(partial(
                 SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
                 prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,

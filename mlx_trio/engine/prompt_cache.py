@@ -60,10 +60,20 @@ class CacheEntry:
 
 @attrs.frozen
 class CacheHit:
-    """Use `entry`'s caches trimmed to their first `usable` tokens (`usable <= len(entry.tokens)`)."""
+    """Use `entry`'s caches trimmed to their first `usable` tokens (`usable <= len(entry.tokens)`).
+
+    `caches` is the entry's list as it was at the lookup: an eviction that
+    frees the entry afterwards (clearing its list on the lease thread) leaves
+    this hit's references, and so its arrays, intact until it is used.
+    """
 
     entry: CacheEntry
     usable: int
+    caches: list[Any] = attrs.field(eq=False, repr=False)
+
+    @caches.default
+    def _lookup_time_caches(self) -> list[Any]:
+        return list(self.entry.caches)
 
     @property
     def trim(self) -> int:

@@ -70,7 +70,7 @@ class SoloRow:
         self._prompt_ids = tuple(prompt_ids)
         self.cached_tokens = hit.usable if hit is not None else 0
         self.caches: list[Any] = (
-            cache_clone.take(hit.entry.caches, hit.trim) if hit is not None else make_prompt_cache(model)
+            cache_clone.take(hit.caches, hit.trim) if hit is not None else make_prompt_cache(model)
         )
         matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
                                          prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
