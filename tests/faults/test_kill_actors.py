@@ -210,7 +210,7 @@ async def test_a_constrained_stream_resumes_its_grammar_where_it_stood(batch: in
 
 
 async def test_rapid_kills_never_strand_a_request(solo) -> None:
-    """Kills every 0.25 s for 3 s under 24 clients: every request ends with its undisturbed tokens, none hangs.
+    """Kills every 0.6 s for 4 s under 24 clients: every request ends with its undisturbed tokens, none hangs.
 
     A restart can cancel the prefill actor half-way through handing on a cohort of
     prefilled rows; each request it had taken must still end (and resume).
@@ -229,10 +229,12 @@ async def test_rapid_kills_never_strand_a_request(solo) -> None:
 
             async def killer(deadline: float) -> None:
                 while trio.current_time() < deadline:
-                    await trio.sleep(0.25)
+                    # Not faster: a request that sees 4 restarts in a row before its first token fails
+                    # with engine_restarted, by design (MAX_RESUMES).
+                    await trio.sleep(0.6)
                     engine.faults.arm(rng.choice(["decode-step", "prefill", "admission"]), "raise")
 
-            deadline = trio.current_time() + 3.0
+            deadline = trio.current_time() + 4.0
             async with trio.open_nursery() as nursery:
                 for i in range(24):
                     nursery.start_soon(client, i, deadline)
