@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
 
 import attrs
 import trio
@@ -31,6 +33,21 @@ log = logging.getLogger("mlx_trio.decode_step")
 
 # Decode steps kept queued on the lease beyond the one being handled (see BatchDecodeActor._step).
 STEPS_AHEAD = 2
+
+
+def steps_per_job(rows: int) -> int:
+    """Decode steps one lease job runs for a batch of `rows`.
+
+    The Trio side costs about 0.1 ms of CPU per token and row (emit, session,
+    caller; tiny model, this box), and it competes for the GIL with the lease
+    thread building the next step: at B=64 that is as much as the step itself
+    on an H200. Several steps per job hand each row its tokens in one
+    message, so that cost is paid once per job; small batches keep one step
+    per job (tokens stream one by one).
+    """
+    return 1 if rows < 16 else 2 if rows < 48 else 4
+
+
 # A batched row's KV is copied out for the prompt cache only when its prompt is this long.
 EXTRACT_MIN_PROMPT_TOKENS = 256
 
@@ -133,7 +150,7 @@ class BatchDecodeActor:
         if batch.size:
             decoded = await self._lease.run(batch.flush_decoded)
             if decoded is not None:
-                self._emit(batch.request_ids, decoded)
+                self._emit(batch.request_ids, [decoded])
             leaving = [rid for rid, row in self._rows.items() if row.done]
         if leaving:
             await self._put_finished(leaving)
@@ -176,18 +193,17 @@ class BatchDecodeActor:
         straight on instead of idling for the hop to Trio and back (waking
         this actor, emitting, waking sessions and callers: 0.4-1.1 ms per
         step on an H200, docs/benchmarks.md). The cost: a row that finishes
-        is fed up to `STEPS_AHEAD` more tokens whose outputs are dropped.
+        is fed up to `STEPS_AHEAD` jobs' worth of tokens more, whose outputs are dropped.
         """
         batch = self._batch
         assert batch is not None
         ids = list(batch.request_ids)
+        job = partial(batch.steps_decoded, steps_per_job(len(ids)))
         if not self._joins.statistics().current_buffer_used:
             while len(self._ahead) < STEPS_AHEAD:
-                self._ahead.append(self._lease.submit(batch.step_decoded))
-        decoded = await (self._ahead.popleft().result() if self._ahead else self._lease.run(batch.step_decoded))
-        self._steps += 1
-        if decoded is not None:
-            self._emit(ids, decoded)
+                self._ahead.append(self._lease.submit(job))
+        decoded = await (self._ahead.popleft().result() if self._ahead else self._lease.run(job))
+        self._emit(ids, decoded)
         self._kv_bytes = batch.nbytes
 
     async def _land_ahead(self) -> None:
@@ -196,30 +212,44 @@ class BatchDecodeActor:
         assert batch is not None
         ids = list(batch.request_ids)
         while self._ahead:
-            decoded = await self._ahead.popleft().result()
-            self._steps += 1
-            if decoded is not None:
-                self._emit(ids, decoded)
+            self._emit(ids, await self._ahead.popleft().result())
 
-    def _emit(self, request_ids: list[str], decoded: Decoded) -> None:
+    def _emit(self, request_ids: list[str], steps: Sequence[Decoded | None]) -> None:
+        """Send each row its tokens of these consecutive steps as one message; end the rows that finish."""
+        self._steps += len(steps)
         eos = self._model.eos_token_ids
-        for rid, token, logprobs in zip(request_ids, decoded.token_ids, decoded.logprobs, strict=True):
+        for i, rid in enumerate(request_ids):
             row = self._rows.get(rid)
             if row is None or row.done:
-                continue  # already finished: this is the pipeline's wasted extra token
-            row.generated.append(token)
-            self._tokens += 1
+                continue  # already finished: these are the pipeline's wasted extra tokens
+            tokens: list[int] = []
+            logprobs: list[Any] = []
+            reason = None
+            for decoded in steps:
+                if decoded is None:
+                    continue
+                token = decoded.token_ids[i]
+                tokens.append(token)
+                logprobs.append(decoded.logprobs[i])
+                row.generated.append(token)
+                self._tokens += 1
+                if token in eos:
+                    reason = "stop"
+                elif row.num_generated >= row.request.params.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            if not tokens:
+                continue
             try:
-                row.request.reply.send_nowait(
-                    TokensDecoded(rid, (token,), (logprobs,) if logprobs is not None else None))
+                row.request.reply.send_nowait(TokensDecoded(
+                    rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 row.done = True
                 self._cancelled += 1
                 continue
-            if token in eos:
-                self._finish(row, "stop")
-            elif row.num_generated >= row.request.params.max_tokens:
-                self._finish(row, "length")
+            if reason is not None:
+                self._finish(row, reason)
 
     def _finish(self, row: RunningRow, reason: str) -> None:
         row.done = True

@@ -173,6 +173,10 @@ class DecodeBatch:
         decoded = self.flush_decoded()
         return list(decoded.token_ids) if decoded is not None else None
 
+    def steps_decoded(self, count: int) -> list[Decoded | None]:
+        """`step_decoded()` `count` times in a row (one lease job; see actors/batch_decode.steps_per_job)."""
+        return [self.step_decoded() for _ in range(count)]
+
     def step_decoded(self) -> Decoded | None:
         """Queue one decode step for every row; return the previous step's tokens (batch order).
 
