@@ -124,7 +124,8 @@ class EngineActors:
             "entries": stats.entries if stats else 0, "bytes": stats.bytes if stats else 0,
             "max_bytes": stats.max_bytes if stats else 0, "max_entries": stats.max_entries if stats else 0,
             "hits": stats.hits if stats else 0, "misses": stats.misses if stats else 0,
-            "hit_tokens": stats.hit_tokens if stats else 0, "evictions": stats.evictions if stats else 0,
+            "hit_tokens": stats.hit_tokens if stats else 0, "puts": stats.puts if stats else 0,
+            "evictions": stats.evictions if stats else 0,
             "prefill_tokens": prefill.prefill_tokens if prefill else 0,
             "snapshots": prefill.snapshots if prefill else 0,
             "ssd": {
