@@ -1,10 +1,13 @@
 """The prefill actor: joiners prefill alone, one chunk per lease job (batching-design.md §4.2).
 
-Each chunk is one GPU-lease job, and the decode-step actor submits one job
-per step, so the lease's FIFO interleaves them: running rows stall at most
-one chunk while a long prompt prefills. The last prompt token is fed as an
-L=1 step that samples token 0 on the solo caches (mlx-lm's convention); a
-row that is already finished at token 0 never joins the batch.
+Each chunk of a long prompt is one GPU-lease job, queued behind the decode
+jobs already waiting, so running rows stall at most one chunk while it
+prefills (chunks are a quarter as long while rows decode). Short prompts
+that wait together prefill as a cohort: each alone on its own caches, all in
+one lease job bounded by one chunk of tokens. The last prompt token is fed
+as an L=1 step that samples token 0 on the solo caches (mlx-lm's convention);
+a row that is already finished at token 0 never joins the batch. Prompt-cache
+hits start a prefill part-way; boundary snapshots are stored on the way.
 """
 
 from __future__ import annotations
