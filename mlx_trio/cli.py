@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import trio
 
 from mlx_trio.api import Engine
+from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
@@ -46,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mlx-lm model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
     arg("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     arg("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
-    arg("--batch", "--decode-concurrency", dest="batch", type=_positive_int, default=8,
+    arg("--batch", "--decode-concurrency", dest="batch", type=positive_int, default=8,
         help="requests decoded together (the concurrency cap); 1 is the strict serial lane (default: %(default)s)")
-    arg("--kv-budget", dest="kv_budget", type=_positive_int, default=None,
+    arg("--kv-budget", dest="kv_budget", type=positive_int, default=None,
         help="bytes of KV cache admission may reserve (default: device memory minus weights and headroom)")
-    arg("--max-tokens", type=_positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
+    arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
     arg("--top-k", type=int, default=0, help="default top-k; 0 is off (default: %(default)s)")
@@ -61,24 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY; unset: no key)")
     arg("--allowed-origins", nargs="*", default=[],
         help="browser origins allowed by CORS, space- or comma-separated; '*' for any (default: same-origin only)")
-    arg("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+    arg("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted; larger gets 413 (default: %(default)s)")
-    arg("--prefill-step-size", type=_positive_int, default=2048,
+    arg("--prefill-step-size", type=positive_int, default=2048,
         help="prompt tokens per prefill chunk (default: %(default)s)")
-    arg("--max-queue", type=_positive_int, default=256,
+    arg("--max-queue", type=positive_int, default=256,
         help="requests waiting for the decoder before new ones get 503 + Retry-After (default: %(default)s)")
-    arg("--prompt-cache-bytes", type=_size, default=None,
+    arg("--prompt-cache-bytes", type=size, default=None,
         help="RAM for reusable prompt KV, e.g. 2GB or 512MiB; 0 turns the prompt cache off "
              "(default: a quarter of the KV budget; live requests take it back when they need it)")
-    arg("--prompt-cache-size", type=_non_negative_int, default=64,
+    arg("--prompt-cache-size", type=non_negative_int, default=64,
         help="most prompt-cache entries kept in RAM (default: %(default)s)")
     arg("--prompt-cache-dir", type=Path, default=None,
         help="directory for the prompt cache's SSD tier; survives restarts (default: RAM only)")
-    arg("--prompt-cache-ssd-bytes", type=_size, default=16 * 2**30,
+    arg("--prompt-cache-ssd-bytes", type=size, default=16 * 2**30,
         help="most bytes the SSD tier keeps on disk (default: 16GiB)")
     arg("--cache-dir", type=Path, default=None,
         help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
-    arg("--shutdown-timeout", type=_non_negative_float, default=30.0,
+    arg("--shutdown-timeout", type=non_negative_float, default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
@@ -237,40 +237,6 @@ def _leaves(exc: BaseException) -> Any:
         yield exc
         if exc.__cause__ is not None:
             yield from _leaves(exc.__cause__)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def _size(text: str) -> int:
-    """Bytes as mlx_lm.server writes them (`8GB`, `512M`: decimal units), or binary units (`512MiB`)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:

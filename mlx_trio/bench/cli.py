@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlx_trio.argtypes import non_negative_int, positive_int
 from mlx_trio.bench import workloads
 
 # The stacks `--serve` can start (servers.py knows their command lines). ours-nocache is ours with
@@ -55,25 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                       "also read for EOS ids")
     arg("--workload", choices=workloads.WORKLOADS, default="agents", help="(default: %(default)s)")
     arg("--concurrency", type=_int_list, default=[1, 4, 8, 32], help="comma list (default: 1,4,8,32)")
-    arg("--requests", type=_positive_int, default=32, help="requests per run (default: %(default)s)")
-    arg("--requests-per-stream", type=_non_negative_int, default=0,
+    arg("--requests", type=positive_int, default=32, help="requests per run (default: %(default)s)")
+    arg("--requests-per-stream", type=non_negative_int, default=0,
         help="raise a run's requests to this many per concurrent stream (default: off)")
-    arg("--rounds", type=_positive_int, default=2, help="runs per server per concurrency, alternated A B A B "
+    arg("--rounds", type=positive_int, default=2, help="runs per server per concurrency, alternated A B A B "
                                                           "(default: %(default)s)")
-    arg("--seed", type=_non_negative_int, default=0, help="(default: %(default)s)")
+    arg("--seed", type=non_negative_int, default=0, help="(default: %(default)s)")
     arg("--rate", type=float, default=None,
         help=f"session arrivals per second, Poisson; inf: all at once (default: agents {AGENTS_DEFAULT_RATE_PER_S}, "
              "others all at once)")
-    arg("--output-tokens", type=_positive_int, default=d.output_tokens, help="(default: %(default)s)")
-    arg("--system-words", type=_non_negative_int, default=d.system_words, help="agents (default: %(default)s)")
-    arg("--task-words", type=_positive_int, default=d.task_words, help="agents (default: %(default)s)")
-    arg("--followup-words", type=_positive_int, default=d.followup_words, help="agents (default: %(default)s)")
-    arg("--prompt-words", type=_positive_int, default=d.prompt_words, help="uniform (default: %(default)s)")
-    arg("--long-prompt-words", type=_positive_int, default=d.long_prompt_words,
+    arg("--output-tokens", type=positive_int, default=d.output_tokens, help="(default: %(default)s)")
+    arg("--system-words", type=non_negative_int, default=d.system_words, help="agents (default: %(default)s)")
+    arg("--task-words", type=positive_int, default=d.task_words, help="agents (default: %(default)s)")
+    arg("--followup-words", type=positive_int, default=d.followup_words, help="agents (default: %(default)s)")
+    arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform (default: %(default)s)")
+    arg("--long-prompt-words", type=positive_int, default=d.long_prompt_words,
         help="long-prompt (default: %(default)s)")
-    arg("--long-output-tokens", type=_positive_int, default=d.long_output_tokens,
+    arg("--long-output-tokens", type=positive_int, default=d.long_output_tokens,
         help="long-prompt: the background streams' length (default: %(default)s)")
-    arg("--eos-id", type=_non_negative_int, action="append", default=None,
+    arg("--eos-id", type=non_negative_int, action="append", default=None,
         help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
     arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
     arg("--request-model", default=None, help="`model` field to send (default: none, each server's own)")
@@ -122,21 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    values = [positive_int(part) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError("needs at least one value")
     return values
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
