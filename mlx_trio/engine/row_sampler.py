@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_trio.engine.grammar import GrammarMatcher
-from mlx_trio.engine.sampling import build_logits_processors
+from mlx_trio.engine.sampling import build_logits_processors, processed_logprobs
 from mlx_trio.engine.token_logprobs import LogprobArrays, gather_logprobs
 from mlx_trio.params import SamplingParams
 
@@ -96,15 +96,8 @@ class RowSampler:
         (the last prompt token, then each previous sample); they join the
         processors' context first. Advances the row's key when sampling.
         """
-        if self._processors:
-            self._context = (
-                input_tokens if self._context is None else mx.concatenate([self._context, input_tokens])
-            )
-            for processor in self._processors:
-                logits = processor(self._context, logits)
-        if self._matcher is not None:
-            logits = self._matcher.apply(logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logprobs, self._context = processed_logprobs(logits, input_tokens, self._context, self._processors,
+                                                     self._matcher)
         token = self._draw(logprobs)
         if self._num_top is not None:
             # From the processed distribution, before temperature and filters (mlx-lm's logprobs).

@@ -7,12 +7,16 @@ only maps our field names onto theirs. Runs on the lease thread.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlx_trio.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mlx_trio.engine.grammar import GrammarMatcher
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -39,3 +43,22 @@ def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.frequency_context_size,
     )
+
+
+def processed_logprobs(logits: mx.array, input_tokens: mx.array, context: mx.array | None,
+                       processors: Sequence[LogitsProcessor],
+                       matcher: GrammarMatcher | None) -> tuple[mx.array, mx.array | None]:
+    """The distribution a row samples from, and its processors' context grown by `input_tokens`.
+
+    mlx-lm's order (`generate_step`): the input tokens join the context, the
+    logits processors run over it, then (ours) the grammar mask; the result
+    is log-softmaxed. Logprobs are reported from this distribution, before
+    temperature and the top-k/top-p/min-p filters. Lazy; lease thread.
+    """
+    if processors:
+        context = input_tokens if context is None else mx.concatenate([context, input_tokens])
+        for processor in processors:
+            logits = processor(context, logits)
+    if matcher is not None:
+        logits = matcher.apply(logits)
+    return logits - mx.logsumexp(logits, keepdims=True), context

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine.chunked_prefill import ChunkedPrefill
 from mlx_trio.engine.grammar import GrammarMatcher
-from mlx_trio.engine.sampling import build_logits_processors, build_sampler
+from mlx_trio.engine.sampling import build_logits_processors, build_sampler, processed_logprobs
 from mlx_trio.engine.token_logprobs import LogprobArrays, arrays_of, gather_logprobs, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
@@ -147,15 +147,8 @@ class SerialGeneration:
 
     def _sample(self, input_tokens: mx.array) -> tuple[mx.array, LogprobArrays | None]:
         logits = self._model(input_tokens[None], cache=self._cache)[:, -1, :]
-        if self._processors:
-            self._context = (
-                input_tokens if self._context is None else mx.concat([self._context, input_tokens])
-            )
-            for processor in self._processors:
-                logits = processor(self._context, logits)
-        if self._matcher is not None:
-            logits = self._matcher.apply(logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logprobs, self._context = processed_logprobs(logits, input_tokens, self._context, self._processors,
+                                                     self._matcher)
         token = self._sampler(logprobs)
         if self._num_top is None:
             return token, None
