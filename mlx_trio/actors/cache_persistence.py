@@ -50,16 +50,16 @@ OpenStore = Callable[[], Awaitable[CacheFileStore]]
 
 @attrs.frozen
 class PersistenceStatistics:
-    enabled: bool  # a directory was configured
-    degraded: bool  # writing stopped after a disk error, or the directory could not be opened: RAM only
-    entries: int  # entry files indexed
-    bytes: int  # their total size
-    ssd_reads: int  # restores served from disk
-    ssd_writes: int  # entry files written
-    ssd_errors: int  # failed writes, and stored entries that could not be rebuilt
-    dropped: int  # offers refused because the queue was full
-    queue_depth: int  # entries waiting to be written
-    mailbox_depth: int  # the same number, under the name the supervision tree reads
+    enabled: bool = False  # a directory was configured
+    degraded: bool = False  # writing stopped after a disk error, or the directory could not be opened: RAM only
+    entries: int = 0  # entry files indexed
+    bytes: int = 0  # their total size
+    ssd_reads: int = 0  # restores served from disk
+    ssd_writes: int = 0  # entry files written
+    ssd_errors: int = 0  # failed writes, and stored entries that could not be rebuilt
+    dropped: int = 0  # offers refused because the queue was full
+    queue_depth: int = 0  # entries waiting to be written
+    mailbox_depth: int = 0  # the same number, under the name the supervision tree reads
 
 
 @attrs.define(eq=False)

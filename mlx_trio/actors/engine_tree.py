@@ -23,12 +23,13 @@ import time
 from functools import partial
 from typing import Any
 
+import attrs
 import trio
 
 from mlx_trio.actors.admission import AdmissionActor, Limits
 from mlx_trio.actors.batch_decode import BatchDecodeActor
 from mlx_trio.actors.cache_persistence import ACTOR_ID as PERSISTENCE_ID
-from mlx_trio.actors.cache_persistence import CachePersistenceActor, store_opener
+from mlx_trio.actors.cache_persistence import CachePersistenceActor, PersistenceStatistics, store_opener
 from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import PrefillActor
@@ -37,6 +38,7 @@ from mlx_trio.config import EngineConfig
 from mlx_trio.engine.kv_layout import default_kv_budget
 from mlx_trio.engine.lease_thread import release_thread_streams
 from mlx_trio.engine.model import LoadedModel, load_model
+from mlx_trio.engine.prompt_cache import PromptCacheStatistics
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
 from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -116,24 +118,17 @@ class EngineActors:
 
     def prompt_cache_counters(self) -> dict[str, Any]:
         """The prompt cache's tiers and the prefill work it saved (`/stats.prompt_cache`)."""
-        stats = self.caching.statistics() if self.caching is not None else None
+        stats = self.caching.statistics() if self.caching is not None else PromptCacheStatistics()
         prefill = self.prefill.statistics() if self.prefill is not None else None
-        ssd = self.persistence.statistics() if self.persistence is not None else None
+        ssd = self.persistence.statistics() if self.persistence is not None else PersistenceStatistics()
         return {
-            "enabled": stats is not None,
-            "entries": stats.entries if stats else 0, "bytes": stats.bytes if stats else 0,
-            "max_bytes": stats.max_bytes if stats else 0, "max_entries": stats.max_entries if stats else 0,
-            "hits": stats.hits if stats else 0, "misses": stats.misses if stats else 0,
-            "hit_tokens": stats.hit_tokens if stats else 0, "puts": stats.puts if stats else 0,
-            "evictions": stats.evictions if stats else 0,
+            "enabled": self.caching is not None, **attrs.asdict(stats),
             "prefill_tokens": prefill.prefill_tokens if prefill else 0,
             "snapshots": prefill.snapshots if prefill else 0,
             "ssd": {
-                "enabled": bool(ssd and ssd.enabled), "degraded": bool(ssd and ssd.degraded),
-                "entries": ssd.entries if ssd else 0, "bytes": ssd.bytes if ssd else 0,
-                "reads": ssd.ssd_reads if ssd else 0, "writes": ssd.ssd_writes if ssd else 0,
-                "errors": ssd.ssd_errors if ssd else 0, "dropped": ssd.dropped if ssd else 0,
-                "queue_depth": ssd.queue_depth if ssd else 0,
+                "enabled": ssd.enabled, "degraded": ssd.degraded, "entries": ssd.entries, "bytes": ssd.bytes,
+                "reads": ssd.ssd_reads, "writes": ssd.ssd_writes, "errors": ssd.ssd_errors,
+                "dropped": ssd.dropped, "queue_depth": ssd.queue_depth,
             },
         }
 

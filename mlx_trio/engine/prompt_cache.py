@@ -83,15 +83,17 @@ class CacheHit:
 
 @attrs.frozen
 class PromptCacheStatistics:
-    entries: int
-    bytes: int
-    max_bytes: int
-    max_entries: int
-    hits: int
-    misses: int
-    hit_tokens: int
-    puts: int
-    evictions: int
+    """Zeros by default: what `/stats` shows when there is no prompt cache."""
+
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    max_entries: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    puts: int = 0
+    evictions: int = 0
 
 
 class PromptCache:
