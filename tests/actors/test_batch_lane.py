@@ -53,6 +53,23 @@ async def test_overlapping_requests_each_get_their_solo_greedy_tokens(spec: Tiny
     assert [got[i] for i in range(len(PROMPTS))] == expected
 
 
+async def _run_watching_rows(engine, prompts: list[str], max_tokens: int) -> tuple[list[tuple[int, ...]], int]:
+    """Run the prompts concurrently; their token ids in order, and the most rows admission had in flight."""
+    results: dict[int, tuple[int, ...]] = {}
+    most_rows = 0
+
+    async def one(i: int) -> None:
+        results[i] = (await engine.complete(prompts[i], max_tokens=max_tokens)).token_ids
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+        while len(results) < len(prompts):
+            most_rows = max(most_rows, engine.actors.admission.statistics().in_flight_rows)
+            await trio.sleep(0)
+    return [results[i] for i in range(len(prompts))], most_rows
+
+
 async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
     """With a budget for one request at a time, four requests still all finish, one after another."""
     path = tiny_model(LLAMA)
@@ -64,21 +81,10 @@ async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
     # One row plus the (single) prefill transient fits; a second row's KV does not.
     budget = need + row // 2
     async with open_engine(str(path), batch=4, kv_budget_bytes=budget) as engine:
-        results: dict[int, tuple[int, ...]] = {}
-        most_in_flight = 0
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.complete(prompts[i], max_tokens=8)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(one, i)
-            while len(results) < 4:
-                most_in_flight = max(most_in_flight, engine.actors.admission.statistics().in_flight_rows)
-                await trio.sleep(0)
+        results, most_in_flight = await _run_watching_rows(engine, prompts, 8)
         assert engine.actors.admission.statistics().admitted == 4
         assert most_in_flight == 1
-    assert [results[i] for i in range(4)] == expected
+    assert results == expected
 
 
 async def test_a_request_that_can_never_fit_is_refused_with_an_actionable_error() -> None:
@@ -176,19 +182,8 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:3], 8)
     async with open_engine(str(path), batch=4) as engine:
-        results: dict[int, tuple[int, ...]] = {}
-        most_rows = 0
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.complete(PROMPTS[i], max_tokens=8)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-            while len(results) < 3:
-                most_rows = max(most_rows, engine.actors.admission.statistics().in_flight_rows)
-                await trio.sleep(0)
+        results, most_rows = await _run_watching_rows(engine, PROMPTS[:3], 8)
         counters = engine.status()["counters"]
         assert counters["mode"] == "serial" and counters["configured"] == 4
     assert most_rows == 1
-    assert [results[i] for i in range(3)] == expected
+    assert results == expected
