@@ -44,3 +44,8 @@ class EngineConfig:
     step_watchdog_s: float = 300.0
     # How long a request waits for a restarting engine before failing (engine_restarted).
     resume_timeout_s: float = 60.0
+
+    @property
+    def prompt_cache_off(self) -> bool:
+        """`--prompt-cache-bytes 0` or `--prompt-cache-size 0`: no RAM tier, and so no SSD tier."""
+        return self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0

@@ -265,7 +265,7 @@ class EngineActors:
         max_bytes = self.config.prompt_cache_bytes
         if max_bytes is None:
             max_bytes = int(budget * DEFAULT_PROMPT_CACHE_FRACTION)
-        if max_bytes <= 0 or self.config.prompt_cache_size <= 0:
+        if self.config.prompt_cache_off or max_bytes <= 0:
             log.info("prompt cache off")
             return None
         log.info("prompt cache: up to %.1f MiB and %d entries in RAM, within the KV budget "
@@ -280,8 +280,7 @@ class EngineActors:
         assert self.lease is not None
         directory = self.config.prompt_cache_dir
         opener = (store_opener(self.lease, self._wait_model, directory, self.config.prompt_cache_ssd_bytes)
-                  if directory is not None and self.config.prompt_cache_bytes != 0 and self.config.prompt_cache_size > 0
-                  else None)
+                  if directory is not None and not self.config.prompt_cache_off else None)
         persistence = CachePersistenceActor(self.lease, opener, faults=self.faults)
         self.persistence = persistence
         await persistence.run(task_status=task_status)
