@@ -5,6 +5,7 @@ Usage:
     python benchmarks/batch_throughput.py --model default --batches 1,4,8     # SmolLM2-135M
     python benchmarks/batch_throughput.py --shape llama-1b --batches 1,4,8,16 --json out.json
     python benchmarks/batch_throughput.py --shape llama-1b --long-prompts 8x12600
+    python benchmarks/batch_throughput.py --shape llama-1b --batches 1,8 --b1-pairs 20 --b1-pair-tokens 64
 
 For every B of ``--batches``, in one process, on the same weights and the same
 B prompts (random token ids, equal length, greedy, ``max_tokens`` fixed):
@@ -28,6 +29,13 @@ engine's evaluated weights, and no two measurements overlap. Each measurement
 is warmed up once (same work, not recorded); then ``--repeats`` rounds run the
 methods in turn (paired: a noisy neighbour hits all of them alike) and the
 tables show medians.
+
+``--b1-pairs N`` adds, after the B=1 rounds, N short interleaved pairs of one
+greedy request (``--b1-pair-tokens``, default 64) through the batch lane and
+one through the serial lane, in ABBA order (batch,serial then serial,batch ...):
+host speed drifts over seconds, so adjacent short runs in alternating order
+judge batch/serial far better than whole rounds do. Reported: the median and
+interquartile range of the per-pair decode ratios, and the ratio of medians.
 
 Two rates per run, both counted in generated tokens (token 0 included):
 
@@ -392,6 +400,26 @@ async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> 
     )
 
 
+async def b1_interleaved(engine: Any, serial: Any, prompt: list[int], n: int,
+                         max_tokens: int) -> dict[str, Any]:
+    """N short batch-lane/serial-lane pairs, ABBA order; decode tok/s ratios batch/serial."""
+    runs: dict[str, list[dict[str, Any]]] = {"engine": [], "serial": []}
+    lanes = {"engine": engine, "serial": serial}
+    for i in range(n):
+        # Alternate which lane goes first so a linear drift in host speed cancels over each two pairs.
+        for name in ("engine", "serial") if i % 2 == 0 else ("serial", "engine"):
+            runs[name].append(await engine_run(lanes[name], [prompt], max_tokens))
+    ratios = [e["dec_tok_s"] / s["dec_tok_s"] for e, s in zip(runs["engine"], runs["serial"])
+              if e["dec_tok_s"] and s["dec_tok_s"]]
+    # Inclusive quartiles stay inside the observed range, which matters for small N.
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (None, None, None)
+    return {"b1_pairs_interleaved": ratios, "b1_pair_tokens": max_tokens, "b1_interleaved_runs": runs,
+            "b1_interleaved_median": statistics.median(ratios) if ratios else None,
+            "b1_interleaved_q1_q3": [q1, q3], "b1_interleaved_iqr": q3 - q1 if q1 is not None else None,
+            "b1_interleaved_ratio_of_medians": _r(median_of(runs["engine"], "dec_tok_s"),
+                                                  median_of(runs["serial"], "dec_tok_s"))}
+
+
 def pick_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     hi = min(PROMPT_ID_LIMIT, vocab)
@@ -446,6 +474,9 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                              if e["dec_tok_s"] and s["dec_tok_s"]]
                     row["b1_batch_over_serial_paired"] = statistics.median(pairs) if pairs else None
                     row["b1_pairs"] = pairs
+                    if args.b1_pairs > 0:
+                        row.update(await b1_interleaved(engine, serial, prompts[0], args.b1_pairs,
+                                                        args.b1_pair_tokens))
                 results["rows"].append(row)
                 print_row(row, M, time.perf_counter() - t_b)
     return results
@@ -521,6 +552,13 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{fmt(row['b1_batch_over_serial_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
                   f"{fmt(_r(sg, b), '.2f')} |")
             print(f"  paired batch/serial ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
+            if row.get("b1_pairs_interleaved") is not None:
+                q1, q3 = row["b1_interleaved_q1_q3"]
+                quartiles = f" ({q1:.3f}-{q3:.3f})" if q1 is not None else ""
+                print(f"  interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x {row['b1_pair_tokens']} "
+                      f"tokens): batch/serial median {fmt(row['b1_interleaved_median'], '.3f')}, "
+                      f"IQR {fmt(row['b1_interleaved_iqr'], '.3f')}{quartiles}, "
+                      f"ratio of medians {fmt(row['b1_interleaved_ratio_of_medians'], '.3f')}")
 
 
 # -- long prompts ----------------------------------------------------------------------------------
@@ -635,6 +673,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="measured rounds per B after one warm-up (default 3)")
+    p.add_argument("--b1-pairs", type=int, default=0,
+                   help="after the B=1 rounds, N interleaved (ABBA) batch/serial single-request pairs (default 0: off)")
+    p.add_argument("--b1-pair-tokens", type=int, default=64, help="max_tokens of each --b1-pairs request (default 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--kv-budget", type=int, default=None, help="engine kv_budget_bytes (default: derived)")
     p.add_argument("--long-prompts", metavar="RxN", help="e.g. 8x12600: R concurrent N-token prompts instead")
