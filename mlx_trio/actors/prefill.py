@@ -3,11 +3,12 @@
 Each chunk of a long prompt is one GPU-lease job, queued behind the decode
 jobs already waiting, so running rows stall at most one chunk while it
 prefills (chunks are a quarter as long while rows decode). Short prompts
-that wait together prefill as a cohort: each alone on its own caches, all in
-one lease job bounded by one chunk of tokens. The last prompt token is fed
-as an L=1 step that samples token 0 on the solo caches (mlx-lm's convention);
-a row that is already finished at token 0 never joins the batch. Prompt-cache
-hits start a prefill part-way; boundary snapshots are stored on the way.
+that wait together prefill as a cohort: one batch of equal real-token
+chunks (engine/cohort_prefill.py) in one lease job bounded by one chunk of
+tokens. The last prompt token is fed as an L=1 step that samples token 0
+on the row's own caches (mlx-lm's convention); a row that is already
+finished at token 0 never joins the batch. Prompt-cache hits start a
+prefill part-way; boundary snapshots are stored on the way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from mlx_trio.actors.messages import (Admitted, Generate, GenerationEnded, JoinR
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.model import LoadedModel
 from mlx_trio.engine.prompt_cache import CacheHit
-from mlx_trio.engine.rows import SoloRow, prefill_rows
+from mlx_trio.engine.cohort_prefill import prefill_rows
+from mlx_trio.engine.rows import SoloRow
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import Faults, InjectedFault
 
@@ -173,11 +175,11 @@ class PrefillActor:
         return hits, first_hit
 
     async def _prefill_cohort(self, cohort: list[tuple[Admitted, CacheHit | None]]) -> None:
-        """Prefill short requests, each alone on its own caches, in one lease job; then hand each on.
+        """Prefill short requests in one lease job, as one batch where the model allows; then hand each on.
 
-        The same solo prefill as `_prefill` (so token-identical), without a
-        lease round trip per chunk and per token 0: B requests arriving
-        together cost one job instead of 3B.
+        B requests arriving together cost one job instead of 3B lease round
+        trips, and (engine/cohort_prefill.py) a few batched forwards instead of
+        2B solo ones. A request alone is the solo prefill of `_prefill`.
         """
         self._cohort_requests = [admitted.request for admitted, _ in cohort]
         specs = [
@@ -189,7 +191,7 @@ class PrefillActor:
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
-            outcomes = await self._lease.run(prefill_rows, specs)
+            outcomes = await self._lease.run(prefill_rows, self._model.model, specs)
             for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
                 cmd = admitted.request
                 self._cohort_requests.remove(cmd)

@@ -44,13 +44,24 @@ class ChunkedPrefill:
             n = min(n, self._split_at - self.fed)
         if n == 0:
             return None
-        chunk = self.pending[:n]
+        chunk = self.take(n)
         self._model(chunk[None], cache=self._caches)
         mx.eval([c.state for c in self._caches])
-        self.pending = self.pending[n:]
-        self.fed += n
         mx.clear_cache()
         return chunk
+
+    def take(self, n: int) -> mx.array:
+        """The next `n` prompt tokens, counted as fed: the caller runs them into the caches now.
+
+        `chunk()` runs them through this prefill's own caches; a cohort
+        (engine/cohort_prefill.py) runs several rows' tokens as one batch.
+        """
+        if not 0 < n <= self.remaining:
+            raise ValueError(f"take({n}) with {self.remaining} tokens left to prefill")
+        taken = self.pending[:n]
+        self.pending = self.pending[n:]
+        self.fed += n
+        return taken
 
     def take_rest(self) -> mx.array:
         """The token(s) left for the first sampling step; afterwards nothing is pending."""

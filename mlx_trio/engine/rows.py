@@ -14,7 +14,7 @@ Every method runs on the lease thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -27,7 +27,7 @@ from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit
 from mlx_trio.engine.grammar import GrammarMatcher
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
-from mlx_trio.engine.token_logprobs import arrays_of, to_record
+from mlx_trio.engine.token_logprobs import LogprobArrays, arrays_of, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -82,6 +82,9 @@ class SoloRow:
         self.token0: int | None = None
         # Token 0's logprobs, when the request asks for them (set by `first_token`).
         self.token0_logprobs: SampledLogprobs | None = None
+        # Between `draw_token0` and `read_token0`: the lazy token 0 and its logprob arrays.
+        self._token0: mx.array | None = None
+        self._token0_logprobs: LogprobArrays | None = None
 
     @property
     def prefill_remaining(self) -> int:
@@ -96,6 +99,10 @@ class SoloRow:
     def fed(self) -> int:
         """Prompt tokens whose KV the caches hold."""
         return self._prefill.fed
+
+    def take_prefill(self, n: int) -> mx.array:
+        """The next `n` prompt tokens, counted as fed: a cohort runs them into `caches` (engine/cohort_prefill.py)."""
+        return self._prefill.take(n)
 
     def snapshot(self) -> CacheEntry:
         """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
@@ -113,19 +120,37 @@ class SoloRow:
 
     def first_token(self) -> int:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
+        last = self.last_input()
+        logits = self._model(last[None], cache=self.caches)[:, -1, :]
+        mx.eval(*self.draw_token0(logits, last))
+        return self.read_token0()
+
+    def last_input(self) -> mx.array:
+        """Token 0's input, the last prompt token; afterwards nothing is pending. Needs the prompt prefilled."""
         if self.prefill_remaining:
             raise RuntimeError("first_token() before the prompt was prefilled")
         if self.token0 is not None:
             raise RuntimeError("first_token() was already called")
-        last = self._prefill.take_rest()
-        logits = self._model(last[None], cache=self.caches)[:, -1, :]
-        token = self.sampler.sample(logits, last)
-        logprobs = self.sampler.last_logprobs
-        mx.eval(token, self.sampler.context, *arrays_of(logprobs))
-        self.token0 = token.item()
+        return self._prefill.take_rest()
+
+    def draw_token0(self, logits: mx.array, last: mx.array) -> list[mx.array]:
+        """Sample token 0 from `logits` `[1, V]` of the step that fed `last`; returns the arrays to evaluate.
+
+        Then `read_token0()`. Split so a cohort evaluates all its rows' token 0 at once.
+        """
+        self._token0 = self.sampler.sample(logits, last)
+        self._token0_logprobs = self.sampler.last_logprobs
+        context = self.sampler.context
+        return [self._token0, *([context] if context is not None else []), *arrays_of(self._token0_logprobs)]
+
+    def read_token0(self) -> int:
+        """Token 0 drawn by `draw_token0` (evaluated by now), read on the host and accepted by the sampler."""
+        assert self._token0 is not None, "read_token0() before draw_token0()"
+        self.token0 = self._token0.item()
         self.sampler.accept(self.token0)
-        if logprobs is not None:
-            self.token0_logprobs = to_record(logprobs)
+        if self._token0_logprobs is not None:
+            self.token0_logprobs = to_record(self._token0_logprobs)
+        self._token0_logprobs = None
         return self.token0
 
     def close(self) -> None:
@@ -133,26 +158,3 @@ class SoloRow:
         self.caches = []
         self._prefill.release()
 
-
-def prefill_rows(makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
-    """Make, prefill and sample token 0 of each row in turn: one lease job for a cohort of short prompts.
-
-    Each row is exactly what `prefill_chunk()` until done then `first_token()`
-    gives, so a cohort row is token-identical to one prefilled alone. An
-    error is one row's own: it is returned in that row's place (its caches
-    dropped) and the others go on.
-    """
-    rows: list[SoloRow | Exception] = []
-    for make in makers:
-        row: SoloRow | None = None
-        try:
-            row = make()
-            while row.prefill_remaining:
-                row.prefill_chunk()
-            row.first_token()
-            rows.append(row)
-        except Exception as exc:
-            if row is not None:
-                row.close()
-            rows.append(exc)
-    return rows

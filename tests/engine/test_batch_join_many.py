@@ -76,7 +76,7 @@ def test_join_many_into_an_empty_batch_merges_all_and_one_row_is_adopted() -> No
 
 def test_prefill_rows_isolates_a_failing_row_and_matches_solo_prefill() -> None:
     """A cohort job: each row is what it would be alone; one row's error takes its place only."""
-    from mlx_trio.engine.rows import prefill_rows
+    from mlx_trio.engine.cohort_prefill import prefill_rows
 
     model, vocab = _model("llama")
     alone = _row(model, "c", vocab)[1]
@@ -85,7 +85,7 @@ def test_prefill_rows_isolates_a_failing_row_and_matches_solo_prefill() -> None:
         raise ValueError("bad row")
 
     prompt = [(11 * ord("c") + 5 * j) % (vocab - 3) + 3 for j in range(LENGTHS["c"])]
-    rows = prefill_rows([lambda: SoloRow(model, "x", prompt, SamplingParams(max_tokens=4)), broken,
+    rows = prefill_rows(model, [lambda: SoloRow(model, "x", prompt, SamplingParams(max_tokens=4)), broken,
                          lambda: SoloRow(model, "y", prompt, SamplingParams(max_tokens=4))])
     assert isinstance(rows[1], ValueError)
     assert [r.token0 for r in (rows[0], rows[2])] == [alone, alone]

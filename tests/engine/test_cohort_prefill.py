@@ -1,0 +1,116 @@
+"""A cohort prefilled as one batch leaves every row where a solo prefill leaves it (engine/cohort_prefill.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_trio.engine.cohort_prefill import can_prefill_together, prefill_rows, prefill_together
+from mlx_trio.engine.prompt_cache import CacheHit
+from mlx_trio.engine.rows import SoloRow
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
+
+GREEDY = SamplingParams(max_tokens=8)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, logprobs=True, top_logprobs=3)
+
+
+def _prompt(salt: int, n: int) -> list[int]:
+    return [(13 * salt + 7 * j) % 500 + 3 for j in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(str(tiny_model(LLAMA)))[0]
+
+
+def _solo(model, rid: str, prompt: list[int], params: SamplingParams, hit: CacheHit | None = None) -> SoloRow:
+    row = SoloRow(model, rid, prompt, params, hit=hit)
+    while row.prefill_remaining:
+        row.prefill_chunk()
+    row.first_token()
+    return row
+
+
+def _kv(row: SoloRow) -> list[np.ndarray]:
+    return [np.array(a) for c in row.caches for a in (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])]
+
+
+def test_a_cohort_row_equals_its_solo_prefill_whatever_its_length_and_cached_prefix(model) -> None:
+    shared = _prompt(1, 20)
+    entry = _solo(model, "s", [*shared, 9], GREEDY).snapshot()  # the KV of `shared`
+    specs = {  # rid: (prompt, params, hit)
+        "long": (_prompt(2, 41), GREEDY, None),
+        "short": (_prompt(3, 7), GREEDY, None),
+        "hit": ([*shared, *_prompt(4, 15)], GREEDY, CacheHit(entry, 20)),
+        "trimmed hit": ([*shared[:12], *_prompt(5, 25)], GREEDY, CacheHit(entry, 12)),
+        "two tokens": (_prompt(6, 2), GREEDY, None),
+        "one token": (_prompt(7, 1), GREEDY, None),
+        "seeded": (_prompt(8, 30), SEEDED, None),
+    }
+    alone = {rid: _solo(model, rid, *spec) for rid, spec in specs.items()}
+    rows = [SoloRow(model, rid, prompt, params, hit=hit) for rid, (prompt, params, hit) in specs.items()]
+    assert can_prefill_together(rows)
+    prefill_together(model, rows)
+    for row in rows:
+        solo = alone[row.request_id]
+        assert (row.token0, row.fed, row.cached_tokens) == (solo.token0, solo.fed, solo.cached_tokens)
+        assert [c.offset for c in row.caches] == [c.offset for c in solo.caches]
+        for got, want in zip(_kv(row), _kv(solo), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4)
+    seeded = next(row for row in rows if row.request_id == "seeded")
+    assert seeded.token0_logprobs is not None and alone["seeded"].token0_logprobs is not None
+    got, want = seeded.token0_logprobs, alone["seeded"].token0_logprobs
+    assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    # The rows go on decoding on their own caches, like solo rows (the cohort's batch caches are gone).
+    for row in rows:
+        last = mx.array([row.token0])
+        solo = alone[row.request_id]
+        got = mx.argmax(model(last[None], cache=row.caches)[0, -1]).item()
+        want = mx.argmax(model(last[None], cache=solo.caches)[0, -1]).item()
+        assert got == want
+
+
+def test_only_plain_kv_models_prefill_together_and_the_others_match_solo_exactly() -> None:
+    swa = load(str(tiny_model(LLAMA_SWA)))[0]
+    prompts = [_prompt(i, 10 + 9 * i) for i in range(3)]
+    rows = [SoloRow(swa, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    assert not can_prefill_together(rows)
+    outcomes = prefill_rows(swa, [lambda p=p, i=i: SoloRow(swa, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    assert [r.token0 for r in outcomes] == [_solo(swa, "x", p, GREEDY).token0 for p in prompts]
+
+
+class _FailsBatched:
+    """The model, except that a forward of more than one row raises (a batch-only failure)."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.layers = model.layers
+
+    def __call__(self, inputs, cache=None):
+        if inputs.shape[0] > 1:
+            raise RuntimeError("batched forward failed")
+        return self._model(inputs, cache=cache)
+
+
+def test_a_failed_cohort_forward_fails_its_rows_only_and_frees_them(model) -> None:
+    broken = _FailsBatched(model)
+    made: list[SoloRow] = []
+
+    def make(i: int) -> SoloRow:
+        made.append(SoloRow(broken, f"r{i}", _prompt(i, 12 + i), GREEDY))
+        return made[-1]
+
+    def bad_maker() -> SoloRow:
+        raise ValueError("bad request")
+
+    outcomes = prefill_rows(broken, [lambda: make(0), bad_maker, lambda: make(1)])
+    assert isinstance(outcomes[1], ValueError)
+    assert all(isinstance(outcomes[i], RuntimeError) for i in (0, 2))
+    assert all(row.caches == [] for row in made)
+    # A lone row never batches: the same wrapper prefills it fine.
+    (alone,) = prefill_rows(broken, [lambda: SoloRow(broken, "alone", _prompt(0, 12), GREEDY)])
+    assert isinstance(alone, SoloRow) and alone.token0 == _solo(model, "x", _prompt(0, 12), GREEDY).token0
