@@ -36,7 +36,7 @@ from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.kv_layout import default_kv_budget
-from mlx_trio.engine.lease_thread import release_thread_streams
+from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
 from mlx_trio.engine.model import LoadedModel, load_model
 from mlx_trio.engine.prompt_cache import PromptCacheStatistics
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
@@ -157,7 +157,8 @@ class EngineActors:
         }
 
     async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
-        lease = GpuLease(on_thread_exit=release_thread_streams, faults=self.faults)
+        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams,
+                         faults=self.faults)
         async with trio.open_nursery() as nursery:
             await nursery.start(lease.serve)
             self.lease = lease

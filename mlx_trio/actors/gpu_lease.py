@@ -11,6 +11,7 @@ are injected (`mlx_trio.engine.lease_thread`). Contract and numbers: docs/gpu-le
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import queue
 import threading
@@ -56,7 +57,14 @@ class _Job:
 
 def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None,
          future: LeaseFuture[Any] | None = None) -> _Job:
-    return _Job(fn, args, task, getattr(fn, "__qualname__", None) or repr(fn), future=future)
+    return _Job(fn, args, task, _name(fn), future=future)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """A job's name for logs: never `repr` of a partial, whose arguments may be a model and a long prompt."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 class LeaseFuture(Generic[T]):
@@ -145,6 +153,9 @@ class GpuLease:
         self._running_since: float | None = None
         self._started_at: float | None = None
         self._stopped_at: float | None = None
+        # A profiler's seam (benchmarks/stall_profile.py): when set, every job appends
+        # (name, start, end) here, in time.perf_counter() seconds.
+        self.job_log: list[tuple[str, float, float]] | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
         """Run ``fn(*args)`` on the lease thread, after every job submitted before it.
@@ -409,7 +420,10 @@ class GpuLease:
         # Drops fn and args right after the call, so MLX objects that only the job
         # kept alive (a bound method's owner, say) are freed on this thread.
         assert self._token is not None and job.fn is not None and self._running_since is not None
+        start = time.perf_counter()
         result = outcome.capture(job.fn, *job.args)
+        if self.job_log is not None:
+            self.job_log.append((job.name, start, time.perf_counter()))
         job.fn, job.args = None, ()
         with self._lock:
             job.state = _State.DONE

@@ -13,7 +13,26 @@ No Trio here: these are plain sync functions that block until MLX is done.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
+
+# MLX's CUDA backend runs attention through cuDNN when it can, and builds (then caches, per
+# thread, 256 at most) one cuDNN graph per exact shape: every new (query length, key length)
+# of a prefill chunk and every 256-token growth of a lone row's KV buffer. A build costs
+# ~50 ms (H200, 1B shape; the first one ~0.5 s), and a server meets new shapes all the time:
+# prompt lengths and cache-hit offsets differ per request. Measured on an H200 (1B shape, an
+# 8.5k-token prompt in 512-token chunks while 4 rows decode, docs/benchmarks.md): chunks took
+# 56 ms with cuDNN on unseen shapes (7.6 ms on seen ones) against 22-30 ms with MLX's own
+# kernels, and the first long request stalled the running rows for seconds. So MLX's own
+# kernels are the default here; setting the variable yourself (to 1) wins.
+CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def prepare_thread() -> mx.Stream:
+    """The lease's ``on_thread_start``: MLX's own attention kernels (see above), and the thread's stream."""
+    os.environ.setdefault(CUDNN_ATTENTION_ENV, "0")
+    return thread_default_stream()
 
 
 def thread_default_stream() -> mx.Stream:
