@@ -39,6 +39,7 @@ from mlx_trio.engine.kv_layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
 from mlx_trio.engine.model import LoadedModel, load_model
 from mlx_trio.engine.prompt_cache import PromptCacheStatistics
+from mlx_trio.engine.warmup import warm_up_gpu
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
 from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -187,12 +188,26 @@ class EngineActors:
         try:
             self.model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir))
             log.info("model %s loaded from %s", self.model.model_id, self.model.path)
+            if self.config.batch > 1:
+                await self._warm_up(lease, self.model)
         except Exception as exc:
             # Retrying cannot fix a missing or broken model: report it instead of restarting.
             error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")
             log.error("%s", error)
             self.load_error = error
         self._model_settled.set()
+
+    async def _warm_up(self, lease: GpuLease, model: LoadedModel) -> None:
+        """Compile the batch lane's kernels before the first request (engine/warmup.py); serve even if it fails."""
+        start = time.monotonic()
+        try:
+            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size)
+        except Exception:
+            log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
+                        exc_info=True)
+            return
+        if ran:
+            log.info("batch lane warmed up in %.1f s", time.monotonic() - start)
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
