@@ -53,6 +53,7 @@ class PrefillStatistics:
     prefill_tokens: int  # prompt tokens run through the model (cache hits excluded)
     cached_tokens: int  # prompt tokens served from the prompt cache
     snapshots: int
+    cohort_rows: int  # requests prefilled in one lease job with others (engine/cohort_prefill.py)
 
 
 class PrefillActor:
@@ -82,7 +83,7 @@ class PrefillActor:
         self._backlog: collections.deque[Admitted] = collections.deque()
         self._cohort_requests: list[Generate] = []
         self._prefilled = self._cancelled = self._failed = 0
-        self._prefill_tokens = self._cached_tokens = self._snapshots = 0
+        self._prefill_tokens = self._cached_tokens = self._snapshots = self._cohort_rows = 0
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
@@ -97,6 +98,7 @@ class PrefillActor:
             active_kv_bytes=row.nbytes if row is not None else 0,
             prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed,
             prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
+            cohort_rows=self._cohort_rows,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -192,6 +194,7 @@ class PrefillActor:
         try:
             self._faults.check("prefill")
             outcomes = await self._lease.run(prefill_rows, self._model.model, specs)
+            self._cohort_rows += len(specs) if len(specs) > 1 else 0
             for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
                 cmd = admitted.request
                 self._cohort_requests.remove(cmd)

@@ -187,3 +187,26 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
         assert counters["mode"] == "serial" and counters["configured"] == 4
     assert most_rows == 1
     assert results == expected
+
+
+async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_solo_tokens() -> None:
+    """A lease job holds the thread while requests arrive; they then prefill as a cohort (engine/cohort_prefill.py)."""
+    import time
+
+    path = tiny_model(LLAMA)
+    prompts = PROMPTS[:5]
+    expected = await _solo_tokens(path, prompts, 12)
+    got: dict[int, tuple[int, ...]] = {}
+    async with open_engine(str(path), batch=8) as engine:
+        await engine.wait_ready()
+        engine.actors.lease.submit(time.sleep, 0.3)  # the first request's prefill waits behind it
+
+        async def one(i: int) -> None:
+            got[i] = (await engine.complete(prompts[i], max_tokens=12)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        await _wait_drained(engine)
+        assert engine.actors.prefill.statistics().cohort_rows >= 2
+    assert [got[i] for i in range(len(prompts))] == expected
