@@ -169,7 +169,7 @@ class SessionActor:
             if isinstance(event, PrefillProgressed):
                 if not offset:  # a resumed attempt's re-prefill is invisible to the caller
                     self.cached_tokens = event.cached_tokens
-                    await self._out.send(PromptProgress(min(event.processed, total), total))
+                    await self._emit(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
                 if await self._tokens(event.token_ids, event.logprobs, text, eos):
                     return
@@ -181,7 +181,7 @@ class SessionActor:
                     raise _EngineFailed(error if error is not None else ActorCrashed("unknown error"))
                 tail = text.finish()
                 if tail.text:
-                    await self._out.send(TextDelta(tail.text, ()))
+                    await self._emit(TextDelta(tail.text, ()))
                 await self._finish(event.reason)
                 return
         # The channel closed without a GenerationEnded: the decoder died mid-request.
@@ -207,10 +207,23 @@ class SessionActor:
                 stopped = update.stop
                 break
         if visible or any(pieces):
-            await self._out.send(TextDelta("".join(pieces), tuple(visible), tuple(visible_logprobs)))
+            await self._emit(TextDelta("".join(pieces), tuple(visible), tuple(visible_logprobs)))
         if stopped is not None:
             await self._finish("stop", stop_sequence=stopped)
         return stopped is not None
+
+    async def _emit(self, event: SessionOutput) -> None:
+        """Hand `event` to the caller (a rendezvous: the session waits for it).
+
+        The caller is usually already waiting in `receive`: then `send_nowait`
+        hands it over without a trip through the scheduler, which `send`
+        always takes (once per token per row; the `replies` receive of the
+        same turn is its checkpoint). Otherwise wait for the caller.
+        """
+        try:
+            self._out.send_nowait(event)
+        except trio.WouldBlock:
+            await self._out.send(event)
 
     def _token_logprob(self, token: int, sampled: SampledLogprobs) -> TokenLogprob:
         """The engine's ids and floats, with each token's text and bytes (the tokenizer is ours)."""
@@ -224,4 +237,4 @@ class SessionActor:
     async def _finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),
                       cached_tokens=self.cached_tokens)
-        await self._out.send(Finished(reason, usage, stop_sequence))
+        await self._emit(Finished(reason, usage, stop_sequence))
