@@ -11,7 +11,7 @@ from tests.prompts import PROMPTS
 
 
 def test_steps_per_job_grows_with_the_batch() -> None:
-    assert [steps_per_job(b) for b in (1, 8, 15, 16, 47, 48, 64)] == [1, 1, 1, 2, 2, 4, 4]
+    assert [steps_per_job(b) for b in (1, 7, 8, 16, 47, 48, 64)] == [1, 1, 2, 2, 2, 4, 4]
 
 
 async def test_twenty_rows_with_staggered_lengths_equal_the_serial_lane() -> None:
