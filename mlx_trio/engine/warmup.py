@@ -16,18 +16,20 @@ Runs on the lease thread.
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_trio.engine import batch_caches
 from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.cohort_prefill import can_prefill_together, prefill_together
+from mlx_trio.engine.cohort_prefill import prefill_rows
 from mlx_trio.engine.rows import SoloRow
 from mlx_trio.params import SamplingParams
 
-# Prompt lengths: past one 256-token KV buffer step, short, and one token (nothing to prefill).
-_PROMPT_TOKENS = (300, 40, 1)
+# Prompt lengths: past one 256-token KV buffer step and one token (these two prefill as a cohort),
+# then a short prompt alone.
+_PROMPT_TOKENS = (300, 1, 40)
 _STEPS = 3
 
 
@@ -45,23 +47,18 @@ def warm_up(model: nn.Module, vocab_size: int) -> None:
     top = max(min(vocab_size, 1000), 4)
     params = [SamplingParams(max_tokens=_STEPS * 4), SamplingParams(max_tokens=_STEPS * 4),
               SamplingParams(max_tokens=_STEPS * 4, temperature=0.7, top_p=0.9, seed=0)]
-    rows = [SoloRow(model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p)
-            for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
+    makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p)
+              for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
+    outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
+    rows = [row for row in outcomes if isinstance(row, SoloRow)]
+    batch = DecodeBatch(model)
     try:
-        together = rows[:2] if can_prefill_together(rows[:2]) else []
-        if together:
-            prefill_together(model, together)
-        for row in rows:
-            if row not in together:
-                while row.prefill_remaining:
-                    row.prefill_chunk()
-                row.first_token()
-        batch = DecodeBatch(model)
-        try:
-            _decode(batch, rows)
-        finally:
-            batch.close()
+        for failed in outcomes:
+            if isinstance(failed, Exception):
+                raise failed
+        _decode(batch, rows)
     finally:
+        batch.close()
         for row in rows:
             row.close()
         mx.clear_cache()
