@@ -482,6 +482,18 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     return results
 
 
+def paired_ratio(row: dict[str, Any], a: str, b: str) -> float | None:
+    """Median over rounds of `a`/`b` decode tok/s measured in the same round.
+
+    The host's speed drifts over seconds (the H200's bare loop moved 2x between
+    machine instances), and the methods of one round run back to back, so a
+    ratio within a round cancels more of the drift than a ratio of medians.
+    """
+    pairs = [_r(x["dec_tok_s"], y["dec_tok_s"]) for x, y in zip(row["runs"].get(a, []), row["runs"].get(b, []))]
+    values = [v for v in pairs if v is not None]
+    return statistics.median(values) if values else None
+
+
 def _r(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -518,14 +530,15 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{fmt(_r(e, g), '.2f')} |")
     print()
     print("decode tok/s (window in which every row decodes)")
-    print("| B | engine | direct DecodeBatch | BatchGenerator | bare loop | engine/bare | engine/BatchGen "
-          "| direct/bare | lease gap µs/job | lease gap µs/step | lease jobs/step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| B | engine | direct DecodeBatch | BatchGenerator | bare loop | engine/bare | engine/bare paired "
+          "| engine/BatchGen | direct/bare | lease gap µs/job | lease gap µs/step | lease jobs/step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         m = row["median"]
         e, d, g, b = (m[k]["dec_tok_s"] for k in ("engine", "direct", "batchgen", "bare"))
         jobs, steps = m["engine"]["lease_jobs"], m["engine"]["decode_steps"]
         print(f"| {row['B']} | {fmt(e)} | {fmt(d)} | {fmt(g)} | {fmt(b)} | {fmt(_r(e, b), '.2f')} | "
+              f"{fmt(paired_ratio(row, 'engine', 'bare'), '.2f')} | "
               f"{fmt(_r(e, g), '.2f')} | {fmt(_r(d, b), '.2f')} | {fmt(m['engine']['lease_gap_us_per_job'], '.0f')} | "
               f"{fmt(m['engine']['lease_gap_us_per_step'], '.0f')} | {fmt(_r(jobs, steps), '.2f')} |")
     print()
