@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 
 from mlx_trio.engine.cohort_prefill import can_prefill_together, prefill_rows, prefill_together
@@ -114,3 +116,23 @@ def test_a_failed_cohort_forward_fails_its_rows_only_and_frees_them(model) -> No
     # A lone row never batches: the same wrapper prefills it fine.
     (alone,) = prefill_rows(broken, [lambda: SoloRow(broken, "alone", _prompt(0, 12), GREEDY)])
     assert isinstance(alone, SoloRow) and alone.token0 == _solo(model, "x", _prompt(0, 12), GREEDY).token0
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 24)), min_size=2, max_size=5))
+def test_any_cohort_equals_solo_prefills(model, specs: list[tuple[int, int]]) -> None:
+    """Random prompt lengths and cache-hit lengths (0: none) over one shared prefix entry."""
+    shared = _prompt(1, 24)
+    entry = _solo(model, "s", [*shared, 9], GREEDY).snapshot()
+    cases = []
+    for i, (length, usable) in enumerate(specs):
+        usable = min(usable, length - 1)
+        prompt = [*shared[:usable], *_prompt(10 + i, length - usable)]
+        cases.append((f"r{i}", prompt, CacheHit(entry, usable) if usable else None))
+    alone = [_solo(model, rid, prompt, GREEDY, hit) for rid, prompt, hit in cases]
+    rows = [SoloRow(model, rid, prompt, GREEDY, hit=hit) for rid, prompt, hit in cases]
+    prefill_together(model, rows)
+    for row, solo in zip(rows, alone, strict=True):
+        assert (row.token0, row.fed) == (solo.token0, solo.fed)
+        for got, want in zip(_kv(row), _kv(solo), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4)
