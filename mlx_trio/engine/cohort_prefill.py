@@ -87,21 +87,26 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     closes them all): they share every forward.
     """
     active = [row for row in rows if row.prefill_remaining]
+    caches = _merge(active) if active else []
     while active:
-        caches = _merge(active)
-        while all(row.prefill_remaining for row in active):
-            n = min(row.prefill_remaining for row in active)
-            model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
-            mx.eval([c.state for c in caches])
-            mx.clear_cache()
-        _hand_back(active, caches)
-        active = [row for row in active if row.prefill_remaining]
+        # The fewest tokens any row has left: every forward ends at least one row's prompt.
+        n = min(row.prefill_remaining for row in active)
+        model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
+        mx.eval([c.state for c in caches])
+        done = [i for i, row in enumerate(active) if not row.prefill_remaining]
+        _hand_back([active[i] for i in done], caches, done)
+        keep = [i for i, row in enumerate(active) if row.prefill_remaining]
+        if keep:
+            for layer in caches:
+                layer.filter(keep)  # the rest go on in the same batch (no re-merge)
+        active = [active[i] for i in keep]
+        mx.clear_cache()
     lasts = [row.last_input() for row in rows]
     caches = _merge(rows)
     logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
     arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
     mx.eval(arrays, [c.state for c in caches])
-    _hand_back(rows, caches)
+    _hand_back(rows, caches, range(len(rows)))
     for row in rows:
         row.read_token0()
     mx.clear_cache()
@@ -112,7 +117,10 @@ def _merge(rows: Sequence[SoloRow]) -> list[Any]:
     return [BatchKVCache.merge([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
 
 
-def _hand_back(rows: Sequence[SoloRow], caches: list[Any]) -> None:
-    """Copy each row's KV out of the batch into its own caches (in place: its prefill holds the list)."""
-    for i, row in enumerate(rows):
+def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:
+    """Copy each row's KV (batch row `indices[k]` for `rows[k]`) into its own caches.
+
+    In place: the row's prefill holds the list.
+    """
+    for row, i in zip(rows, indices, strict=True):
         row.caches[:] = [layer.extract(i) for layer in caches]
