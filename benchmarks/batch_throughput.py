@@ -409,8 +409,7 @@ async def b1_interleaved(engine: Any, serial: Any, prompt: list[int], n: int,
         # Alternate which lane goes first so a linear drift in host speed cancels over each two pairs.
         for name in ("engine", "serial") if i % 2 == 0 else ("serial", "engine"):
             runs[name].append(await engine_run(lanes[name], [prompt], max_tokens))
-    ratios = [e["dec_tok_s"] / s["dec_tok_s"] for e, s in zip(runs["engine"], runs["serial"])
-              if e["dec_tok_s"] and s["dec_tok_s"]]
+    ratios = dec_ratios(runs["engine"], runs["serial"])
     # Inclusive quartiles stay inside the observed range, which matters for small N.
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (None, None, None)
     return {"b1_pairs_interleaved": ratios, "b1_pair_tokens": max_tokens, "b1_interleaved_runs": runs,
@@ -470,8 +469,7 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                              for name, rs in runs.items()}
                 row["row_tokens_min_max"] = tokens_ok
                 if "serial" in runs:  # paired ratio per round, then the median
-                    pairs = [e["dec_tok_s"] / s["dec_tok_s"] for e, s in zip(runs["engine"], runs["serial"])
-                             if e["dec_tok_s"] and s["dec_tok_s"]]
+                    pairs = dec_ratios(runs["engine"], runs["serial"])
                     row["b1_batch_over_serial_paired"] = statistics.median(pairs) if pairs else None
                     row["b1_pairs"] = pairs
                     if args.b1_pairs > 0:
@@ -482,6 +480,12 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     return results
 
 
+def dec_ratios(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> list[float]:
+    """Decode tok/s of each `a` run over the `b` run measured beside it (same round or pair)."""
+    pairs = (_r(x["dec_tok_s"], y["dec_tok_s"]) for x, y in zip(a_runs, b_runs))
+    return [v for v in pairs if v]
+
+
 def paired_ratio(row: dict[str, Any], a: str, b: str) -> float | None:
     """Median over rounds of `a`/`b` decode tok/s measured in the same round.
 
@@ -489,8 +493,7 @@ def paired_ratio(row: dict[str, Any], a: str, b: str) -> float | None:
     machine instances), and the methods of one round run back to back, so a
     ratio within a round cancels more of the drift than a ratio of medians.
     """
-    pairs = [_r(x["dec_tok_s"], y["dec_tok_s"]) for x, y in zip(row["runs"].get(a, []), row["runs"].get(b, []))]
-    values = [v for v in pairs if v is not None]
+    values = dec_ratios(row["runs"].get(a, []), row["runs"].get(b, []))
     return statistics.median(values) if values else None
 
 
