@@ -4,7 +4,7 @@ Every operation here is mlx-lm's own (`merge`, `extend`, `filter`,
 `extract` of models/cache.py); this module only picks which one a layer
 gets. The running batch's layer is either *solo* (one row's serial-class
 cache, adopted zero-copy: `KVCache`, `RotatingKVCache`, `ArraysCache`,
-`CacheList`) or *batched* (`BatchKVCache`, `BatchRotatingKVCache`, a B-row
+`CacheList`) or *batched* (`BatchKVCache` as our `HostPaddedBatchKVCache`, `BatchRotatingKVCache`, a B-row
 `ArraysCache`, a `CacheList` of those). Joins, per layer kind:
 
 | running layer            | join                                                          |
@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.models.cache import BatchRotatingKVCache, CacheList
+from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, KVCache
+
+from mlx_trio.engine.batch_kv import HostPaddedBatchKVCache
 
 Cache = Any  # an mlx-lm cache object; they share no base class worth naming
 
@@ -61,14 +63,25 @@ def join_layer(running: Cache, new: Sequence[Cache], *, running_is_solo: bool) -
     if not all(hasattr(n, "merge") for n in new):
         raise TypeError(f"{type(first).__name__} cannot batch (no merge)")
     if running_is_solo:
-        return type(running).merge([running, *new])
+        return merge_rows([running, *new])
     if isinstance(running, BatchRotatingKVCache):
         rows = [running.extract(i) for i in range(batch_size(running))]
         return BatchRotatingKVCache.merge([*rows, *new])
     if hasattr(running, "extend"):
-        running.extend(type(first).merge(list(new)))
+        running.extend(merge_rows(new))
         return running
     raise TypeError(f"{type(running).__name__} cannot take a joining row (no extend)")
+
+
+def merge_rows(caches: Sequence[Cache]) -> Cache:
+    """Solo caches of one layer as one batched layer (mlx-lm's `merge`).
+
+    Plain `KVCache` layers become `HostPaddedBatchKVCache`: an unpadded batch
+    then decodes without a mask (engine/batch_kv.py says why that matters).
+    """
+    if all(type(c) is KVCache for c in caches):
+        return HostPaddedBatchKVCache.merge(list(caches))
+    return type(caches[0]).merge(list(caches))
 
 
 def filter_layer(cache: Cache, keep: list[int]) -> None:

@@ -29,8 +29,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
+from mlx_trio.engine.batch_caches import merge_rows
 from mlx_trio.engine.rows import SoloRow
 
 
@@ -113,8 +114,8 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
 
 
 def _merge(rows: Sequence[SoloRow]) -> list[Any]:
-    """Per layer, the rows' caches as one `BatchKVCache` (left-padded to the longest); the rows' own stay intact."""
-    return [BatchKVCache.merge([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
+    """Per layer, the rows' caches as one batch cache (left-padded to the longest); the rows' own stay intact."""
+    return [merge_rows([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
 
 
 def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:

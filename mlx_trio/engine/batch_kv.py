@@ -1,0 +1,96 @@
+"""mlx-lm's `BatchKVCache`, knowing its rows' left padding on the host: no mask for an unpadded step.
+
+`BatchKVCache.make_mask` always returns an array mask, even when no row is
+padded and the mask is all true. On MLX's CUDA backend the fused decode
+attention kernel (`sdpa_vector`) refuses array masks, so every layer of
+every step falls back to unfused attention: scale, matmul, mask, softmax,
+matmul, about six kernels in place of one. On an H200 that is most of the
+host's launch time per step: the bare loop's `async_eval` took 1.1 ms at
+B=1 (plain `KVCache`, no mask) and 3.1 ms at B=4 (`BatchKVCache`) for the
+Llama-1B shape (docs/benchmarks.md, fourth pass).
+
+This subclass keeps a host copy of `left_padding` next to mlx-lm's array,
+updated by the same operations (merge, extend, filter) from host numbers
+only, never by reading the array back (that would wait for the step in
+flight). An L=1 step of a batch in which no row is padded then gets no
+mask, as a plain `KVCache` would; with padding, or after any operation
+this class does not follow (`prepare`, `finalize`, setting `state`), it is
+mlx-lm's mask exactly. The result is the same attention either way: an
+all-true mask masks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+# Host padding that is not known (the array may have been changed by an operation not mirrored here).
+UNKNOWN = None
+
+
+class HostPaddedBatchKVCache(BatchKVCache):
+    """A `BatchKVCache` whose `host_padding` mirrors `left_padding`; see the module docstring."""
+
+    def __init__(self, left_padding: list[int]) -> None:
+        super().__init__(left_padding)
+        self.host_padding: tuple[int, ...] | None = tuple(int(p) for p in left_padding)
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> HostPaddedBatchKVCache:
+        if max(c.size() for c in caches) == 0:  # mlx-lm returns a plain BatchKVCache here
+            return cls([0] * len(caches))
+        merged = super().merge(caches)  # builds cls(padding): the host copy starts right
+        assert isinstance(merged, cls)
+        return merged
+
+    def extend(self, other: Any) -> None:
+        # mlx-lm pads each side on the left by how far its _idx is behind the longer one.
+        theirs = getattr(other, "host_padding", UNKNOWN)
+        mine, idx, other_idx = self.host_padding, self._idx, other._idx
+        super().extend(other)
+        if mine is UNKNOWN or theirs is UNKNOWN:
+            self.host_padding = UNKNOWN
+        else:
+            top = max(idx, other_idx)
+            self.host_padding = (tuple(p + top - idx for p in mine)
+                                 + tuple(p + top - other_idx for p in theirs))
+
+    def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
+        mine = self.host_padding
+        super().filter(batch_indices)
+        if mine is UNKNOWN:
+            return
+        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        kept = [mine[i] for i in keep]
+        shared = min(kept) if kept else 0  # mlx-lm drops the padding every survivor has
+        self.host_padding = tuple(p - shared for p in kept)
+
+    def prepare(self, **kwargs: Any) -> None:
+        super().prepare(**kwargs)
+        self.host_padding = UNKNOWN
+
+    def finalize(self) -> None:
+        super().finalize()
+        self.host_padding = UNKNOWN
+
+    @property
+    def state(self) -> Any:
+        return BatchKVCache.state.fget(self)  # type: ignore[attr-defined]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        BatchKVCache.state.fset(self, value)  # type: ignore[attr-defined]
+        self.host_padding = UNKNOWN
+
+    @property
+    def is_unpadded(self) -> bool:
+        """No row has left padding (known on the host)."""
+        return self.host_padding is not UNKNOWN and not any(self.host_padding)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if N == 1 and kwargs.get("window_size") is None and self.is_unpadded:
+            return None  # as KVCache's L=1 mask: lets MLX run its fused decode attention
+        return super().make_mask(N, return_array=return_array, **kwargs)

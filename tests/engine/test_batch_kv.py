@@ -1,0 +1,134 @@
+"""HostPaddedBatchKVCache: its host padding follows mlx-lm's array, and an unpadded L=1 step gets no mask."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlx_trio.engine import batch_caches
+from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.rows import SoloRow
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+HEADS, DIM = 2, 4
+
+
+def _solo(length: int, salt: int) -> KVCache:
+    cache = KVCache()
+    if length:
+        k = mx.random.normal((1, HEADS, length, DIM), key=mx.random.key(salt))
+        cache.update_and_fetch(k, k + 1)
+    return cache
+
+
+def _check(ours: HostPaddedBatchKVCache, theirs: BatchKVCache) -> None:
+    """Same arrays as mlx-lm's cache after the same operations; the host copy equals the padding."""
+    assert ours.host_padding == tuple(theirs.left_padding.tolist()) == tuple(ours.left_padding.tolist())
+    assert ours._idx == theirs._idx
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    if theirs.keys is not None:
+        np.testing.assert_array_equal(np.array(ours.keys[..., : ours._idx, :]),
+                                      np.array(theirs.keys[..., : theirs._idx, :]))
+    mask = ours.make_mask(1)
+    if any(ours.host_padding):
+        np.testing.assert_array_equal(np.array(mask), np.array(theirs.make_mask(1)))
+    else:
+        assert mask is None and bool(mx.all(theirs.make_mask(1)).item())
+
+
+# One operation on the running batch: ("join", lengths) | ("leave", kept indices seed) | ("step", None).
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(0, 9), min_size=1, max_size=3)),
+    st.tuples(st.just("leave"), st.integers(0, 2**16)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+), max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=4), _ops)
+def test_the_host_padding_follows_mlx_lm_through_merge_extend_filter_and_steps(first, ops) -> None:
+    salt = iter(range(10_000))
+    rows = [_solo(n, next(salt)) for n in first]
+    ours, theirs = HostPaddedBatchKVCache.merge(rows), BatchKVCache.merge(rows)
+    _check(ours, theirs)
+    for op, arg in ops:
+        if op == "join":
+            new = [_solo(n, next(salt)) for n in arg]
+            ours.extend(HostPaddedBatchKVCache.merge(new))
+            theirs.extend(BatchKVCache.merge(new))
+        elif op == "leave":
+            size = len(ours.host_padding)
+            keep = [i for i in range(size) if (arg >> i) & 1] or [arg % size]
+            ours.filter(keep)
+            theirs.filter(keep)
+        else:
+            for _ in range(arg):
+                k = mx.ones((len(ours.host_padding), HEADS, 1, DIM))
+                ours.update_and_fetch(k, k)
+                theirs.update_and_fetch(k, k)
+        _check(ours, theirs)
+
+
+def test_operations_it_does_not_follow_make_the_padding_unknown_and_keep_mlx_lms_mask() -> None:
+    cache = HostPaddedBatchKVCache.merge([_solo(3, 1), _solo(3, 2)])
+    assert cache.make_mask(1) is None
+    assert cache.make_mask(2) is not None  # a chunk still needs its causal mask
+    cache.state = cache.state
+    assert cache.host_padding is None and cache.make_mask(1) is not None
+    fresh = HostPaddedBatchKVCache([0, 0])
+    fresh.prepare(left_padding=[1, 0])
+    assert fresh.host_padding is None and fresh.make_mask(1) is not None
+    # Extending with a cache of unknown padding makes the result unknown.
+    known = HostPaddedBatchKVCache.merge([_solo(3, 3)])
+    known.extend(BatchKVCache.merge([_solo(3, 4)]))
+    assert known.host_padding is None
+
+
+def test_a_batch_of_equal_rows_decodes_without_a_mask_and_keeps_its_tokens() -> None:
+    """Two rows of one length joined together decode with no mask; a late joiner brings the mask back; all keep their solo tokens."""
+    model = load(str(tiny_model(LLAMA)))[0]
+    params = SamplingParams(max_tokens=12)
+    prompts = [[(5 * i + 3 * j) % 500 + 3 for j in range(9)] for i in range(3)]
+
+    def row(i: int, prompt: list[int]) -> SoloRow:
+        solo = SoloRow(model, f"r{i}", prompt, params)
+        while solo.prefill_remaining:
+            solo.prefill_chunk()
+        solo.first_token()
+        return solo
+
+    def alone(i: int, steps: int) -> list[int]:
+        solo = row(i, prompts[i])
+        batch = DecodeBatch(model)
+        batch.join(solo, solo.token0)
+        return [t for _ in range(steps) for t in (batch.step() or [])] + (batch.flush() or [])
+
+    first, second = row(0, prompts[0]), row(1, prompts[1])
+    batch = DecodeBatch(model)
+    batch.join_many([(first, first.token0), (second, second.token0)])
+    layer = batch._caches[0]
+    assert isinstance(layer, HostPaddedBatchKVCache) and layer.is_unpadded
+    tokens = [batch.step() for _ in range(5)]
+    third = row(2, prompts[2])
+    tokens.append(batch.flush())
+    batch.join(third, third.token0)  # joins 5 tokens behind: padded from now on
+    assert batch._caches[0].host_padding == (0, 0, 5)
+    assert batch._caches[0].make_mask(1) is not None
+    tokens += [batch.step() for _ in range(3)] + [batch.flush()]
+    got = [[t[i] for t in tokens if t is not None and len(t) > i] for i in range(3)]
+    want = [alone(i, 8)[: len(got[i])] for i in range(3)]
+    assert got == want and len(got[2]) == 3
+
+
+@pytest.mark.parametrize("lengths", [(4, 4), (4, 6)])
+def test_merge_rows_gives_plain_kv_layers_the_host_padded_cache(lengths) -> None:
+    layer = batch_caches.merge_rows([_solo(n, n) for n in lengths])
+    assert isinstance(layer, HostPaddedBatchKVCache)
+    assert layer.host_padding == tuple(max(lengths) - n for n in lengths)
