@@ -5,7 +5,7 @@ Usage:
     python benchmarks/batch_throughput.py --model default --batches 1,4,8     # SmolLM2-135M
     python benchmarks/batch_throughput.py --shape llama-1b --batches 1,4,8,16 --json out.json
     python benchmarks/batch_throughput.py --shape llama-1b --long-prompts 8x12600
-    python benchmarks/batch_throughput.py --shape llama-1b --batches 1,8 --b1-pairs 20 --b1-pair-tokens 64
+    python benchmarks/batch_throughput.py --shape llama-1b --batches 1,8 --pairs 20 --pair-tokens 64
 
 For every B of ``--batches``, in one process, on the same weights and the same
 B prompts (random token ids, equal length, greedy, ``max_tokens`` fixed):
@@ -30,11 +30,12 @@ is warmed up once (same work, not recorded); then ``--repeats`` rounds run the
 methods in turn (paired: a noisy neighbour hits all of them alike) and the
 tables show medians.
 
-``--b1-pairs N`` adds, after the B=1 rounds, N short interleaved pairs of one
-greedy request (``--b1-pair-tokens``, default 64) through the batch lane and
-one through the serial lane, in ABBA order (batch,serial then serial,batch ...):
-host speed drifts over seconds, so adjacent short runs in alternating order
-judge batch/serial far better than whole rounds do. Reported: the median and
+``--pairs N`` adds, after each B's rounds, N short interleaved pairs
+(``--pair-tokens``, default 64): the engine's B requests then the bare loop
+on the same prompts, in ABBA order (engine,bare then bare,engine ...); at B=1
+also one greedy request through the batch lane and one through the serial
+lane. Host speed drifts over seconds, so adjacent short runs in alternating
+order judge a ratio far better than whole rounds do. Reported: the median and
 interquartile range of the per-pair decode ratios, and the ratio of medians.
 
 Two rates per run, both counted in generated tokens (token 0 included):
@@ -69,7 +70,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -400,23 +401,20 @@ async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> 
     )
 
 
-async def b1_interleaved(engine: Any, serial: Any, prompt: list[int], n: int,
-                         max_tokens: int) -> dict[str, Any]:
-    """N short batch-lane/serial-lane pairs, ABBA order; decode tok/s ratios batch/serial."""
-    runs: dict[str, list[dict[str, Any]]] = {"engine": [], "serial": []}
-    lanes = {"engine": engine, "serial": serial}
+async def interleaved(a: Callable[[], Awaitable[dict[str, Any]]], b: Callable[[], Awaitable[dict[str, Any]]],
+                      n: int) -> dict[str, Any]:
+    """N pairs of runs of `a` and `b` back to back, ABBA order; the decode tok/s ratios a/b and their spread."""
+    runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for i in range(n):
-        # Alternate which lane goes first so a linear drift in host speed cancels over each two pairs.
-        for name in ("engine", "serial") if i % 2 == 0 else ("serial", "engine"):
-            runs[name].append(await engine_run(lanes[name], [prompt], max_tokens))
-    ratios = dec_ratios(runs["engine"], runs["serial"])
+        # Alternate which goes first so a linear drift in host speed cancels over each two pairs.
+        for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
+            runs[name].append(await (a if name == "a" else b)())
+    ratios = dec_ratios(runs["a"], runs["b"])
     # Inclusive quartiles stay inside the observed range, which matters for small N.
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (None, None, None)
-    return {"b1_pairs_interleaved": ratios, "b1_pair_tokens": max_tokens, "b1_interleaved_runs": runs,
-            "b1_interleaved_median": statistics.median(ratios) if ratios else None,
-            "b1_interleaved_q1_q3": [q1, q3], "b1_interleaved_iqr": q3 - q1 if q1 is not None else None,
-            "b1_interleaved_ratio_of_medians": _r(median_of(runs["engine"], "dec_tok_s"),
-                                                  median_of(runs["serial"], "dec_tok_s"))}
+    return {"ratios": ratios, "runs": runs, "median": statistics.median(ratios) if ratios else None,
+            "q1_q3": [q1, q3], "iqr": q3 - q1 if q1 is not None else None,
+            "ratio_of_medians": _r(median_of(runs["a"], "dec_tok_s"), median_of(runs["b"], "dec_tok_s"))}
 
 
 def pick_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -472,9 +470,19 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                     pairs = dec_ratios(runs["engine"], runs["serial"])
                     row["b1_batch_over_serial_paired"] = statistics.median(pairs) if pairs else None
                     row["b1_pairs"] = pairs
-                    if args.b1_pairs > 0:
-                        row.update(await b1_interleaved(engine, serial, prompts[0], args.b1_pairs,
-                                                        args.b1_pair_tokens))
+                    if args.pairs > 0:
+                        pair = await interleaved(partial(engine_run, engine, prompts[:1], args.pair_tokens),
+                                                 partial(engine_run, serial, prompts[:1], args.pair_tokens),
+                                                 args.pairs)
+                        row.update({"b1_pairs_interleaved": pair["ratios"], "b1_pair_tokens": args.pair_tokens,
+                                    "b1_interleaved_median": pair["median"], "b1_interleaved_q1_q3": pair["q1_q3"],
+                                    "b1_interleaved_iqr": pair["iqr"],
+                                    "b1_interleaved_ratio_of_medians": pair["ratio_of_medians"]})
+                if args.pairs > 0:  # engine/bare, the issue's target, judged the same way
+                    row["bare_pairs"] = await interleaved(
+                        partial(engine_run, engine, prompts, args.pair_tokens),
+                        partial(lease.run, partial(bare_loop, model, prompts, args.pair_tokens, step)), args.pairs)
+                    row["bare_pairs"]["tokens"] = args.pair_tokens
                 results["rows"].append(row)
                 print_row(row, M, time.perf_counter() - t_b)
     return results
@@ -544,6 +552,20 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{fmt(paired_ratio(row, 'engine', 'bare'), '.2f')} | "
               f"{fmt(_r(e, g), '.2f')} | {fmt(_r(d, b), '.2f')} | {fmt(m['engine']['lease_gap_us_per_job'], '.0f')} | "
               f"{fmt(m['engine']['lease_gap_us_per_step'], '.0f')} | {fmt(_r(jobs, steps), '.2f')} |")
+    paired = [row for row in rows if row.get("bare_pairs")]
+    if paired:
+        tokens = paired[0]["bare_pairs"]["tokens"]
+        print()
+        print(f"engine/bare decode, interleaved ABBA pairs ({len(paired[0]['bare_pairs']['ratios'])} x {tokens} tokens)")
+        print("| B | median | quartiles | ratio of medians | pairs at or above 0.9 |")
+        print("|---:|---:|---:|---:|---:|")
+        for row in paired:
+            pair = row["bare_pairs"]
+            q1, q3 = pair["q1_q3"]
+            quartiles = f"{q1:.3f}-{q3:.3f}" if q1 is not None else "-"
+            above = sum(r >= 0.9 for r in pair["ratios"])
+            print(f"| {row['B']} | {fmt(pair['median'], '.3f')} | {quartiles} | "
+                  f"{fmt(pair['ratio_of_medians'], '.3f')} | {above}/{len(pair['ratios'])} |")
     print()
     print("per decode step (ms): bare loop host split, and the engine's DecodeBatch.step() host time (direct)")
     print("| B | bare step | bare: build graph | bare: async_eval | bare: wait for device | direct step() |")
@@ -568,7 +590,7 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{fmt(row['b1_batch_over_serial_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
                   f"{fmt(_r(sg, b), '.2f')} |")
             print(f"  paired batch/serial ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
-            if row.get("b1_pairs_interleaved") is not None:
+            if row.get("b1_pairs_interleaved") is not None:  # the key names predate --pairs
                 q1, q3 = row["b1_interleaved_q1_q3"]
                 quartiles = f" ({q1:.3f}-{q3:.3f})" if q1 is not None else ""
                 print(f"  interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x {row['b1_pair_tokens']} "
@@ -689,9 +711,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="measured rounds per B after one warm-up (default 3)")
-    p.add_argument("--b1-pairs", type=int, default=0,
-                   help="after the B=1 rounds, N interleaved (ABBA) batch/serial single-request pairs (default 0: off)")
-    p.add_argument("--b1-pair-tokens", type=int, default=64, help="max_tokens of each --b1-pairs request (default 64)")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="after each B's rounds, N interleaved (ABBA) engine/bare pairs, and at B=1 batch/serial "
+                        "single-request pairs (default 0: off)")
+    p.add_argument("--pair-tokens", type=int, default=64, help="max_tokens of each --pairs run (default 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--kv-budget", type=int, default=None, help="engine kv_budget_bytes (default: derived)")
     p.add_argument("--long-prompts", metavar="RxN", help="e.g. 8x12600: R concurrent N-token prompts instead")
