@@ -4,8 +4,9 @@ Every operation here is mlx-lm's own (`merge`, `extend`, `filter`,
 `extract` of models/cache.py); this module only picks which one a layer
 gets. The running batch's layer is either *solo* (one row's serial-class
 cache, adopted zero-copy: `KVCache`, `RotatingKVCache`, `ArraysCache`,
-`CacheList`) or *batched* (`BatchKVCache` as our `HostPaddedBatchKVCache`, `BatchRotatingKVCache`, a B-row
-`ArraysCache`, a `CacheList` of those). Joins, per layer kind:
+`CacheList`) or *batched* (`BatchKVCache`, as our `HostPaddedBatchKVCache`;
+`BatchRotatingKVCache`, a B-row `ArraysCache`, a `CacheList` of those).
+Joins, per layer kind:
 
 | running layer            | join                                                          |
 | ------------------------ | ------------------------------------------------------------- |
