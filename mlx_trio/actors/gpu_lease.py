@@ -237,6 +237,17 @@ class GpuLease:
             raise LeaseClosed(f"{self.name} is not serving")
         return future
 
+    def to_trio_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """From a job on the lease thread: run ``fn(*args)`` on the Trio thread soon.
+
+        In order with every other delivery from this thread, so it runs before
+        the job's own result reaches its caller. ``fn`` runs in Trio's run loop,
+        not in a task: it must not block, and it must not raise (that would
+        crash the Trio run).
+        """
+        assert self._token is not None
+        self._token.run_sync_soon(fn, *args)
+
     def submit_nowait(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue ``fn(*args)`` on the lease thread and return at once; safe from any thread.
 

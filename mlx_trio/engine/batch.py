@@ -30,7 +30,7 @@ Every method runs on the lease thread; none hands out a lazy array.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -64,6 +64,10 @@ class Decoded:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[SampledLogprobs | None, ...]
+
+
+# Takes consecutive steps' tokens on the lease thread as soon as they are read (DecodeBatch.steps_decoded).
+Report = Callable[[list[Decoded]], None]
 
 
 class DecodeBatch:
@@ -173,15 +177,39 @@ class DecodeBatch:
         decoded = self.flush_decoded()
         return list(decoded.token_ids) if decoded is not None else None
 
-    def steps_decoded(self, count: int) -> list[Decoded | None]:
-        """`step_decoded()` `count` times in a row (one lease job; see actors/batch_decode.steps_per_job)."""
-        return [self.step_decoded() for _ in range(count)]
+    def steps_decoded(self, count: int, report: Report | None = None) -> list[Decoded | None]:
+        """`step_decoded()` `count` times in a row (one lease job; see actors/batch_decode.steps_per_job).
 
-    def step_decoded(self) -> Decoded | None:
+        With `report`, every token these steps read goes to `report` in one
+        call, made just before the last step is launched (see `step_decoded`),
+        and the list returned holds only None.
+        """
+        if report is None:
+            return [self.step_decoded() for _ in range(count)]
+        held = [d for d in (self.step_decoded() for _ in range(count - 1)) if d is not None]
+
+        def last(decoded: Decoded) -> None:
+            report([*held, decoded])
+            held.clear()
+
+        self.step_decoded(last)
+        if held:  # the last step had nothing to read (the first after a join or flush)
+            report(held)
+        return [None] * count
+
+    def step_decoded(self, report: Callable[[Decoded], None] | None = None) -> Decoded | None:
         """Queue one decode step for every row; return the previous step's tokens (batch order).
 
         Mutates the caches (one token per row). Returns None when the
         previous tokens were already returned (by `flush`, or as token 0).
+
+        With `report`, the previous tokens go to `report` instead, after this
+        step's graph is built and before it is launched: the caller (another
+        thread) handles them while `async_eval` launches the step with the
+        GIL released, rather than while the next graph is built with it
+        held. Reading them first costs nothing when the host is the
+        bottleneck (the device finished them during the build), and only
+        the first kernel's launch when the device is.
         """
         if not self._rows:
             raise RuntimeError("step() on an empty batch")
@@ -194,6 +222,12 @@ class DecodeBatch:
         sampled, contexts, logprobs = self._sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
+        if report is not None:
+            if self._unread:
+                previous = self._read()
+            if previous is not None:
+                report(previous)
+                previous = None
         # Start the next step on the device before reading the current one (pipelining).
         mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
         if self._unread:

@@ -146,11 +146,11 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
     original = DecodeBatch.step_decoded
     calls = {"n": 0}
 
-    def flaky_step(self):
+    def flaky_step(self, report=None):
         calls["n"] += 1
         if calls["n"] == 6:
             raise RuntimeError("injected step failure")
-        return original(self)
+        return original(self, report)
 
     monkeypatch.setattr(DecodeBatch, "step_decoded", flaky_step)
     async with open_engine(str(path), batch=4) as engine:
@@ -168,6 +168,38 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
         assert decode["restarts"] == 1 and decode["state"] == "running"
         assert "injected step failure" in (decode["last_error"] or "")
         assert engine.actors.admission.statistics().reserved_bytes == 0
+    assert [results[0], results[1]] == expected
+
+
+async def test_an_error_while_emitting_reported_tokens_restarts_the_decoder_not_the_trio_run(monkeypatch) -> None:
+    """Tokens are emitted from Trio's run loop; an error there is raised in the decoder's task and contained."""
+    from mlx_trio.actors.batch_decode import BatchDecodeActor
+
+    path = tiny_model(LLAMA)
+    expected = await _solo_tokens(path, PROMPTS[:2], 30)
+    original = BatchDecodeActor._emit
+    calls = {"n": 0}
+
+    def flaky_emit(self, request_ids, steps):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise RuntimeError("injected emit failure")
+        return original(self, request_ids, steps)
+
+    monkeypatch.setattr(BatchDecodeActor, "_emit", flaky_emit)
+    async with open_engine(str(path), batch=4) as engine:
+        results: dict[int, tuple[int, ...]] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.complete(PROMPTS[i], max_tokens=30)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, i)
+        await _wait_drained(engine)
+        engine_tree = next(c for c in engine.status()["tree"]["children"] if c["id"] == "engine")
+        decode = next(c for c in engine_tree["children"] if c["id"] == "decode-step")
+        assert decode["restarts"] == 1 and "injected emit failure" in (decode["last_error"] or "")
     assert [results[0], results[1]] == expected
 
 

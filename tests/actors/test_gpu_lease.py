@@ -320,6 +320,19 @@ async def test_submit_queues_at_once_in_fifo_order_and_delivers_results_and_erro
         await failing.result()
 
 
+async def test_to_trio_soon_runs_on_the_trio_thread_before_the_job_result_arrives(lease: GpuLease) -> None:
+    """A job's to_trio_soon calls run in order on the Trio thread, all before its caller resumes."""
+    seen: list[tuple[str, int]] = []
+
+    def job() -> str:
+        for i in range(3):
+            lease.to_trio_soon(lambda i=i: seen.append(("trio" if trio.lowlevel.in_trio_run() else "other", i)))
+        return "done"
+
+    assert await lease.run(job) == "done"
+    assert seen == [("trio", 0), ("trio", 1), ("trio", 2)]
+
+
 async def test_close_fails_queued_submitted_jobs_with_lease_closed() -> None:
     """A submitted job still queued when the lease closes never runs; its future raises LeaseClosed."""
     gate = Gate()

@@ -139,3 +139,26 @@ def test_extract_is_a_snapshot_of_the_fed_tokens(spec: TinyModelSpec) -> None:
         for c, k in zip((c for c in snapshot if spec.sliding_window is None), keys):
             assert (c.keys[..., : c.offset, :] == k).all().item()
         batch.close()
+
+
+def test_reported_steps_hand_over_the_same_tokens_in_the_same_order() -> None:
+    """With `report`, a job's tokens go to the callback in one call (none are returned), the same as returned without."""
+    def run(report: Any) -> tuple[list[Any], DecodeBatch]:
+        batch = _batch(_ready_row("a", 5), _ready_row("b", 9), _ready_row("c", 3, temperature=0.7, seed=3))
+        returned = batch.steps_decoded(6, report)
+        return returned, batch
+
+    plain, plain_batch = run(None)
+    seen: list[Any] = []
+    reported, reported_batch = run(seen.append)
+    assert reported == [None] * 6
+    assert seen == [[d for d in plain if d is not None]]  # one call; 5 steps: the first's previous was token 0
+    assert reported_batch.flush_decoded() == plain_batch.flush_decoded()
+    assert reported_batch.num_fed("a") == plain_batch.num_fed("a") == 5 + 6
+
+
+def test_a_reported_one_step_job_right_after_a_join_reports_nothing() -> None:
+    batch = _batch(_ready_row("a", 5))
+    seen: list[Any] = []
+    assert batch.steps_decoded(1, seen.append) == [None] and seen == []
+    assert batch.steps_decoded(1, seen.append) == [None] and len(seen) == 1 and len(seen[0]) == 1
