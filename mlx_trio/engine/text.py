@@ -27,6 +27,9 @@ class TextUpdate:
     stop: str | None = None
 
 
+_NOTHING = TextUpdate("")  # a token that shows no text yet (frozen: one instance serves all)
+
+
 class TextStream:
     """Incremental detokenizer plus stop-string matcher for one request."""
 
@@ -38,14 +41,16 @@ class TextStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self._stopped = False
-        self.text = ""
 
     def add(self, token_id: int) -> TextUpdate:
         """Feed one generated token id; returns the text that may be shown now."""
         if self._stopped:
             raise RuntimeError("add() after a stop string was matched")
         self._detokenizer.add_token(token_id)
-        self._pending += self._detokenizer.last_segment
+        segment = self._detokenizer.last_segment
+        if not self._stop:  # nothing to hold back or match: the common case, once per token and row
+            return TextUpdate(segment) if segment else _NOTHING
+        self._pending += segment
         return self._release(final=False)
 
     def finish(self) -> TextUpdate:
@@ -61,12 +66,10 @@ class TextStream:
         if hit is not None:
             cut, stop = hit
             out, self._pending, self._stopped = self._pending[:cut], "", True
-            self.text += out
             return TextUpdate(out, stopped=True, stop=stop)
         keep = 0 if final else self._held_tail()
         out = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(out) :]
-        self.text += out
         return TextUpdate(out)
 
     def _first_stop(self) -> tuple[int, str] | None:
