@@ -37,7 +37,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_trio.engine import batch_caches, cache_clone
+from mlx_trio.engine import batch_caches, batch_kv, cache_clone
 from mlx_trio.engine.prompt_cache import CacheEntry
 from mlx_trio.engine.row_sampler import RowSampler
 from mlx_trio.engine.rows import SoloRow
@@ -156,6 +156,7 @@ class DecodeBatch:
                 batch_caches.join_layer(layer, [row.caches[i] for row in news], running_is_solo=solo)
                 for i, layer in enumerate(running)
             ]
+            batch_kv.share_offsets(self._caches)
             self._solo = False
         tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
         self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
@@ -288,6 +289,7 @@ class DecodeBatch:
             else:
                 for cache in self._caches:
                     batch_caches.filter_layer(cache, keep)
+                batch_kv.share_offsets(self._caches)
         self._rows = [self._rows[i] for i in keep]
         self._inputs = self._inputs[mx.array(keep)]
         if self._unread_logprobs:

@@ -17,6 +17,14 @@ mask, as a plain `KVCache` would; with padding, or after any operation
 this class does not follow (`prepare`, `finalize`, setting `state`), it is
 mlx-lm's mask exactly. The result is the same attention either way: an
 all-true mask masks nothing.
+
+It also keeps the rows' offsets (their RoPE positions) once per batch
+rather than once per layer. mlx-lm's cache adds 1 to each layer's `[B]`
+offset array every step: one kernel per layer, a twentieth of a Llama
+layer's launches, for arrays that are equal in every layer. Here a layer's
+`offset` is derived from `_idx` (its position count) through a `_Offsets`
+object that `share_offsets` hands to every layer of a batch, so the add is
+built once per step. The offsets are exactly mlx-lm's (tests/engine/test_batch_kv.py).
 """
 
 from __future__ import annotations
@@ -31,6 +39,35 @@ from mlx_lm.models.cache import BatchKVCache
 UNKNOWN = None
 
 
+class _Offsets:
+    """Per-row offsets `[B]` as of `idx` cache positions; `at(i)` moves them to `i` (one add, then cached)."""
+
+    __slots__ = ("array", "idx")
+
+    def __init__(self, array: mx.array, idx: int) -> None:
+        self.array, self.idx = array, idx
+
+    def at(self, idx: int) -> mx.array:
+        if idx != self.idx:
+            self.array, self.idx = self.array + (idx - self.idx), idx
+        return self.array
+
+
+def share_offsets(caches: Sequence[Any]) -> None:
+    """Let the batch's `HostPaddedBatchKVCache` layers share one offsets record (one add per step, not per layer).
+
+    Call after every membership change: the layers then hold the same rows
+    and positions, so their offsets are equal, and each later step advances
+    all of them together.
+    """
+    layers = [c for c in caches if isinstance(c, HostPaddedBatchKVCache)]
+    if layers:
+        shared = _Offsets(layers[0].offset, layers[0]._idx)
+        for layer in layers:
+            if layer._idx == shared.idx:
+                layer._offsets = shared
+
+
 class HostPaddedBatchKVCache(BatchKVCache):
     """A `BatchKVCache` whose `host_padding` mirrors `left_padding`; see the module docstring."""
 
@@ -38,12 +75,40 @@ class HostPaddedBatchKVCache(BatchKVCache):
         super().__init__(left_padding)
         self.host_padding: tuple[int, ...] | None = tuple(int(p) for p in left_padding)
 
+    # -- offsets: derived from _idx, so a step's `_idx += 1` moves them (see the module docstring) --
+
+    @property  # type: ignore[override]
+    def offset(self) -> mx.array:
+        return self._offsets.at(self._idx)
+
+    @offset.setter
+    def offset(self, value: mx.array) -> None:
+        # mlx-lm assigns offsets as of the current _idx (its __init__ before setting _idx: 0).
+        self._offsets = _Offsets(value, getattr(self, "_idx", 0))
+
+    def _anchor(self) -> None:
+        """mlx-lm set the offsets and then moved `_idx` to where they belong: re-anchor them there."""
+        self._offsets = _Offsets(self._offsets.array, self._idx)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        shared = self._offsets
+        out = super().update_and_fetch(keys, values)  # its `offset + n` is built, never evaluated
+        self._offsets = shared  # the offsets follow _idx
+        return out
+
+    def trim(self, n: int) -> int:
+        shared = self._offsets
+        n = super().trim(n)
+        self._offsets = shared
+        return n
+
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> HostPaddedBatchKVCache:
         if max(c.size() for c in caches) == 0:  # mlx-lm returns a plain BatchKVCache here
             return cls([0] * len(caches))
         merged = super().merge(caches)  # builds cls(padding): the host copy starts right
         assert isinstance(merged, cls)
+        merged._anchor()
         return merged
 
     def extend(self, other: Any) -> None:
@@ -51,6 +116,7 @@ class HostPaddedBatchKVCache(BatchKVCache):
         theirs = getattr(other, "host_padding", UNKNOWN)
         mine, idx, other_idx = self.host_padding, self._idx, other._idx
         super().extend(other)
+        self._anchor()
         if mine is UNKNOWN or theirs is UNKNOWN:
             self.host_padding = UNKNOWN
         else:
@@ -61,6 +127,7 @@ class HostPaddedBatchKVCache(BatchKVCache):
     def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
         mine = self.host_padding
         super().filter(batch_indices)
+        self._anchor()
         if mine is UNKNOWN:
             return
         keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
@@ -83,6 +150,7 @@ class HostPaddedBatchKVCache(BatchKVCache):
     @state.setter
     def state(self, value: Any) -> None:
         BatchKVCache.state.fset(self, value)  # type: ignore[attr-defined]
+        self._anchor()
         self.host_padding = UNKNOWN
 
     @property

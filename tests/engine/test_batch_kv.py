@@ -29,7 +29,7 @@ def _solo(length: int, salt: int) -> KVCache:
 
 
 def _check(ours: HostPaddedBatchKVCache, theirs: BatchKVCache) -> None:
-    """Same arrays as mlx-lm's cache after the same operations; the host copy equals the padding."""
+    """Same arrays as mlx-lm's cache after the same operations (offsets too); the host copy equals the padding."""
     assert ours.host_padding == tuple(theirs.left_padding.tolist()) == tuple(ours.left_padding.tolist())
     assert ours._idx == theirs._idx
     assert ours.offset.tolist() == theirs.offset.tolist()
@@ -43,17 +43,20 @@ def _check(ours: HostPaddedBatchKVCache, theirs: BatchKVCache) -> None:
         assert mask is None and bool(mx.all(theirs.make_mask(1)).item())
 
 
-# One operation on the running batch: ("join", lengths) | ("leave", kept indices seed) | ("step", None).
+# One operation on the running batch: ("join", lengths) | ("leave", kept indices seed) | ("step", count)
+# | ("trim", count) | ("state", None): a state round trip.
 _ops = st.lists(st.one_of(
     st.tuples(st.just("join"), st.lists(st.integers(0, 9), min_size=1, max_size=3)),
     st.tuples(st.just("leave"), st.integers(0, 2**16)),
     st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("trim"), st.integers(0, 2)),
+    st.tuples(st.just("state"), st.none()),
 ), max_size=10)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=4), _ops)
-def test_the_host_padding_follows_mlx_lm_through_merge_extend_filter_and_steps(first, ops) -> None:
+def test_host_padding_and_offsets_follow_mlx_lm_through_merge_extend_filter_steps_trim(first, ops) -> None:
     salt = iter(range(10_000))
     rows = [_solo(n, next(salt)) for n in first]
     ours, theirs = HostPaddedBatchKVCache.merge(rows), BatchKVCache.merge(rows)
@@ -68,11 +71,17 @@ def test_the_host_padding_follows_mlx_lm_through_merge_extend_filter_and_steps(f
             keep = [i for i in range(size) if (arg >> i) & 1] or [arg % size]
             ours.filter(keep)
             theirs.filter(keep)
-        else:
+        elif op == "step":
             for _ in range(arg):
                 k = mx.ones((len(ours.host_padding), HEADS, 1, DIM))
                 ours.update_and_fetch(k, k)
                 theirs.update_and_fetch(k, k)
+        elif op == "trim":
+            assert ours.trim(arg) == theirs.trim(arg)
+        else:
+            padding = ours.host_padding
+            ours.state = ours.state
+            ours.host_padding = padding  # the round trip forgets it (tested below); keep checking the rest
         _check(ours, theirs)
 
 
@@ -116,10 +125,14 @@ def test_a_batch_of_equal_rows_decodes_without_a_mask_and_keeps_its_tokens() -> 
     layer = batch._caches[0]
     assert isinstance(layer, HostPaddedBatchKVCache) and layer.is_unpadded
     tokens = [batch.step() for _ in range(5)]
+    # One offsets array per step for every layer (mlx-lm adds one per layer), equal to the row lengths.
+    assert all(c.offset is layer.offset for c in batch._caches)
+    assert layer.offset.tolist() == [batch.num_fed("r0"), batch.num_fed("r1")]
     third = row(2, prompts[2])
     tokens.append(batch.flush())
     batch.join(third, third.token0)  # joins 5 tokens behind: padded from now on
     assert batch._caches[0].host_padding == (0, 0, 5)
+    assert all(c._offsets is batch._caches[0]._offsets for c in batch._caches)
     assert batch._caches[0].make_mask(1) is not None
     tokens += [batch.step() for _ in range(3)] + [batch.flush()]
     got = [[t[i] for t in tokens if t is not None and len(t) > i] for i in range(3)]
