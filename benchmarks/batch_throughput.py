@@ -450,6 +450,8 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                     methods["serial"] = partial(engine_run, serial, prompts, M)
                     methods["stream_gen"] = partial(lease.run, partial(stream_gen, model, loaded.tokenizer,
                                                                        prompts[0], M, step))
+                if not args.repeats:  # --pairs only: warm up just what the pairs run
+                    methods = {k: v for k, v in methods.items() if k in ("engine", "bare", "serial")}
                 runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
                 t_b = time.perf_counter()
                 for name, fn in methods.items():  # warm-up: the same work, not recorded
@@ -464,7 +466,7 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                                                          "build_ms", "launch_ms", "wait_ms")}
                     for name, rs in runs.items()}}
                 tokens_ok = {name: (min(r["min_row_tokens"] for r in rs), max(r["max_row_tokens"] for r in rs))
-                             for name, rs in runs.items()}
+                             for name, rs in runs.items() if rs}  # --repeats 0: pairs only
                 row["row_tokens_min_max"] = tokens_ok
                 if "serial" in runs:  # paired ratio per round, then the median
                     pairs = dec_ratios(runs["engine"], runs["serial"])
@@ -528,8 +530,11 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
     rows = results["rows"]
     print()
     print(f"## {results['label']}: prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
-          f"greedy, median of {args.repeats}")
+          f"greedy, {f'median of {args.repeats}' if args.repeats else 'interleaved pairs only'}")
     print(f"## {results['machine_line']}")
+    if not args.repeats:  # --pairs only
+        print_pairs(rows)
+        return
     print()
     print("aggregate tok/s, end to end (submit -> last token; prefill included)")
     print("| B | engine | direct DecodeBatch | BatchGenerator | bare loop | engine/bare | engine/BatchGen |")
@@ -552,20 +557,7 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{fmt(paired_ratio(row, 'engine', 'bare'), '.2f')} | "
               f"{fmt(_r(e, g), '.2f')} | {fmt(_r(d, b), '.2f')} | {fmt(m['engine']['lease_gap_us_per_job'], '.0f')} | "
               f"{fmt(m['engine']['lease_gap_us_per_step'], '.0f')} | {fmt(_r(jobs, steps), '.2f')} |")
-    paired = [row for row in rows if row.get("bare_pairs")]
-    if paired:
-        tokens = paired[0]["bare_pairs"]["tokens"]
-        print()
-        print(f"engine/bare decode, interleaved ABBA pairs ({len(paired[0]['bare_pairs']['ratios'])} x {tokens} tokens)")
-        print("| B | median | quartiles | ratio of medians | pairs at or above 0.9 |")
-        print("|---:|---:|---:|---:|---:|")
-        for row in paired:
-            pair = row["bare_pairs"]
-            q1, q3 = pair["q1_q3"]
-            quartiles = f"{q1:.3f}-{q3:.3f}" if q1 is not None else "-"
-            above = sum(r >= 0.9 for r in pair["ratios"])
-            print(f"| {row['B']} | {fmt(pair['median'], '.3f')} | {quartiles} | "
-                  f"{fmt(pair['ratio_of_medians'], '.3f')} | {above}/{len(pair['ratios'])} |")
+    print_pairs(rows)
     print()
     print("per decode step (ms): bare loop host split, and the engine's DecodeBatch.step() host time (direct)")
     print("| B | bare step | bare: build graph | bare: async_eval | bare: wait for device | direct step() |")
@@ -590,13 +582,33 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{fmt(row['b1_batch_over_serial_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
                   f"{fmt(_r(sg, b), '.2f')} |")
             print(f"  paired batch/serial ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
-            if row.get("b1_pairs_interleaved") is not None:  # the key names predate --pairs
-                q1, q3 = row["b1_interleaved_q1_q3"]
-                quartiles = f" ({q1:.3f}-{q3:.3f})" if q1 is not None else ""
-                print(f"  interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x {row['b1_pair_tokens']} "
-                      f"tokens): batch/serial median {fmt(row['b1_interleaved_median'], '.3f')}, "
-                      f"IQR {fmt(row['b1_interleaved_iqr'], '.3f')}{quartiles}, "
-                      f"ratio of medians {fmt(row['b1_interleaved_ratio_of_medians'], '.3f')}")
+
+
+def print_pairs(rows: list[dict[str, Any]]) -> None:
+    """The interleaved-pair results (--pairs): engine/bare per B, and batch/serial at B=1."""
+    paired = [row for row in rows if row.get("bare_pairs")]
+    if paired:
+        tokens = paired[0]["bare_pairs"]["tokens"]
+        print()
+        print(f"engine/bare decode, interleaved ABBA pairs ({len(paired[0]['bare_pairs']['ratios'])} x {tokens} tokens)")
+        print("| B | median | quartiles | ratio of medians | pairs at or above 0.9 |")
+        print("|---:|---:|---:|---:|---:|")
+        for row in paired:
+            pair = row["bare_pairs"]
+            q1, q3 = pair["q1_q3"]
+            quartiles = f"{q1:.3f}-{q3:.3f}" if q1 is not None else "-"
+            above = sum(r >= 0.9 for r in pair["ratios"])
+            print(f"| {row['B']} | {fmt(pair['median'], '.3f')} | {quartiles} | "
+                  f"{fmt(pair['ratio_of_medians'], '.3f')} | {above}/{len(pair['ratios'])} |")
+    for row in rows:
+        if row.get("b1_pairs_interleaved") is not None:  # the key names predate --pairs
+            q1, q3 = row["b1_interleaved_q1_q3"]
+            quartiles = f" ({q1:.3f}-{q3:.3f})" if q1 is not None else ""
+            print()
+            print(f"B=1 batch lane vs serial lane, interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x "
+                  f"{row['b1_pair_tokens']} tokens): batch/serial median {fmt(row['b1_interleaved_median'], '.3f')}, "
+                  f"IQR {fmt(row['b1_interleaved_iqr'], '.3f')}{quartiles}, "
+                  f"ratio of medians {fmt(row['b1_interleaved_ratio_of_medians'], '.3f')}")
 
 
 # -- long prompts ----------------------------------------------------------------------------------
@@ -710,7 +722,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,8,16", help="comma-separated B values (default 1,4,8,16)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="measured rounds per B after one warm-up (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured rounds per B after one warm-up (default 3; 0 with --pairs: pairs only)")
     p.add_argument("--pairs", type=int, default=0,
                    help="after each B's rounds, N interleaved (ABBA) engine/bare pairs, and at B=1 batch/serial "
                         "single-request pairs (default 0: off)")
