@@ -44,9 +44,9 @@ def _check(ours: HostPaddedBatchKVCache, theirs: BatchKVCache) -> None:
 
 
 # One operation on the running batch: ("join", lengths) | ("leave", kept indices seed) | ("step", count)
-# | ("trim", count) | ("state", None): a state round trip.
+# | ("trim", count) | ("state", None): a state round trip. Rows hold at least one token, as the engine's do.
 _ops = st.lists(st.one_of(
-    st.tuples(st.just("join"), st.lists(st.integers(0, 9), min_size=1, max_size=3)),
+    st.tuples(st.just("join"), st.lists(st.integers(1, 9), min_size=1, max_size=3)),
     st.tuples(st.just("leave"), st.integers(0, 2**16)),
     st.tuples(st.just("step"), st.integers(1, 3)),
     st.tuples(st.just("trim"), st.integers(0, 2)),
@@ -55,7 +55,7 @@ _ops = st.lists(st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 9), min_size=1, max_size=4), _ops)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), _ops)
 def test_host_padding_and_offsets_follow_mlx_lm_through_merge_extend_filter_steps_trim(first, ops) -> None:
     salt = iter(range(10_000))
     rows = [_solo(n, next(salt)) for n in first]
@@ -76,8 +76,9 @@ def test_host_padding_and_offsets_follow_mlx_lm_through_merge_extend_filter_step
                 k = mx.ones((len(ours.host_padding), HEADS, 1, DIM))
                 ours.update_and_fetch(k, k)
                 theirs.update_and_fetch(k, k)
-        elif op == "trim":
-            assert ours.trim(arg) == theirs.trim(arg)
+        elif op == "trim":  # never to empty: mlx-lm's extend then fails on its own cache too
+            n = min(arg, ours._idx - 1)
+            assert ours.trim(n) == theirs.trim(n)
         else:
             padding = ours.host_padding
             ours.state = ours.state
