@@ -137,22 +137,22 @@ async def test_a_consumer_that_fails_evicts_only_its_own_row() -> None:
     assert [results[i] for i in range(3)] == expected
 
 
-async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_exact(monkeypatch) -> None:
-    """A step that raises fails the batch; decode-step restarts and both streams resume to their solo tokens."""
-    from mlx_trio.engine.batch import DecodeBatch
-
-    path = tiny_model(LLAMA)
-    expected = await _solo_tokens(path, PROMPTS[:2], 30)
-    original = DecodeBatch.step_decoded
+def _fail_on_call(monkeypatch, cls: type, name: str, call: int, message: str) -> None:
+    """Make `cls.name` raise RuntimeError(message) on its `call`-th call (counting from 1), and work otherwise."""
+    original = getattr(cls, name)
     calls = {"n": 0}
 
-    def flaky_step(self, report=None):
+    def flaky(self, *args):
         calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("injected step failure")
-        return original(self, report)
+        if calls["n"] == call:
+            raise RuntimeError(message)
+        return original(self, *args)
 
-    monkeypatch.setattr(DecodeBatch, "step_decoded", flaky_step)
+    monkeypatch.setattr(cls, name, flaky)
+
+
+async def _two_requests_through_a_fault(path: Path) -> tuple[list[tuple[int, ...]], dict[str, Any], int]:
+    """Two concurrent requests at --batch 4: their tokens, the decode-step status node, admission's reserved bytes."""
     async with open_engine(str(path), batch=4) as engine:
         results: dict[int, tuple[int, ...]] = {}
 
@@ -165,10 +165,22 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
         await _wait_drained(engine)
         engine_tree = next(c for c in engine.status()["tree"]["children"] if c["id"] == "engine")
         decode = next(c for c in engine_tree["children"] if c["id"] == "decode-step")
-        assert decode["restarts"] == 1 and decode["state"] == "running"
-        assert "injected step failure" in (decode["last_error"] or "")
-        assert engine.actors.admission.statistics().reserved_bytes == 0
-    assert [results[0], results[1]] == expected
+        reserved = engine.actors.admission.statistics().reserved_bytes
+    return [results[0], results[1]], decode, reserved
+
+
+async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_exact(monkeypatch) -> None:
+    """A step that raises fails the batch; decode-step restarts and both streams resume to their solo tokens."""
+    from mlx_trio.engine.batch import DecodeBatch
+
+    path = tiny_model(LLAMA)
+    expected = await _solo_tokens(path, PROMPTS[:2], 30)
+    _fail_on_call(monkeypatch, DecodeBatch, "step_decoded", 6, "injected step failure")
+    results, decode, reserved = await _two_requests_through_a_fault(path)
+    assert decode["restarts"] == 1 and decode["state"] == "running"
+    assert "injected step failure" in (decode["last_error"] or "")
+    assert reserved == 0
+    assert results == expected
 
 
 async def test_an_error_while_emitting_reported_tokens_restarts_the_decoder_not_the_trio_run(monkeypatch) -> None:
@@ -177,30 +189,10 @@ async def test_an_error_while_emitting_reported_tokens_restarts_the_decoder_not_
 
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:2], 30)
-    original = BatchDecodeActor._emit
-    calls = {"n": 0}
-
-    def flaky_emit(self, request_ids, steps):
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise RuntimeError("injected emit failure")
-        return original(self, request_ids, steps)
-
-    monkeypatch.setattr(BatchDecodeActor, "_emit", flaky_emit)
-    async with open_engine(str(path), batch=4) as engine:
-        results: dict[int, tuple[int, ...]] = {}
-
-        async def one(i: int) -> None:
-            results[i] = (await engine.complete(PROMPTS[i], max_tokens=30)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(2):
-                nursery.start_soon(one, i)
-        await _wait_drained(engine)
-        engine_tree = next(c for c in engine.status()["tree"]["children"] if c["id"] == "engine")
-        decode = next(c for c in engine_tree["children"] if c["id"] == "decode-step")
-        assert decode["restarts"] == 1 and "injected emit failure" in (decode["last_error"] or "")
-    assert [results[0], results[1]] == expected
+    _fail_on_call(monkeypatch, BatchDecodeActor, "_emit", 8, "injected emit failure")
+    results, decode, _ = await _two_requests_through_a_fault(path)
+    assert decode["restarts"] == 1 and "injected emit failure" in (decode["last_error"] or "")
+    assert results == expected
 
 
 async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypatch) -> None:
