@@ -14,7 +14,6 @@ engine, as for chat completions.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,14 +23,12 @@ from mlx_trio.events import Finished, GenerationEvent, TextDelta
 from mlx_trio.http.anthropic_requests import parse_messages
 from mlx_trio.http.anthropic_responses import MessageBlocks, MessageShape, stop_reason, usage_object
 from mlx_trio.http.completions import chat_router, collect, first_event, prepare
-from mlx_trio.http.errors import api_error, draining
+from mlx_trio.http.errors import draining
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.output_router import OutputRouter
 from mlx_trio.http.requests import decode_json_object
-from mlx_trio.http.sse import HEADERS as SSE_HEADERS
+from mlx_trio.http.sse import HEADERS as SSE_HEADERS, stream_failure
 from mlx_trio.http.state import AppState, closing
-
-log = logging.getLogger("mlx_trio.http")
 
 
 def register_messages(app: Quart, state: AppState) -> None:
@@ -102,10 +99,8 @@ async def _sse(first: GenerationEvent, events: AsyncIterator[GenerationEvent], s
     except StopAsyncIteration:
         yield event({"type": "error", "error": {"type": "api_error", "message": "the generation ended early"}})
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
-        error = api_error(exc)
+        error = stream_failure(exc, shape.id)
         outcome = error.code or error.type
-        if error.status >= 500:
-            log.warning("stream %s failed: %r", shape.id, exc)
         yield event(error.anthropic_body())
     finally:
         request_log.done(outcome)

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
-from mlx_trio.http.errors import api_error
+from mlx_trio.http.errors import ApiError, api_error
 from mlx_trio.http.logprobs import text_length
 from mlx_trio.http.metrics import RequestLog
 from mlx_trio.http.output_router import OutputRouter
@@ -27,6 +27,14 @@ from mlx_trio.http.responses import ResponseShape
 from mlx_trio.http.state import closing
 
 log = logging.getLogger("mlx_trio.http")
+
+
+def stream_failure(exc: Exception, stream_id: str) -> ApiError:
+    """What a stream that already started sends as its last event; server-side failures are logged."""
+    error = api_error(exc)
+    if error.status >= 500:
+        log.warning("stream %s failed: %r", stream_id, exc)
+    return error
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {
@@ -72,10 +80,8 @@ async def sse_stream(first: GenerationEvent, events: AsyncIterator[GenerationEve
                 if isinstance(item, Finished):
                     outcome = item.finish_reason
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
-        error = api_error(exc)
+        error = stream_failure(exc, shape.id)
         outcome = error.code or error.type
-        if error.status >= 500:
-            log.warning("stream %s failed: %r", shape.id, exc)
         yield event(error.body())
     finally:
         request_log.done(outcome)
