@@ -14,11 +14,8 @@ from mlx_trio.output_format import OutputFormat
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[ServerThread]:
     """A tiny Llama behind the real HTTP stack on a random port, shared by a test module."""
-    server = ServerThread(tiny_engine_config(), ServerConfig(port=0)).start()
-    try:
+    with ServerThread(tiny_engine_config(), ServerConfig(port=0)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,13 @@ class ServerThread:
             raise self._error
         return self
 
+    def __enter__(self) -> ServerThread:
+        """Started (here, unless `start` already ran with its own timeout); stopped on exit."""
+        return self if self._thread.is_alive() else self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a sync function on the server's Trio thread (e.g. `server.state.engine.status`)."""
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)

@@ -17,8 +17,7 @@ def test_openai_sdk_against_the_default_model(tmp_path: Path) -> None:
     """With no --model, the SDK's chat call (streamed and not) answers "Paris" greedily, with usage."""
     engine_config, server_config = configs_from_args(
         build_parser().parse_args(["serve", "--port", "0", "--cache-dir", str(tmp_path)]))
-    server = ServerThread(engine_config, server_config).start(timeout_s=600)
-    try:
+    with ServerThread(engine_config, server_config).start(timeout_s=600) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         done = client.chat.completions.create(model="default", messages=messages, max_tokens=20)
@@ -27,5 +26,3 @@ def test_openai_sdk_against_the_default_model(tmp_path: Path) -> None:
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="default", messages=messages, max_tokens=20, stream=True) if c.choices)
         assert streamed == done.choices[0].message.content
-    finally:
-        server.stop()

@@ -39,11 +39,8 @@ HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     config = EngineConfig(model=str(tiny_model(QWEN3_TOOLS)), defaults=SamplingParams(max_tokens=8))
-    thread = ServerThread(config, ServerConfig(port=0)).start()
-    try:
+    with ServerThread(config, ServerConfig(port=0)) as thread:
         yield thread
-    finally:
-        thread.stop()
 
 
 @pytest.fixture(scope="module")
