@@ -99,7 +99,7 @@ class BatchDecodeActor:
         # still end them (their sessions resume), or they would wait forever.
         self._joining: list[JoinRow] = []
         # Step jobs queued on the lease whose tokens are not handled yet, oldest first (see _step).
-        self._ahead: collections.deque[LeaseFuture[Decoded | None]] = collections.deque()
+        self._ahead: collections.deque[LeaseFuture[list[Decoded | None]]] = collections.deque()
         self._kv_bytes = 0
         self._steps = self._tokens = self._finished = self._cancelled = 0
         # What `_emit_reported` raised in Trio's run loop, re-raised in this actor's task.
@@ -242,7 +242,7 @@ class BatchDecodeActor:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the actor's task by _landed
             self._reported_error = exc
 
-    def _emit(self, request_ids: list[str], steps: Sequence[Decoded | None]) -> None:
+    def _emit(self, request_ids: list[str], steps: Sequence[Decoded]) -> None:
         """Send each row its tokens of these consecutive steps as one message; end the rows that finish."""
         eos = self._model.eos_token_ids
         for i, rid in enumerate(request_ids):
@@ -253,8 +253,6 @@ class BatchDecodeActor:
             logprobs: list[Any] = []
             reason = None
             for decoded in steps:
-                if decoded is None:
-                    continue
                 token = decoded.token_ids[i]
                 tokens.append(token)
                 logprobs.append(decoded.logprobs[i])
@@ -266,8 +264,6 @@ class BatchDecodeActor:
                     reason = "length"
                 if reason is not None:
                     break
-            if not tokens:
-                continue
             try:
                 row.request.reply.send_nowait(TokensDecoded(
                     rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None))
