@@ -336,7 +336,7 @@ class GpuLease:
         return True
 
     def _close(self) -> None:
-        """Stop intake, fail queued `run` callers with LeaseClosed, queue _STOP."""
+        """Stop intake, fail queued `run` callers and `submit` futures with LeaseClosed, queue _STOP."""
         with self._lock:
             self._closed = True
         keep: list[_Job] = []  # nowait cleanup jobs still run, in their order
@@ -347,15 +347,7 @@ class GpuLease:
                 break
             if job is _STOP:
                 continue
-            if job.future is not None:
-                with self._lock:
-                    if job.state is not _State.QUEUED:
-                        continue
-                    job.state = _State.SKIPPED
-                    self._queue_depth -= 1
-                job.future._set(outcome.Error(LeaseClosed(f"{self.name} closed")))
-                continue
-            if job.task is None:
+            if job.task is None and job.future is None:
                 keep.append(job)
                 continue
             with self._lock:
@@ -363,7 +355,11 @@ class GpuLease:
                     continue  # its cancelled caller withdrew it and was already woken
                 job.state = _State.SKIPPED
                 self._queue_depth -= 1
-            trio.lowlevel.reschedule(job.task, outcome.Error(LeaseClosed(f"{self.name} closed")))
+            closed = outcome.Error(LeaseClosed(f"{self.name} closed"))
+            if job.future is not None:
+                job.future._set(closed)
+            else:
+                trio.lowlevel.reschedule(job.task, closed)
         for job in keep:
             self._queue.put(job)
         self._queue.put(_STOP)
