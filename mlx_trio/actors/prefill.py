@@ -184,12 +184,7 @@ class PrefillActor:
         2B solo ones. A request alone is the solo prefill of `_prefill`.
         """
         self._cohort_requests = [admitted.request for admitted, _ in cohort]
-        specs = [
-            partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
-                    prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
-                    grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens)
-            for cmd, hit in ((admitted.request, hit) for admitted, hit in cohort)
-        ]
+        specs = [self._row_maker(admitted.request, hit) for admitted, hit in cohort]
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
@@ -227,6 +222,14 @@ class PrefillActor:
                 if isinstance(outcome, SoloRow):
                     self._lease.free_nowait(outcome.close)
             self._cohort_requests = []
+
+    def _row_maker(self, cmd: Generate, hit: CacheHit | None,
+                   snapshot_at: int | None = None) -> Callable[[], SoloRow]:
+        """Makes the request's `SoloRow` (on the lease thread: it builds caches)."""
+        return partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
+                       prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
+                       snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
+                       resumed_tokens=cmd.resumed_tokens)
 
     def _fail(self, cmd: Generate, exc: Exception) -> None:
         """A prefill error is this request's alone: tell its session (the caller frees the rest)."""
@@ -275,12 +278,7 @@ class PrefillActor:
         row: SoloRow | None = None
         caching = self._get_caching()
         try:
-            row = await self._lease.run(partial(
-                SoloRow, self._model.model, rid, cmd.prompt_ids, cmd.params,
-                prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws,
-                hit=hit, snapshot_at=self._snapshot_point(cmd, hit, caching),
-                grammar_tokenizer=self._model.grammar_tokenizer, resumed_tokens=cmd.resumed_tokens,
-            ))
+            row = await self._lease.run(self._row_maker(cmd, hit, self._snapshot_point(cmd, hit, caching)))
             self._active = row
             self._cached_tokens += row.cached_tokens
             cmd.reply.send_nowait(PrefillProgressed(rid, row.cached_tokens, total, cached_tokens=row.cached_tokens))
