@@ -42,8 +42,10 @@ Two rates per run, both counted in generated tokens (token 0 included):
 
 * ``e2e``: all tokens / (first submit -> last token), prefill and ramp included;
 * ``dec``: decode only, the window in which every row is decoding: from the
-  moment the last row got its first token to the moment the first row got its
-  last token, tokens arriving inside the window / its length.
+  moment the last row got its first decoded token (its second token: token 0
+  comes from its prefill, and on the engine a join follows it) to the moment
+  the first row got its last token, tokens arriving inside the window / its
+  length.
 
 Every model directory is used through a copy whose configs declare no EOS token
 (weights are symlinked), so every run generates exactly ``max_tokens`` tokens per
@@ -214,10 +216,12 @@ def summarize(t0: float, t1: float, times: Sequence[Sequence[float]], **extra: A
     out: dict[str, Any] = {"tokens": total, "min_row_tokens": min(counts), "max_row_tokens": max(counts),
                            "wall_s": t1 - t0, "e2e_tok_s": total / (t1 - t0),
                            "ttft_ms_mean": 1e3 * statistics.fmean(ts[0] - t0 for ts in times if ts)}
-    start = max(ts[0] for ts in times if ts)
+    # Each row's first decoded token: token 0 is the prefill's, and what follows it (the engine's join) is not decode.
+    start = max(ts[min(1, len(ts) - 1)] for ts in times if ts)
     end = min(ts[-1] for ts in times if ts)
     inside = sum(1 for ts in times for t in ts if start < t <= end)
     out["dec_window_s"] = max(end - start, 0.0)
+    out["dec_start"], out["dec_end"] = start, end
     out["dec_tok_s"] = inside / (end - start) if end > start and inside else None
     out.update(extra)
     return out
@@ -249,6 +253,7 @@ def bare_loop(model: Any, prompts: list[list[int]], max_tokens: int, prefill_ste
     y = mx.argmax(model(x[:, pos:], cache=cache)[:, -1, :], axis=-1)
     mx.async_eval(y)
     stamps: list[float] = []
+    cpu_stamps: list[float] = []
     build_s = launch_s = wait_s = 0.0
     for i in range(max_tokens):
         a = time.perf_counter()
@@ -261,6 +266,7 @@ def bare_loop(model: Any, prompts: list[list[int]], max_tokens: int, prefill_ste
         c = time.perf_counter()
         y.tolist()
         stamps.append(time.perf_counter())
+        cpu_stamps.append(time.thread_time())
         if i:  # step 0 waits for the prefill's last token
             build_s, launch_s, wait_s = build_s + b - a, launch_s + c - b, wait_s + stamps[-1] - c
         y = nxt
@@ -270,7 +276,8 @@ def bare_loop(model: Any, prompts: list[list[int]], max_tokens: int, prefill_ste
     # Per step, host side: Python graph building, async_eval (encode + launch), waiting for the previous step.
     n = max(max_tokens - 1, 1)
     return summarize(t0, t1, [stamps] * B, build_ms=1e3 * build_s / n, launch_ms=1e3 * launch_s / n,
-                     wait_ms=1e3 * wait_s / n)
+                     wait_ms=1e3 * wait_s / n,
+                     lease_cpu_us_per_step=1e6 * (cpu_stamps[-1] - cpu_stamps[0]) / max(len(stamps) - 1, 1))
 
 
 def decode_batch_direct(model: Any, prompts: list[list[int]], max_tokens: int,
@@ -375,30 +382,65 @@ async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> 
     reasons: list[str | None] = [None] * len(prompts)
     usage: list[int] = [0] * len(prompts)
 
+    lease_clock = time.pthread_getcpuclockid(lease.statistics().thread_id)
+    # (wall, lease thread CPU, Trio thread CPU) at each of row 0's token arrivals.
+    clocks: list[tuple[float, float, float]] = []
+
     async def one(i: int, ids: list[int]) -> None:
         async for event in engine.generate(list(ids), max_tokens=max_tokens):
             now = time.perf_counter()
             if isinstance(event, TextDelta):
                 times[i].extend([now] * len(event.token_ids))
+                if i == 0:
+                    clocks.append((now, time.clock_gettime(lease_clock), time.thread_time()))
             elif isinstance(event, Finished):
                 reasons[i], usage[i] = event.finish_reason, event.usage.completion_tokens
 
+    lease.job_log = []
     t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for i, ids in enumerate(prompts):
             nursery.start_soon(one, i, ids)
     t1 = time.perf_counter()
+    job_log, lease.job_log = lease.job_log, None
     l1, d1 = lease.statistics(), decoder.statistics()
     jobs = l1.jobs_run - l0.jobs_run
     busy = l1.busy_s - l0.busy_s
+    chains = getattr(d1, "chains", 0) - getattr(d0, "chains", 0)
     steps = getattr(d1, "steps", None)
     steps = steps - d0.steps if steps is not None else max(usage)  # serial lane: one job per token
-    return summarize(
-        t0, t1, times, lease_jobs=jobs, lease_busy_s=busy, decode_steps=steps,
+    out = summarize(
+        t0, t1, times, lease_jobs=jobs, step_chains=chains, lease_busy_s=busy, decode_steps=steps,
         lease_gap_us_per_job=1e6 * (t1 - t0 - busy) / max(jobs, 1),
         lease_gap_us_per_step=1e6 * (t1 - t0 - busy) / max(steps, 1),
         finish_reasons=sorted(set(r or "none" for r in reasons)), usage_tokens=sum(usage),
     )
+    return out | window_cpu(clocks, out, len(prompts)) | window_jobs(job_log, out, len(prompts))
+
+
+def window_jobs(job_log: list[tuple[str, float, float]], run: dict[str, Any], rows: int) -> dict[str, Any]:
+    """Inside the decode window: the step jobs' median duration per step, and the lease thread's idle share."""
+    from mlx_trio.actors.batch_decode import steps_per_job
+
+    start, end = run["dec_start"], run["dec_end"]
+    inside = [(name, a, b) for name, a, b in job_log if a >= start and b <= end]
+    steps = [b - a for name, a, b in inside if name.endswith("._job")]
+    if not steps or end <= start:
+        return {}
+    busy = sum(max(0.0, min(b, end) - max(a, start)) for _, a, b in job_log)  # jobs clipped to the window
+    return {"job_ms_per_step": 1e3 * statistics.median(steps) / steps_per_job(rows),
+            "lease_idle_frac": 1 - busy / (end - start)}
+
+
+def window_cpu(clocks: list[tuple[float, float, float]], run: dict[str, Any], rows: int) -> dict[str, Any]:
+    """CPU µs per decode step of the lease and Trio threads, inside the decode window (see summarize)."""
+    inside = [c for c in clocks if run["dec_start"] <= c[0] <= run["dec_end"]]
+    if len(inside) < 2 or not run["dec_tok_s"]:
+        return {}
+    (w0, l0, r0), (w1, l1, r1) = inside[0], inside[-1]
+    step_s = rows / run["dec_tok_s"]  # every row gets one token per step
+    return {"lease_cpu_us_per_step": 1e6 * step_s * (l1 - l0) / (w1 - w0),
+            "trio_cpu_us_per_step": 1e6 * step_s * (r1 - r0) / (w1 - w0)}
 
 
 async def interleaved(a: Callable[[], Awaitable[dict[str, Any]]], b: Callable[[], Awaitable[dict[str, Any]]],
@@ -428,7 +470,7 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     M, step = args.max_tokens, args.prefill_step_size
     results: dict[str, Any] = {"rows": []}
     async with open_engine(str(model_dir), batch=max(batches), kv_budget_bytes=args.kv_budget,
-                           prefill_step_size=step) as engine:
+                           prefill_step_size=step, prompt_cache_bytes=args.prompt_cache_bytes) as engine:
         async with contextlib.AsyncExitStack() as stack:
             serial = None
             if 1 in batches:  # the strict serial lane, for the B=1 comparison
@@ -591,15 +633,26 @@ def print_pairs(rows: list[dict[str, Any]]) -> None:
         tokens = paired[0]["bare_pairs"]["tokens"]
         print()
         print(f"engine/bare decode, interleaved ABBA pairs ({len(paired[0]['bare_pairs']['ratios'])} x {tokens} tokens)")
-        print("| B | median | quartiles | ratio of medians | pairs at or above 0.9 |")
-        print("|---:|---:|---:|---:|---:|")
+        print("(per step, medians: decode wall ms, and CPU µs of the lease thread and of the Trio thread inside the "
+              "decode window)")
+        print("| B | median | quartiles | ratio of medians | pairs at or above 0.9 | step ms engine / bare "
+              "| lease CPU engine / bare | Trio CPU | step job ms | lease idle | step chains |")
+        print("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
         for row in paired:
             pair = row["bare_pairs"]
             q1, q3 = pair["q1_q3"]
             quartiles = f"{q1:.3f}-{q3:.3f}" if q1 is not None else "-"
             above = sum(r >= 0.9 for r in pair["ratios"])
+            engine, bare = pair["runs"]["a"], pair["runs"]["b"]
+            step_ms = [_r(1e3 * row["B"], median_of(runs, "dec_tok_s")) for runs in (engine, bare)]
             print(f"| {row['B']} | {fmt(pair['median'], '.3f')} | {quartiles} | "
-                  f"{fmt(pair['ratio_of_medians'], '.3f')} | {above}/{len(pair['ratios'])} |")
+                  f"{fmt(pair['ratio_of_medians'], '.3f')} | {above}/{len(pair['ratios'])} | "
+                  f"{fmt(step_ms[0], '.2f')} / {fmt(step_ms[1], '.2f')} | "
+                  f"{fmt(median_of(engine, 'lease_cpu_us_per_step'), '.0f')} / "
+                  f"{fmt(median_of(bare, 'lease_cpu_us_per_step'), '.0f')} | "
+                  f"{fmt(median_of(engine, 'trio_cpu_us_per_step'), '.0f')} | "
+                  f"{fmt(median_of(engine, 'job_ms_per_step'), '.2f')} | {fmt(median_of(engine, 'lease_idle_frac'), '.3f')} | "
+                  f"{fmt(median_of(engine, 'step_chains'), '.0f')} |")
     for row in rows:
         if row.get("b1_pairs_interleaved") is not None:  # the key names predate --pairs
             q1, q3 = row["b1_interleaved_q1_q3"]
@@ -730,6 +783,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pair-tokens", type=int, default=64, help="max_tokens of each --pairs run (default 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--kv-budget", type=int, default=None, help="engine kv_budget_bytes (default: derived)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=None,
+                   help="engine prompt_cache_bytes (default: the engine's; 0: off, so no run reuses another's KV)")
     p.add_argument("--long-prompts", metavar="RxN", help="e.g. 8x12600: R concurrent N-token prompts instead")
     p.add_argument("--long-max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)

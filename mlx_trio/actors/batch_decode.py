@@ -2,11 +2,12 @@
 
 Each loop turn: settle membership if rows want to join or leave (flush the
 pipeline, filter finished rows out, join prefilled rows: adopt into an empty
-batch, extend or merge otherwise), then run pipelined steps for every row
-as one GPU-lease job. The lease thread reports the job's tokens to Trio
-before it launches the job's last step, and they go to each row's session
-from there; a row finishes on EOS or max_tokens, or leaves when its session
-went away.
+batch, extend or merge otherwise), then decode until membership must change:
+a chain of pipelined step jobs that the lease thread queues itself. It
+reports each job's tokens to Trio before it launches the job's last step,
+and they go to each row's session from there; a row finishes on EOS or
+max_tokens, or leaves when its session went away, and either stops the
+chain, as does a row waiting to join.
 
 A failed step fails every row of the batch with a typed error and then
 re-raises, so the supervisor restarts this actor with an empty batch.
@@ -14,7 +15,6 @@ re-raises, so the supervisor restarts this actor with an empty batch.
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from mlx_trio.actors.gpu_lease import GpuLease, LeaseFuture
+from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.batch import DecodeBatch, Decoded
@@ -33,8 +33,8 @@ from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.decode_step")
 
-# Decode steps kept queued on the lease beyond the one being handled (see BatchDecodeActor._step).
-STEPS_AHEAD = 2
+# Step jobs whose tokens may wait for Trio before the step chain ends (see BatchDecodeActor._run_steps).
+MAX_UNHANDLED_REPORTS = 2
 
 
 def steps_per_job(rows: int) -> int:
@@ -75,6 +75,8 @@ class BatchDecodeStatistics:
     active_rows: int
     kv_bytes: int
     steps: int
+    # Step chains started: one per membership change, plus one each time Trio fell behind (see _run_steps).
+    chains: int
     tokens_decoded: int
     finished: int
     cancelled: int
@@ -98,10 +100,11 @@ class BatchDecodeActor:
         # Joins taken from the channel but not yet in the batch: a failure in between must
         # still end them (their sessions resume), or they would wait forever.
         self._joining: list[JoinRow] = []
-        # Step jobs queued on the lease whose tokens are not handled yet, oldest first (see _step).
-        self._ahead: collections.deque[LeaseFuture[list[Decoded | None]]] = collections.deque()
+        # The running step chain (see _run_steps); reports sent by the lease thread, handled by Trio.
+        self._chain: LeaseChain | None = None
+        self._reports_sent = self._reports_handled = 0
         self._kv_bytes = 0
-        self._steps = self._tokens = self._finished = self._cancelled = 0
+        self._steps = self._chains = self._tokens = self._finished = self._cancelled = 0
         # What `_emit_reported` raised in Trio's run loop, re-raised in this actor's task.
         self._reported_error: BaseException | None = None
 
@@ -112,7 +115,7 @@ class BatchDecodeActor:
     def statistics(self) -> BatchDecodeStatistics:
         return BatchDecodeStatistics(
             mailbox_depth=self._joins.statistics().current_buffer_used, active_rows=len(self._rows),
-            kv_bytes=self._kv_bytes, steps=self._steps, tokens_decoded=self._tokens,
+            kv_bytes=self._kv_bytes, steps=self._steps, chains=self._chains, tokens_decoded=self._tokens,
             finished=self._finished, cancelled=self._cancelled,
         )
 
@@ -130,7 +133,7 @@ class BatchDecodeActor:
                     await self._settle(drain_nowait(self._joins))
                 if self._rows:
                     self._faults.check("decode-step")
-                    await self._step()
+                    await self._run_steps()
         except BaseException as exc:
             self._fail_all(exc)
             raise
@@ -152,7 +155,6 @@ class BatchDecodeActor:
         leaving = [rid for rid, row in self._rows.items() if row.done]
         if not joins and not leaving:
             return
-        await self._land_ahead()
         if batch.size:
             decoded = await self._lease.run(batch.flush_decoded)
             if decoded is not None:
@@ -191,60 +193,80 @@ class BatchDecodeActor:
             if entry is not None:
                 caching.store(entry)
 
-    async def _step(self) -> None:
-        """Run the oldest queued step job, keeping `STEPS_AHEAD` jobs queued on the lease.
+    async def _run_steps(self) -> None:
+        """Decode until membership must change: a lease chain of step jobs (`GpuLease.chain`).
 
-        While no join waits, steps are queued ahead: when one finishes, the
-        next is already in the lease's queue, so the lease thread goes
-        straight on instead of idling for the hop to Trio and back (waking
-        this actor, emitting, waking sessions and callers: 0.4-1.1 ms per
-        step on an H200, docs/benchmarks.md). The cost: a row that finishes
-        is fed up to `STEPS_AHEAD` jobs' worth of tokens more, whose outputs are dropped.
+        The lease thread queues each next step job itself, so it never idles
+        across a hop to Trio and back (waking this actor, emitting, waking
+        sessions and callers: 0.4-1.1 ms per step on an H200,
+        docs/benchmarks.md), and this actor is not woken per job at all.
 
-        The tokens do not come back with the job: the lease thread reports
-        the job's tokens as soon as it has read them, just before it launches
-        the job's last step (`DecodeBatch.steps_decoded`), and `_emit_reported`
-        hands them to the sessions from Trio's run loop. So the sessions run
-        while the lease thread waits in `async_eval` with the GIL released,
-        not while it builds the next job's first graph (H200, B=64,
+        A job's tokens reach Trio before the job's last step is launched: the
+        lease thread reports them (`DecodeBatch.steps_decoded`) and
+        `_emit_reported` hands them to the sessions from Trio's run loop. So
+        the sessions run while the lease thread waits in `async_eval` with the
+        GIL released, not while it builds the next graph (H200, B=64,
         interleaved pairs: 0.68 of the bare loop before, 0.82-0.87 after;
-        docs/benchmarks.md).
+        docs/benchmarks.md). `_emit_reported` stops the chain when a row
+        finishes or leaves, a join waits, or emitting failed; the lease thread
+        ends it when `MAX_UNHANDLED_REPORTS` reports wait for Trio, so a busy
+        Trio thread bounds how far the batch runs ahead of its sessions (a
+        finished row is fed at most that many jobs' tokens more, whose outputs
+        are dropped).
         """
         batch = self._batch
         assert batch is not None
         ids = list(batch.request_ids)
-        report = partial(self._lease.to_trio_soon, partial(self._emit_reported, ids))
-        job = partial(batch.steps_decoded, steps_per_job(len(ids)), report)
-        if not self._joins.statistics().current_buffer_used:
-            while len(self._ahead) < STEPS_AHEAD:
-                self._ahead.append(self._lease.submit(job))
-        self._landed(await (self._ahead.popleft().result() if self._ahead else self._lease.run(job)))
-        self._kv_bytes = batch.nbytes
-
-    async def _land_ahead(self) -> None:
-        """Wait for every step queued ahead (its tokens were reported): membership may change after them."""
-        while self._ahead:
-            self._landed(await self._ahead.popleft().result())
-
-    def _landed(self, steps: Sequence[Decoded | None]) -> None:
-        """A step job finished: every token it read was reported (and emitted) before its result came."""
+        report = partial(self._report, ids)
+        chain = self._lease.chain(self._job, batch, steps_per_job(len(ids)), report)
+        self._chain = chain
+        self._chains += 1
+        try:
+            await chain.wait()
+        finally:
+            chain.stop()
+            self._chain = None
         if self._reported_error is not None:
             raise self._reported_error
-        assert all(decoded is None for decoded in steps)
-        self._steps += len(steps)
+        self._kv_bytes = batch.nbytes
+
+    def _job(self, batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None]) -> bool:
+        """One link of the step chain, on the lease thread: False ends the chain (Trio is behind)."""
+        batch.steps_decoded(steps, report)
+        return self._reports_sent - self._reports_handled < MAX_UNHANDLED_REPORTS
+
+    def _report(self, request_ids: list[str], steps: list[Decoded]) -> None:
+        """On the lease thread: these consecutive steps' tokens go to `_emit_reported` in Trio's run loop."""
+        self._reports_sent += 1
+        self._lease.to_trio_soon(self._emit_reported, request_ids, steps)
 
     def _emit_reported(self, request_ids: list[str], steps: list[Decoded]) -> None:
-        """`_emit` of a job's tokens, run by the lease in Trio's run loop: it must not raise."""
-        if self._reported_error is not None:
-            return
-        try:
-            self._emit(request_ids, steps)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the actor's task by _landed
-            self._reported_error = exc
+        """`_emit` of a job's tokens, run by the lease in Trio's run loop: it must not raise.
 
-    def _emit(self, request_ids: list[str], steps: Sequence[Decoded]) -> None:
-        """Send each row its tokens of these consecutive steps as one message; end the rows that finish."""
+        Stops the step chain when membership must change; an error is kept
+        for `_run_steps` to re-raise in the actor's task.
+        """
+        self._reports_handled += 1
+        chain = self._chain
+        if chain is None or self._reported_error is not None:
+            return  # a report of a chain this actor no longer waits for: it failed or was cancelled
+        self._steps += len(steps)
+        try:
+            ended = self._emit(request_ids, steps)
+            self._faults.check("decode-step")
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the actor's task by _run_steps
+            self._reported_error = exc
+            ended = True
+        if ended or self._joins.statistics().current_buffer_used:
+            chain.stop()
+
+    def _emit(self, request_ids: list[str], steps: Sequence[Decoded]) -> bool:
+        """Send each row its tokens of these consecutive steps as one message; end the rows that finish.
+
+        Returns whether a row finished or its session went away (it must leave the batch).
+        """
         eos = self._model.eos_token_ids
+        ended = False
         for i, rid in enumerate(request_ids):
             row = self._rows.get(rid)
             if row is None or row.done:
@@ -268,11 +290,13 @@ class BatchDecodeActor:
                 row.request.reply.send_nowait(TokensDecoded(
                     rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                row.done = True
+                row.done = ended = True
                 self._cancelled += 1
                 continue
             if reason is not None:
                 self._finish(row, reason)
+                ended = True
+        return ended
 
     def _finish(self, row: RunningRow, reason: str) -> None:
         row.done = True

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import outcome
@@ -30,6 +30,7 @@ from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()  # queue sentinel: the lease thread runs on_thread_exit and ends
+_CONTINUED = object()  # a chain link's result when it queued the next link: nothing to deliver
 
 
 class _State(enum.Enum):
@@ -45,9 +46,9 @@ class _Job:
 
     fn: Callable[..., Any] | None  # None once run, so its arguments die on the lease thread
     args: tuple[Any, ...]
-    task: trio.lowlevel.Task | None  # None for submit/submit_nowait: no task is parked on it
+    task: trio.lowlevel.Task | None  # None for chain/submit_nowait: no task is parked on it
     name: str  # for log messages
-    future: LeaseFuture[Any] | None = None  # set for submit(): the outcome goes there
+    chain: LeaseChain | None = None  # set for a chain's links: the chain's outcome goes there
     # Invariant: changed only under GpuLease._lock; QUEUED -> RUNNING -> DONE by the
     # lease thread, QUEUED -> SKIPPED by the Trio thread (cancelled caller, close).
     state: _State = _State.QUEUED
@@ -55,9 +56,8 @@ class _Job:
     detached: bool = False
 
 
-def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None,
-         future: LeaseFuture[Any] | None = None) -> _Job:
-    return _Job(fn, args, task, _name(fn), future=future)
+def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> _Job:
+    return _Job(fn, args, task, _name(fn))
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -67,26 +67,35 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-class LeaseFuture(Generic[T]):
-    """The outcome of a `GpuLease.submit` job, delivered on the Trio thread."""
+class LeaseChain:
+    """`GpuLease.chain`'s handle: stop the chain, wait for its end (delivered on the Trio thread)."""
 
     def __init__(self) -> None:
         self._done = trio.Event()
-        self._outcome: outcome.Outcome[T] | None = None
+        self._outcome: outcome.Outcome[object] | None = None
+        # Written on the Trio thread, read by the lease thread between links (a plain bool: the GIL orders it).
+        self.stopping = False
 
-    def _set(self, result: outcome.Outcome[T]) -> None:
-        if self._outcome is None:
-            self._outcome = result
-            self._done.set()
+    def stop(self) -> None:
+        """No link starts after the one running now; `wait` returns once that one is over. Safe from any thread."""
+        self.stopping = True
 
-    async def result(self) -> T:
-        """Wait for the job; return its result or raise its error (`LeaseClosed` if it never ran).
+    async def wait(self) -> None:
+        """Until the chain ends: `stop()`, or a link returned False; re-raises what a link raised.
 
-        Leaving this wait (cancellation) does not withdraw the job: it runs anyway.
+        Leaving this wait (cancellation) does not stop the chain: call `stop()`.
+
+        Raises:
+          LeaseClosed: the lease closed before the chain ended.
         """
         await self._done.wait()
         assert self._outcome is not None
-        return self._outcome.unwrap()  # type: ignore[no-any-return]
+        self._outcome.unwrap()
+
+    def _set(self, result: outcome.Outcome[object]) -> None:
+        if self._outcome is None:
+            self._outcome = result
+            self._done.set()
 
 
 @attrs.frozen
@@ -220,22 +229,35 @@ class GpuLease:
         self._close()
         self._fail_wedged_job()
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> LeaseFuture[T]:
-        """Queue ``fn(*args)`` now and return at once; await ``.result()`` for its outcome.
+    def chain(self, fn: Callable[..., bool], *args: Any) -> LeaseChain:
+        """Run ``fn(*args)`` on the lease thread again and again until it returns False, raises, or `stop()`.
 
-        For a caller that keeps a job queued ahead while it works on the last
-        one's result (the decode step chain), so the lease thread never idles
-        across the Trio hop. Once queued the job always runs; if the lease
-        closes first, the future gets `LeaseClosed`.
+        The lease thread queues each next run itself, at the tail of the
+        queue: jobs submitted while a run was going run before the next one
+        (FIFO, so a prefill chunk interleaves with decode steps), and between
+        runs nothing waits for Trio. A run that ends the chain delivers its
+        outcome to the handle's `wait`; a run that goes on delivers nothing,
+        so the Trio thread is not woken per run (the decode step chain:
+        actors/batch_decode.py). Fault injection applies to every run.
 
         Raises:
           LeaseClosed: the lease is not serving.
         """
-        fn, args = self._maybe_inject(fn, args)
-        future: LeaseFuture[T] = LeaseFuture()
-        if not self._enqueue(_job(fn, args, None, future)):
+        handle = LeaseChain()
+        if not self._enqueue(self._chain_link(handle, fn, args)):
             raise LeaseClosed(f"{self.name} is not serving")
-        return future
+        return handle
+
+    def _chain_link(self, handle: LeaseChain, fn: Callable[..., bool], args: tuple[Any, ...]) -> _Job:
+        def link() -> object:
+            if handle.stopping or not fn(*args) or handle.stopping:
+                return None
+            if not self._enqueue(self._chain_link(handle, fn, args)):
+                raise LeaseClosed(f"{self.name} closed")
+            return _CONTINUED
+
+        run, run_args = self._maybe_inject(link, ())
+        return _Job(run, run_args, None, _name(fn), chain=handle)
 
     def to_trio_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """From a job on the lease thread: run ``fn(*args)`` on the Trio thread soon.
@@ -336,7 +358,7 @@ class GpuLease:
         return True
 
     def _close(self) -> None:
-        """Stop intake, fail queued `run` callers and `submit` futures with LeaseClosed, queue _STOP."""
+        """Stop intake, fail queued `run` callers and chains with LeaseClosed, queue _STOP."""
         with self._lock:
             self._closed = True
         keep: list[_Job] = []  # nowait cleanup jobs still run, in their order
@@ -347,7 +369,7 @@ class GpuLease:
                 break
             if job is _STOP:
                 continue
-            if job.task is None and job.future is None:
+            if job.task is None and job.chain is None:
                 keep.append(job)
                 continue
             with self._lock:
@@ -356,8 +378,8 @@ class GpuLease:
                 job.state = _State.SKIPPED
                 self._queue_depth -= 1
             closed = outcome.Error(LeaseClosed(f"{self.name} closed"))
-            if job.future is not None:
-                job.future._set(closed)
+            if job.chain is not None:
+                job.chain._set(closed)
             else:
                 trio.lowlevel.reschedule(job.task, closed)
         for job in keep:
@@ -369,8 +391,8 @@ class GpuLease:
                   "restart recovers it", self.name, self._close_timeout_s)
         with self._lock:
             job = self._current
-            if job is not None and job.future is not None and job.state is _State.RUNNING:
-                job.future._set(outcome.Error(LeaseClosed(f"{self.name} wedged")))
+            if job is not None and job.chain is not None and job.state is _State.RUNNING:
+                job.chain._set(outcome.Error(LeaseClosed(f"{self.name} wedged")))
                 return
             if job is None or job.task is None or job.detached or job.state is not _State.RUNNING:
                 return
@@ -441,8 +463,9 @@ class GpuLease:
             self._jobs_failed += isinstance(result, outcome.Error)
         if job.task is not None:
             self._token.run_sync_soon(self._deliver, job, result)
-        elif job.future is not None:
-            self._token.run_sync_soon(job.future._set, result)
+        elif job.chain is not None:
+            if not (isinstance(result, outcome.Value) and result.value is _CONTINUED):  # the chain ended
+                self._token.run_sync_soon(job.chain._set, result)
         elif isinstance(result, outcome.Error):
             log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
 

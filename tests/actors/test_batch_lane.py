@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import trio
 
 from mlx_trio import open_engine
 from mlx_trio.actors.admission import KvBudgetExceeded
+from mlx_trio.actors.batch_decode import MAX_UNHANDLED_REPORTS
 from mlx_trio.errors import Overloaded
 from mlx_trio.events import TextDelta
 from tests.prompts import PROMPTS
@@ -223,7 +225,7 @@ async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_sol
     got: dict[int, tuple[int, ...]] = {}
     async with open_engine(str(path), batch=8) as engine:
         await engine.wait_ready()
-        engine.actors.lease.submit(time.sleep, 0.3)  # the first request's prefill waits behind it
+        engine.actors.lease.submit_nowait(time.sleep, 0.3)  # the first request's prefill waits behind it
 
         async def one(i: int) -> None:
             got[i] = (await engine.complete(prompts[i], max_tokens=12)).token_ids
@@ -234,3 +236,27 @@ async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_sol
         await _wait_drained(engine)
         assert engine.actors.prefill.statistics().cohort_rows >= 2
     assert [got[i] for i in range(len(prompts))] == expected
+
+
+async def test_the_step_chain_stops_when_the_trio_thread_falls_behind() -> None:
+    """A blocked Trio thread handles no reports: the lease runs at most MAX_UNHANDLED_REPORTS more step jobs.
+
+    Without the bound the chain would keep decoding (a tiny model steps in
+    about a millisecond) and feed rows far past what their sessions saw.
+    """
+    [expected] = await _solo_tokens(tiny_model(LLAMA), [PROMPTS[0]], 48)
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        lease = engine.actors.lease
+        tokens: list[int] = []
+        blocked = False
+        async for event in engine.generate(PROMPTS[0], max_tokens=48):
+            if isinstance(event, TextDelta):
+                tokens.extend(event.token_ids)
+                if len(tokens) >= 8 and not blocked:
+                    before = lease.statistics().jobs_run
+                    time.sleep(0.3)  # block the Trio thread: no report is handled meanwhile
+                    ran = lease.statistics().jobs_run - before
+                    assert ran <= MAX_UNHANDLED_REPORTS + 1, ran
+                    blocked = True
+        assert blocked
+    assert tuple(tokens) == expected

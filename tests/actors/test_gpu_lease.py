@@ -15,9 +15,10 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_trio.actors.gpu_lease import GpuLease, LeaseStatistics, open_gpu_lease
+from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain, LeaseStatistics, open_gpu_lease
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
 from mlx_trio.errors import LeaseClosed
+from mlx_trio.supervision.faults import Faults, InjectedFault
 
 # Generous bound for "the lease thread got there": only reached when a test fails.
 WAIT_S = 5.0
@@ -308,16 +309,92 @@ async def test_submit_nowait_runs_in_order_and_logs_failures(lease: GpuLease, ca
     assert lease.statistics().jobs_failed == 1
 
 
-async def test_submit_queues_at_once_in_fifo_order_and_delivers_results_and_errors(lease: GpuLease) -> None:
-    """submit() enqueues before returning (FIFO with run() jobs); result() gives the value or the job's error."""
-    order: list[int] = []
-    first = lease.submit(lambda: order.append(1) or "one")
-    failing = lease.submit(failing_job)
-    await lease.run(order.append, 2)
-    assert order == [1, 2]
-    assert await first.result() == "one"
+async def test_chain_reruns_until_false_and_lets_jobs_queued_meanwhile_go_first(lease: GpuLease) -> None:
+    """Each next run queues behind the jobs submitted while the last one ran (FIFO); False ends the chain."""
+    order: list[str] = []
+    gate = Gate()
+
+    def link() -> bool:
+        order.append("link")
+        if len(order) == 1:
+            gate()  # hold the first run until a job is queued behind it
+        return order.count("link") < 3
+
+    chain = lease.chain(link)
+    await gate.wait_entered()
+    lease.submit_nowait(order.append, "job")
+    gate.release.set()
+    with trio.fail_after(WAIT_S):
+        await chain.wait()
+    assert order == ["link", "job", "link", "link"]
+
+
+async def test_chain_delivers_only_its_end_to_trio(lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs that go on wake nothing on the Trio thread: one delivery for the whole chain."""
+    delivered: list[object] = []
+    deliver = LeaseChain._set
+    monkeypatch.setattr(LeaseChain, "_set", lambda self, result: delivered.append(result) or deliver(self, result))
+    runs = iter(range(50))
+    chain = lease.chain(lambda: next(runs) < 49)
+    await chain.wait()
+    assert len(delivered) == 1
+    assert lease.statistics().jobs_run == 50
+
+
+async def test_chain_stop_lets_the_running_link_finish_and_starts_no_other(lease: GpuLease) -> None:
+    """stop() from Trio: the link running now completes, no further link runs, wait() returns."""
+    runs: list[int] = []
+    gate = Gate()
+
+    def link() -> bool:
+        runs.append(1)
+        if len(runs) == 2:
+            gate()
+        return True
+
+    chain = lease.chain(link)
+    await gate.wait_entered()
+    chain.stop()
+    gate.release.set()
+    with trio.fail_after(WAIT_S):
+        await chain.wait()
+    assert await lease.run(len, runs) == 2
+
+
+async def test_chain_wait_reraises_what_a_link_raised_and_the_lease_goes_on(lease: GpuLease) -> None:
+    runs = iter(range(10))
+
+    def link() -> bool:
+        if next(runs) == 3:
+            failing_job()
+        return True
+
     with pytest.raises(KeyError, match="from the job"):
-        await failing.result()
+        await lease.chain(link).wait()
+    assert await lease.run(pow, 2, 3) == 8
+
+
+async def test_chain_links_take_injected_faults() -> None:
+    """A RAISE fault armed for the lease fails the next link, as it would any job."""
+    faults = Faults()
+    async with open_gpu_lease(faults=faults) as lease:
+        runs: list[int] = []
+        chain = lease.chain(lambda: runs.append(1) or True)
+        await wait_for(lambda: len(runs) >= 3)
+        faults.arm(lease.name, "raise")
+        with pytest.raises(InjectedFault):
+            await chain.wait()
+    assert faults.fired
+
+
+async def test_close_ends_a_running_chain_with_lease_closed() -> None:
+    async with open_gpu_lease() as lease:
+        chain = lease.chain(lambda: time.sleep(0.001) or True)
+        await wait_for(lambda: lease.statistics().jobs_run >= 3)
+    with pytest.raises(LeaseClosed):
+        await chain.wait()
+    with pytest.raises(LeaseClosed):
+        lease.chain(lambda: True)
 
 
 async def test_to_trio_soon_runs_on_the_trio_thread_before_the_job_result_arrives(lease: GpuLease) -> None:
@@ -331,28 +408,6 @@ async def test_to_trio_soon_runs_on_the_trio_thread_before_the_job_result_arrive
 
     assert await lease.run(job) == "done"
     assert seen == [("trio", 0), ("trio", 1), ("trio", 2)]
-
-
-async def test_close_fails_queued_submitted_jobs_with_lease_closed() -> None:
-    """A submitted job still queued when the lease closes never runs; its future raises LeaseClosed."""
-    gate = Gate()
-    ran: list[str] = []
-    async with trio.open_nursery() as outer:
-        async with open_gpu_lease() as lease:
-            outer.start_soon(lease.run, gate)
-            await gate.wait_entered()
-            queued = lease.submit(ran.append, "late")
-            outer.start_soon(_release_soon, gate)
-    with pytest.raises(LeaseClosed):
-        await queued.result()
-    assert ran == []
-    with pytest.raises(LeaseClosed):
-        lease.submit(ran.append, "after")
-
-
-async def _release_soon(gate: Gate) -> None:
-    await trio.sleep(0.05)
-    gate.release.set()
 
 
 async def test_close_still_runs_queued_submit_nowait_jobs() -> None:
