@@ -218,7 +218,7 @@ class BatchDecodeActor:
         assert batch is not None
         ids = list(batch.request_ids)
         report = partial(self._report, ids)
-        chain = self._lease.chain(self._job, batch, steps_per_job(len(ids)), report)
+        chain = self._lease.chain(self._link, batch, steps_per_job(len(ids)), report)
         self._chain = chain
         self._chains += 1
         try:
@@ -230,7 +230,7 @@ class BatchDecodeActor:
             raise self._reported_error
         self._kv_bytes = batch.nbytes
 
-    def _job(self, batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None]) -> bool:
+    def _link(self, batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None]) -> bool:
         """One link of the step chain, on the lease thread: False ends the chain (Trio is behind)."""
         batch.steps_decoded(steps, report)
         return self._reports_sent - self._reports_handled < MAX_UNHANDLED_REPORTS
