@@ -77,10 +77,11 @@ def loop(model: Any, prompts: list[list[int]], steps: int, variant: str) -> dict
     y = pick(model(x[:, -1:], cache=cache)[:, -1, :])
     mx.async_eval(y)
     build = launch = wait = 0.0
-    t0 = cpu0 = 0.0
+    clock = StepClock(steps)
     for i in range(steps):
+        clock.tick(i)
         if i == SKIP:
-            t0, cpu0, build, launch, wait = time.perf_counter(), time.thread_time(), 0.0, 0.0, 0.0
+            build, launch, wait = 0.0, 0.0, 0.0
         a = time.perf_counter()
         nxt = pick(model(y[:, None], cache=cache)[:, -1, :])
         b = time.perf_counter()
@@ -89,10 +90,9 @@ def loop(model: Any, prompts: list[list[int]], steps: int, variant: str) -> dict
         y.tolist()
         build, launch, wait = build + b - a, launch + c - b, wait + time.perf_counter() - c
         y = nxt
+    clock.tick(steps)
     n = steps - SKIP
-    out = {"ms": 1e3 * (time.perf_counter() - t0) / n, "cpu": 1e3 * (time.thread_time() - cpu0) / n,
-           "build": 1e3 * build / n, "launch": 1e3 * launch / n,
-           "wait": 1e3 * wait / n}
+    out = clock.result | {"build": 1e3 * build / n, "launch": 1e3 * launch / n, "wait": 1e3 * wait / n}
     del cache, y, nxt
     mx.clear_cache()
     return out

@@ -7,17 +7,18 @@ The engine is a supervision tree of Trio actors:
     ├── sessions (one_for_one)     one temporary session actor per request
     └── (extra children)           e.g. the HTTP server of `mlx-trio serve`
 
-`Engine.generate` validates and tokenizes in the caller (so bad input raises
-there and never reaches an actor), starts a session, and yields its events.
+`Engine.generate` validates and tokenizes for the caller, in a worker thread
+(so bad input raises there and never reaches an actor), starts a session,
+and yields its events.
 """
 
 from __future__ import annotations
 
 import itertools
-from functools import partial
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import attrs
@@ -131,6 +132,14 @@ class Engine:
                                                    tools=tools)
         return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary)
 
+    async def prepare_off_loop(self, prompt: Prompt, **kwargs: Any) -> Request:
+        """`prepare` in a worker thread (no MLX work: tokenizer, chat template, grammar compilation).
+
+        Rendering a chat template and tokenizing a long prompt take up to tens
+        of milliseconds, which on the event loop would stall every running stream.
+        """
+        return await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
+
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None,
                        **sampling: Any) -> AsyncGenerator[GenerationEvent, None]:
@@ -139,9 +148,8 @@ class Engine:
         Sampling keywords are `SamplingParams` fields. Leaving the loop early
         cancels the request and frees its KV cache.
         """
-        # Off the event loop: tokenizing a long prompt would stall every running stream.
-        request = await trio.to_thread.run_sync(
-            partial(self.prepare, prompt, chat_template_kwargs=chat_template_kwargs, tools=tools, **sampling))
+        request = await self.prepare_off_loop(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                              **sampling)
         async for event in self.stream(request):
             yield event
 

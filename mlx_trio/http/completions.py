@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from typing import Any
 
-import trio
 from quart import Quart, Response, request
 
 from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
@@ -78,15 +76,9 @@ async def _complete(state: AppState, parse: Parser) -> Response:
 
 
 async def prepare(state: AppState, call: CompletionCall) -> Any:
-    """`Engine.prepare` in a worker thread; its errors in the body's own terms.
-
-    Off the event loop because rendering the chat template and tokenizing a
-    long prompt take milliseconds to tens of them (no MLX work: tokenizers
-    and grammar compilation only), which would stall every running stream.
-    """
+    """`Engine.prepare_off_loop` of the call; its errors in the body's own terms."""
     try:
-        return await trio.to_thread.run_sync(
-            partial(state.engine.prepare, call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call)))
+        return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
 

@@ -36,6 +36,7 @@ def stream_failure(exc: Exception, stream_id: str) -> ApiError:
         log.warning("stream %s failed: %r", stream_id, exc)
     return error
 
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = {
     "Cache-Control": "no-cache",

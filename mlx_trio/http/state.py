@@ -35,8 +35,8 @@ class EngineLike(Protocol):
     @property
     def output_format(self) -> OutputFormat: ...  # the model's reasoning and tool-call markers
 
-    def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                **sampling: Any) -> Any: ...  # also takes tools=[...] (only sent when a request has tools)
+    async def prepare_off_loop(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                               **sampling: Any) -> Any: ...  # also takes tools=[...] (only when a request has tools)
 
     def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
 

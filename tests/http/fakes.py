@@ -76,6 +76,9 @@ class FakeEngine:
             raise InvalidParameter("prompt", "contains bad-prompt")
         return FakeRequest(n, params)
 
+    async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> FakeRequest:
+        return self.prepare(prompt, **kwargs)
+
     async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
         if self.fail_before_start is not None:
             raise self.fail_before_start
