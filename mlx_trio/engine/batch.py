@@ -30,6 +30,7 @@ Every method runs on the lease thread; none hands out a lazy array.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -46,6 +47,9 @@ from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
 _CLEAR_CACHE_EVERY = 256
+# A read of the register that waited longer than this for the device means the device is the
+# bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
+DEVICE_BOUND_WAIT_S = 1e-4
 
 
 @attrs.define
@@ -93,6 +97,8 @@ class DecodeBatch:
         # While _unread: per row, the logprob arrays of the unread tokens (None: not asked).
         self._unread_logprobs: list[LogprobArrays | None] = []
         self._num_steps = 0
+        # Whether the last read of the register waited for the device (see step_decoded).
+        self._device_bound = False
 
     @property
     def request_ids(self) -> list[str]:
@@ -204,13 +210,18 @@ class DecodeBatch:
         Mutates the caches (one token per row). Returns None when the
         previous tokens were already returned (by `flush`, or as token 0).
 
-        With `report`, the previous tokens go to `report` instead, after this
-        step's graph is built and before it is launched: the caller (another
-        thread) handles them while `async_eval` launches the step with the
-        GIL released, rather than while the next graph is built with it
-        held. Reading them first costs nothing when the host is the
-        bottleneck (the device finished them during the build), and only
-        the first kernel's launch when the device is.
+        With `report`, the previous tokens go to `report` instead. While the
+        host is the bottleneck they are read after this step's graph is built
+        and reported before it is launched: the caller (another thread)
+        handles them while `async_eval` launches the step with the GIL
+        released, rather than while the next graph is built with it held,
+        and the read costs nothing (the device finished them during the
+        build). While the device is the bottleneck, that read would wait for
+        it and leave it idle until the next launch, so they are read after
+        the launch, as without `report` (H200, Llama-8B, B=1: 0.85 vs 1.03 of
+        the bare loop; docs/benchmarks.md, fifth pass). Which one it is, the
+        last read tells: it waited for the device longer than
+        `DEVICE_BOUND_WAIT_S`, or it did not.
         """
         if not self._rows:
             raise RuntimeError("step() on an empty batch")
@@ -223,7 +234,7 @@ class DecodeBatch:
         sampled, contexts, logprobs = self._sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
-        if report is not None:
+        if report is not None and not self._device_bound:
             if self._unread:
                 previous = self._read()
             if previous is not None:
@@ -233,6 +244,9 @@ class DecodeBatch:
         mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
         if self._unread:
             previous = self._read()
+        if report is not None and previous is not None:
+            report(previous)
+            previous = None
         self._inputs = sampled
         self._unread_logprobs = logprobs
         self._unread = True
@@ -250,7 +264,9 @@ class DecodeBatch:
     def _read(self) -> Decoded:
         """Read the register (waiting for its step), advance the rows' grammars, mark it returned."""
         assert self._inputs is not None
+        start = time.perf_counter()
         tokens = self._inputs.tolist()
+        self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
         for row, token in zip(self._rows, tokens):
             row.sampler.accept(token)
         records = tuple(to_record(arrays) if arrays is not None else None for arrays in self._unread_logprobs)

@@ -162,3 +162,28 @@ def test_a_reported_one_step_job_right_after_a_join_reports_nothing() -> None:
     seen: list[Any] = []
     assert batch.steps_decoded(1, seen.append) == [None] and seen == []
     assert batch.steps_decoded(1, seen.append) == [None] and len(seen) == 1 and len(seen[0]) == 1
+
+
+@pytest.mark.parametrize(("wait_s", "expected"), [(1e9, ["report", "launch"]), (-1.0, ["launch", "report"])],
+                         ids=["host-bound", "device-bound"])
+def test_a_reported_step_reads_before_its_launch_only_while_the_device_keeps_up(
+        monkeypatch: pytest.MonkeyPatch, wait_s: float, expected: list[str]) -> None:
+    """The last read's wait for the device picks the order; the tokens are the same either way."""
+    import mlx.core as mx
+
+    from mlx_trio.engine import batch as batch_module
+
+    events: list[str] = []
+    launch = mx.async_eval
+    batch = _batch(_ready_row("a", 5), _ready_row("b", 9))
+    plain = _batch(_ready_row("a", 5), _ready_row("b", 9))
+    expected_tokens = [plain.step_decoded() for _ in range(3)][1:]
+    monkeypatch.setattr(batch_module, "DEVICE_BOUND_WAIT_S", wait_s)
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: events.append("launch") or launch(*arrays))
+    seen: list[Any] = []
+    batch.step_decoded(seen.append)  # the first after a join reads nothing
+    batch.step_decoded(seen.append)  # its read sets the mode
+    events.clear()
+    batch.step_decoded(lambda decoded: events.append("report") or seen.append(decoded))
+    assert events == expected
+    assert seen == expected_tokens
