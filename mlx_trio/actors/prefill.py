@@ -42,6 +42,21 @@ SNAPSHOT_MIN_TOKENS = 256
 DECODING_CHUNK_DIVISOR = 4
 
 
+def cohort_weight(uncached: int, context: int, chunk: int) -> float:
+    """A cohort row's share of the cohort budget (`chunk` tokens) while other rows decode.
+
+    Its uncached tokens, scaled by how many chunks its attention spans: the
+    forward's linear work grows with the tokens alone, its attention with
+    tokens times context, and MLX's CUDA backend materialises those scores
+    for a prefill (docs/benchmarks.md, third pass). So 16 fresh 128-token
+    prompts fill a 2048-token cohort, while prompts that add 128 tokens to
+    an 8k cached prefix fill it at 3: about as many query-by-context score
+    entries as one 512-token chunk of an 8.5k prompt, a decode stall already
+    accepted (`DECODING_CHUNK_DIVISOR`).
+    """
+    return uncached * max(1.0, context / chunk)
+
+
 @attrs.frozen
 class PrefillStatistics:
     mailbox_depth: int
@@ -155,25 +170,31 @@ class PrefillActor:
 
         Empty when the first itself is not short (it then prefills chunk by
         chunk). A request is short when its uncached prompt fits one chunk
-        (the smaller one while rows decode) and it stores no snapshot; the
-        whole cohort's tokens fit one chunk too, so running rows still stall
-        for at most one chunk's worth of prefill. Takes nothing from the backlog;
+        (the smaller one while rows decode) and it stores no snapshot. The
+        cohort's tokens fit one chunk (`prefill_step_size`, the reference
+        design's cohort budget); while rows decode, each row counts by
+        `cohort_weight`, so rows attending over a long cached context make
+        smaller cohorts and the running rows' stall stays about that of one
+        decoding-size chunk of a long prompt. Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
-        budget = self._decoding_chunk if self._decoding() else self._prefill_step_size
+        decoding = self._decoding()
         caching = self._get_caching()
         hits: list[CacheHit | None] = []
-        used = 0
+        used = 0.0
         first_hit: CacheHit | None = None
         for i, admitted in enumerate(list(self._backlog)):
             cmd = admitted.request
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
             uncached = len(cmd.prompt_ids) - 1 - (hit.usable if hit is not None else 0)
-            if used + uncached > budget or self._snapshot_point(cmd, hit, caching) is not None:
+            if uncached > (self._decoding_chunk if decoding else self._prefill_step_size):
+                break  # not short: it prefills alone, chunk by chunk
+            weight = cohort_weight(uncached, len(cmd.prompt_ids), self._prefill_step_size) if decoding else uncached
+            if used + weight > self._prefill_step_size or self._snapshot_point(cmd, hit, caching) is not None:
                 break
             hits.append(hit)
-            used += uncached
+            used += weight
         return hits, first_hit
 
     async def _prefill_cohort(self, cohort: list[tuple[Admitted, CacheHit | None]]) -> None:

@@ -12,7 +12,7 @@ import trio.testing
 
 from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
 from mlx_trio.actors.messages import Admitted, DecodeEvent, Generate, JoinRow, TokensDecoded
-from mlx_trio.actors.prefill import PrefillActor
+from mlx_trio.actors.prefill import PrefillActor, cohort_weight
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
 from mlx_trio.engine.model import LoadedModel, load_model
 from mlx_trio.params import SamplingParams
@@ -58,3 +58,35 @@ async def test_a_cancelled_cohort_ends_every_request_it_took(lease: GpuLease) ->
         events = [event async for event in replies]  # ends: the reply channel was closed
         assert any(isinstance(e, TokensDecoded) for e in events[:3]) or not events
     join_recv.close()
+
+
+async def test_while_rows_decode_short_fresh_prompts_still_fill_a_whole_chunk_per_cohort(lease: GpuLease) -> None:
+    """8 prompts of 12 tokens, prefill_step_size 64, rows decoding: 2 cohort jobs (5 + 3), not 8 of one each."""
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    join_send, join_recv = trio.open_memory_channel[JoinRow](8)
+
+    async def get_model() -> LoadedModel:
+        return model
+
+    actor = PrefillActor(lease, get_model, join=join_send, release=lambda rid: None, max_rows=8,
+                         prefill_step_size=64, decoding=lambda: True)
+    requests = [_request(i) for i in range(8)]
+    for admitted, _ in requests:
+        actor.inbox_send.send_nowait(admitted)
+    jobs_before = lease.statistics().jobs_run
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        with trio.fail_after(30):
+            joins = [await join_recv.receive() for _ in range(8)]
+        nursery.cancel_scope.cancel()
+    assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
+    assert lease.statistics().jobs_run - jobs_before == 2
+    assert actor.statistics().cohort_rows == 8
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+
+def test_a_cohort_row_weighs_its_tokens_times_the_chunks_its_context_spans() -> None:
+    assert cohort_weight(127, 128, 2048) == 127
+    assert cohort_weight(127, 8192 + 128, 2048) == pytest.approx(127 * 4.0625)
+    assert int(2048 // cohort_weight(128, 8192 + 128, 2048)) == 3  # rows extending an 8k prefix: 3 per cohort
