@@ -11,13 +11,23 @@ prompts). Every GPU-lease job is logged (name, start, end;
 then by name, the largest gaps between consecutive tokens of any decoding
 stream from its arrival until 1 s after its first token, and for each gap
 the jobs that ran inside it and the lease's idle time there (time the lease
-thread waited for Trio). `--streams 0` measures the prefill alone.
+thread waited for Trio), and the Trio task steps over 2 ms inside it.
+`--streams 0` measures the prefill alone.
+
+`--http` runs the same through `mlx-trio serve`'s HTTP server, in this
+process (so its lease can be logged), with the SSE client in another
+(stall_client.py): chat completions, `--long-words` of text as the long
+prompt, token times when the client read each content chunk. The streams
+run to their end (so that their usage counts arrive): size `--stream-tokens`
+to just outlast the rounds (1500 on the H200's 1B shape).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import json
 import random
 import statistics
 import sys
@@ -25,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,10 +43,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch_throughput import SHAPES, resolve_model  # noqa: E402
 
 from mlx_trio import open_engine  # noqa: E402
+from mlx_trio.cli import serve  # noqa: E402
+from mlx_trio.config import EngineConfig  # noqa: E402
 from mlx_trio.events import TextDelta  # noqa: E402
+from mlx_trio.http.config import ServerConfig  # noqa: E402
+
+
+@attrs.frozen
+class Profile:
+    """Token arrival times per stream, (arrival, first token) per long prompt, lease jobs, slow Trio steps."""
+
+    times: list[list[float]]
+    rounds: list[tuple[float, float]]
+    log: list[tuple[str, float, float]]
+    trio_steps: list[tuple[str, float, float]]
 
 
 async def profile(model_dir: Path, args: argparse.Namespace) -> None:
+    measured = await (over_http if args.http else embedded)(model_dir, args)
+    for n, (arrived, first) in enumerate(measured.rounds, 1):
+        report(n, arrived, first, measured, args)
+
+
+
+class SlowTrioSteps(trio.abc.Instrument):
+    """Trio task steps longer than `min_s`: (task name, start, end) on the perf_counter clock."""
+
+    def __init__(self, min_s: float = 0.002) -> None:
+        self.min_s = min_s
+        self.steps: list[tuple[str, float, float]] = []
+        self._start = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._start = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        end = time.perf_counter()
+        if end - self._start > self.min_s:
+            self.steps.append((task.name.rsplit(".", 1)[-1], self._start, end))
+
+
+async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
+    """The streams and the long prompts on the embedded engine; token times from its events."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(128)] for _ in range(args.streams)]
     async with open_engine(str(model_dir), batch=max(args.streams + 1, 2), prefill_step_size=args.prefill_step_size) as engine:
@@ -61,6 +110,8 @@ async def profile(model_dir: Path, args: argparse.Namespace) -> None:
             raise RuntimeError("the long prompt produced no token")
 
         lease.job_log = []
+        trio_steps = SlowTrioSteps()
+        trio.lowlevel.add_instrument(trio_steps)
         rounds: list[tuple[float, float]] = []  # (arrival, first token) of each long prompt
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
@@ -72,16 +123,47 @@ async def profile(model_dir: Path, args: argparse.Namespace) -> None:
                 rounds.append((arrived, await long()))
                 await trio.sleep(1.0)
             nursery.cancel_scope.cancel()
+        trio.lowlevel.remove_instrument(trio_steps)
         log = lease.job_log
         lease.job_log = None
-    for n, (arrived, first) in enumerate(rounds, 1):
-        report(n, arrived, first, times, log, args)
+    return Profile(times, rounds, log, trio_steps.steps)
 
 
-def report(n: int, arrived: float, first: float, times: list[list[float]],
-           log: list[tuple[str, float, float]], args: argparse.Namespace) -> None:
+async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
+    """The same through `mlx-trio serve`'s HTTP server in this process, the SSE client in another.
+
+    Token times are when the client read each content chunk (stall_client.py).
+    """
+    engine_config = EngineConfig(model=str(model_dir), batch=max(args.streams + 1, 8),
+                                 prefill_step_size=args.prefill_step_size)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, engine_config, ServerConfig(port=0, batch=engine_config.batch))
+        gc.freeze()  # as `mlx-trio serve` does once ready
+        await server.engine.complete([5] * 128, max_tokens=4)  # warm-up: a short request
+        lease = server.engine.actors.lease
+        lease.job_log = []
+        trio_steps = SlowTrioSteps()
+        trio.lowlevel.add_instrument(trio_steps)
+        client = [sys.executable, str(Path(__file__).with_name("stall_client.py")), "--url", server.url,
+                  "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
+                  "--long-words", str(args.long_words), "--rounds", str(args.rounds)]
+        done = await trio.run_process(client, capture_stdout=True)
+        trio.lowlevel.remove_instrument(trio_steps)
+        log = lease.job_log
+        lease.job_log = None
+        nursery.cancel_scope.cancel()
+    measured = json.loads(done.stdout)
+    chunks = sum(len(ts) for ts in measured["streams"])
+    tokens = sum(n or 0 for n in measured["tokens"])
+    print(f"  SSE streams: {tokens} tokens in {chunks} content chunks ({tokens / max(chunks, 1):.2f} per chunk)")
+    return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps.steps)
+
+
+def report(n: int, arrived: float, first: float, profile: Profile, args: argparse.Namespace) -> None:
     """The long prompt's TTFT, the streams' largest gaps around it and the lease jobs inside them."""
-    print(f"\n## round {n}: long prompt {args.long_tokens} tokens, TTFT {1e3 * (first - arrived):.0f} ms")
+    times, log = profile.times, profile.log
+    long = f"{args.long_words} words" if args.http else f"{args.long_tokens} tokens"
+    print(f"\n## round {n}: long prompt {long}, TTFT {1e3 * (first - arrived):.0f} ms")
     window = [(name, s, e) for name, s, e in log if arrived <= s <= first]
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for name, s, e in window:
@@ -104,6 +186,9 @@ def report(n: int, arrived: float, first: float, times: list[list[float]],
         jobs = ", ".join(f"{name} {1e3 * (e - s):.1f} ms" for name, s, e in inside)
         print(f"  gap {1e3 * gap:7.1f} ms at +{1e3 * (a - arrived):.0f} ms: lease idle {1e3 * (gap - busy):.1f} ms; "
               f"jobs: {jobs}")
+        slow = [(name, s, e) for name, s, e in profile.trio_steps if e > a and s < b]
+        if slow:
+            print("      Trio steps over 2 ms: " + ", ".join(f"{name} {1e3 * (e - s):.1f} ms" for name, s, e in slow))
 
 
 def main() -> int:
@@ -116,6 +201,10 @@ def main() -> int:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="long prompts, one after another (the first pays JIT)")
+    p.add_argument("--http", action="store_true",
+                   help="through the HTTP server (chat completions over SSE, the client in another process)")
+    p.add_argument("--long-words", type=int, default=2500,
+                   help="--http: the long prompt's words (about 3.4 tokens each with the shapes' tokenizer)")
     args = p.parse_args()
     sys.setswitchinterval(0.001)  # as `mlx-trio serve`
     with tempfile.TemporaryDirectory() as tmp:
