@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
+
+GOLDENS = json.loads((Path(__file__).resolve().parents[2] / "goldens" / "tiny.json").read_text())
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 6}
 
@@ -110,3 +115,55 @@ def test_health_is_ok_when_loaded(http: httpx.Client) -> None:
     """With the model loaded and every actor up, /health is exactly 200 {"status": "ok"}."""
     response = http.get("/health")
     assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def _decode_counts(http: httpx.Client) -> tuple[int, int]:
+    """(steps, tokens_decoded) of the batch decode actor, from the status tree."""
+    def find(node: dict[str, Any]) -> dict[str, Any] | None:
+        stats = node.get("stats") or {}
+        if "tokens_decoded" in stats and "steps" in stats:
+            return stats
+        return next((found for child in node.get("children", []) if (found := find(child))), None)
+
+    stats = find(http.get("/v1/status").json()["tree"])
+    assert stats is not None
+    return stats["steps"], stats["tokens_decoded"]
+
+
+# Eight golden cases (mlx-lm's own outputs, goldens/tiny.json): greedy and seeded sampling, penalties and
+# logit bias, raw and chat; two repeat with another case between them.
+CONCURRENT_CASES = ("greedy_raw", "greedy_chat", "seeded_top_p", "seeded_top_k_min_p", "seeded_penalties",
+                    "greedy_logit_bias", "greedy_raw", "seeded_top_p")
+
+
+def test_eight_concurrent_sse_clients_each_stream_their_own_golden(live_server: ServerThread,
+                                                                   http: httpx.Client) -> None:
+    """`--batch 8` (the default): 8 SSE clients at once share decode steps and each streams exactly its golden."""
+    cases = [next(c for c in GOLDENS["cases"] if c["model"] == "llama" and c["name"] == name)
+             for name in CONCURRENT_CASES]
+    start = threading.Barrier(len(cases))
+
+    def stream(case: dict[str, Any]) -> tuple[str, str | None]:
+        chat = isinstance(case["prompt"], list)
+        body = {**case["params"], "stream": True, "temperature": case["params"].get("temperature", 0.0),
+                **({"messages": case["prompt"]} if chat else {"prompt": case["prompt_ids"]})}
+        text, finish = "", None
+        with httpx.Client(base_url=live_server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            start.wait()
+            with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                        finish = choice.get("finish_reason") or finish
+        return text, finish
+
+    steps, tokens = _decode_counts(http)
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(stream, cases))
+    assert results == [(case["text"], case["finish_reason"]) for case in cases]
+    steps_after, tokens_after = _decode_counts(http)
+    # Rows shared steps: a serial run would take one step per decoded token.
+    assert tokens_after - tokens > 2 * (steps_after - steps)
