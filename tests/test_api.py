@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +12,8 @@ from mlx_trio.errors import ContextTooLong, InvalidParameter
 from mlx_trio.events import Finished, PromptProgress, TextDelta
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
-GOLDENS = json.loads((Path(__file__).resolve().parents[1] / "goldens" / "tiny.json").read_text())
+from tests.goldens import golden
 
-
-def _golden(model: str, name: str) -> dict[str, Any]:
-    return next(c for c in GOLDENS["cases"] if c["model"] == model and c["name"] == name)
 
 
 @pytest.fixture(params=[1, 8], ids=["serial-lane", "batch-lane"])
@@ -81,14 +76,14 @@ async def test_stream_shape_progress_then_deltas_then_one_finished(engine) -> No
 
 async def test_stop_string_cuts_the_text_of_the_golden_generation(engine) -> None:
     """A stop string taken from the middle of a golden text ends the output right before it."""
-    golden = _golden("llama", "greedy_raw")
-    text = golden["text"]
+    case = golden("llama", "greedy_raw")
+    text = case["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    done = await engine.complete(golden["prompt"], **golden["params"], stop=[stop])
+    done = await engine.complete(case["prompt"], **case["params"], stop=[stop])
     assert done.finish_reason == "stop"
     assert done.text == text[: text.find(stop)]
     assert stop not in done.text
-    events = [e async for e in engine.generate(golden["prompt"], **golden["params"], stop=[stop])]
+    events = [e async for e in engine.generate(case["prompt"], **case["params"], stop=[stop])]
     assert isinstance(events[-1], Finished) and events[-1].stop_sequence == stop
 
 
@@ -110,16 +105,16 @@ async def test_leaving_the_stream_early_cancels_and_frees_the_kv_cache(engine) -
 
 async def test_concurrent_requests_all_finish_with_their_own_answers(engine) -> None:
     """Three overlapping greedy requests each get exactly their solo answer (serial path, FIFO)."""
-    golden = _golden("llama", "greedy_raw")
+    case = golden("llama", "greedy_raw")
     results: list[str] = []
 
     async def one() -> None:
-        results.append((await engine.complete(golden["prompt"], **golden["params"])).text)
+        results.append((await engine.complete(case["prompt"], **case["params"])).text)
 
     async with trio.open_nursery() as nursery:
         for _ in range(3):
             nursery.start_soon(one)
-    assert results == [golden["text"]] * 3
+    assert results == [case["text"]] * 3
 
 
 async def test_status_tree_names_each_actor_and_counts(engine) -> None:

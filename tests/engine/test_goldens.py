@@ -7,8 +7,6 @@ stack: open_engine → session → decoder → GPU lease → SerialGeneration.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,8 @@ from mlx_trio import open_engine
 from mlx_trio.events import Finished, TextDelta
 from mlx_trio.testing.tiny_models import TinyModelSpec, tiny_model
 
-GOLDENS = json.loads((Path(__file__).resolve().parents[2] / "goldens" / "tiny.json").read_text())
+from tests.goldens import GOLDENS
+
 
 
 def _spec(name: str) -> TinyModelSpec:

@@ -8,14 +8,13 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
 
-GOLDENS = json.loads((Path(__file__).resolve().parents[2] / "goldens" / "tiny.json").read_text())
+from tests.goldens import golden
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 6}
 
@@ -139,8 +138,7 @@ CONCURRENT_CASES = ("greedy_raw", "greedy_chat", "seeded_top_p", "seeded_top_k_m
 def test_eight_concurrent_sse_clients_each_stream_their_own_golden(live_server: ServerThread,
                                                                    http: httpx.Client) -> None:
     """`--batch 8` (the default): 8 SSE clients at once share decode steps and each streams exactly its golden."""
-    cases = [next(c for c in GOLDENS["cases"] if c["model"] == "llama" and c["name"] == name)
-             for name in CONCURRENT_CASES]
+    cases = [golden("llama", name) for name in CONCURRENT_CASES]
     start = threading.Barrier(len(cases))
 
     def stream(case: dict[str, Any]) -> tuple[str, str | None]:
