@@ -235,18 +235,10 @@ class DecodeBatch:
         for row in self._rows:
             row.num_fed += 1
         if report is not None and not self._device_bound:
-            if self._unread:
-                previous = self._read()
-            if previous is not None:
-                report(previous)
-                previous = None
+            previous = self._hand_on(previous, report)
         # Start the next step on the device before reading the current one (pipelining).
         mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
-        if self._unread:
-            previous = self._read()
-        if report is not None and previous is not None:
-            report(previous)
-            previous = None
+        previous = self._hand_on(previous, report)
         self._inputs = sampled
         self._unread_logprobs = logprobs
         self._unread = True
@@ -260,6 +252,15 @@ class DecodeBatch:
         if not self._unread:
             return None
         return self._read()
+
+    def _hand_on(self, previous: Decoded | None, report: Callable[[Decoded], None] | None) -> Decoded | None:
+        """The previous tokens, read now if still unread: given to `report` (then None) or returned."""
+        if self._unread:
+            previous = self._read()
+        if report is not None and previous is not None:
+            report(previous)
+            return None
+        return previous
 
     def _read(self) -> Decoded:
         """Read the register (waiting for its step), advance the rows' grammars, mark it returned."""
