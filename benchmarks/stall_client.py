@@ -15,21 +15,21 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlx_trio.bench.client import RequestSpec, messages, stream_chat  # noqa: E402
+from mlx_trio.bench.client import RequestResult, RequestSpec, messages, stream_chat  # noqa: E402
+from mlx_trio.bench.metrics import chunk_times_s  # noqa: E402
 from mlx_trio.bench.workloads import words  # noqa: E402
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(0)
-    times: list[list[float]] = [[] for _ in range(args.streams)]
-    tokens: list[int | None] = [None] * args.streams
+    results: list[RequestResult | None] = [None] * args.streams
+    started = [False] * args.streams
     all_started = trio.Event()
     if not args.streams:
         all_started.set()
@@ -37,19 +37,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=args.streams + 2)) as client:
 
         async def stream(i: int) -> None:
+            def first() -> None:
+                started[i] = True
+                if all(started):
+                    all_started.set()
+
             spec = RequestSpec(messages(None, (), f"Write about {words(rng, 48)}."), args.stream_tokens)
-            async with client.stream("POST", f"{args.url}/v1/chat/completions", json=spec.body()) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        tokens[i] = chunk["usage"]["completion_tokens"]
-                    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
-                        times[i].append(time.perf_counter())
-                        if all(times):
-                            all_started.set()
+            results[i] = await stream_chat(client, args.url, spec, tag="background", on_first_token=first)
 
         rounds: list[tuple[float, float]] = []
         async with trio.open_nursery() as nursery:
@@ -65,9 +59,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 rounds.append((long.start_s, long.start_s + long.ttft_s))
                 await trio.sleep(1.0)
             # The streams run to their end (not cancelled), so their usage counts arrive.
-    if any(ts[-1] < rounds[-1][1] + 1.0 for ts in times if ts):
+    streams = [result for result in results if result is not None]
+    if failed := [result.error for result in streams if not result.ok]:
+        raise RuntimeError(f"background streams failed: {failed}")
+    if any(result.end_s < rounds[-1][1] + 1.0 for result in streams):
         print("stall_client: a stream ended before the last round: raise --stream-tokens", file=sys.stderr)
-    return {"streams": times, "tokens": tokens, "rounds": rounds}
+    return {"streams": [chunk_times_s(result) for result in streams],
+            "tokens": [result.completion_tokens for result in streams], "rounds": rounds}
 
 
 def main() -> int:

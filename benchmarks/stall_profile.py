@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import random
@@ -33,7 +34,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -83,13 +86,25 @@ class SlowTrioSteps(trio.abc.Instrument):
             self.steps.append((task.name.rsplit(".", 1)[-1], self._start, end))
 
 
+@contextlib.contextmanager
+def recording(lease: Any) -> Iterator[tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]]:
+    """While inside: the lease's jobs and the slow Trio task steps, appended to the two lists yielded."""
+    slow = SlowTrioSteps()
+    lease.job_log = log = []
+    trio.lowlevel.add_instrument(slow)
+    try:
+        yield log, slow.steps
+    finally:
+        trio.lowlevel.remove_instrument(slow)
+        lease.job_log = None
+
+
 async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
     """The streams and the long prompts on the embedded engine; token times from its events."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(128)] for _ in range(args.streams)]
     async with open_engine(str(model_dir), batch=max(args.streams + 1, 2), prefill_step_size=args.prefill_step_size) as engine:
         await engine.complete(prompts[0] if prompts else [5] * 128, max_tokens=4)  # warm-up: a short request
-        lease = engine.actors.lease
         times: list[list[float]] = [[] for _ in prompts]
         all_started = trio.Event()
         if not prompts:
@@ -109,24 +124,19 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
                     return time.perf_counter()
             raise RuntimeError("the long prompt produced no token")
 
-        lease.job_log = []
-        trio_steps = SlowTrioSteps()
-        trio.lowlevel.add_instrument(trio_steps)
         rounds: list[tuple[float, float]] = []  # (arrival, first token) of each long prompt
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(stream, i)
-            await all_started.wait()
-            for _ in range(args.rounds):
-                await trio.sleep(0.5)
-                arrived = time.perf_counter()
-                rounds.append((arrived, await long()))
-                await trio.sleep(1.0)
-            nursery.cancel_scope.cancel()
-        trio.lowlevel.remove_instrument(trio_steps)
-        log = lease.job_log
-        lease.job_log = None
-    return Profile(times, rounds, log, trio_steps.steps)
+        with recording(engine.actors.lease) as (log, trio_steps):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(stream, i)
+                await all_started.wait()
+                for _ in range(args.rounds):
+                    await trio.sleep(0.5)
+                    arrived = time.perf_counter()
+                    rounds.append((arrived, await long()))
+                    await trio.sleep(1.0)
+                nursery.cancel_scope.cancel()
+    return Profile(times, rounds, log, trio_steps)
 
 
 async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
@@ -140,23 +150,17 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
         server = await nursery.start(serve, engine_config, ServerConfig(port=0, batch=engine_config.batch))
         gc.freeze()  # as `mlx-trio serve` does once ready
         await server.engine.complete([5] * 128, max_tokens=4)  # warm-up: a short request
-        lease = server.engine.actors.lease
-        lease.job_log = []
-        trio_steps = SlowTrioSteps()
-        trio.lowlevel.add_instrument(trio_steps)
         client = [sys.executable, str(Path(__file__).with_name("stall_client.py")), "--url", server.url,
                   "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
                   "--long-words", str(args.long_words), "--rounds", str(args.rounds)]
-        done = await trio.run_process(client, capture_stdout=True)
-        trio.lowlevel.remove_instrument(trio_steps)
-        log = lease.job_log
-        lease.job_log = None
+        with recording(server.engine.actors.lease) as (log, trio_steps):
+            done = await trio.run_process(client, capture_stdout=True)
         nursery.cancel_scope.cancel()
     measured = json.loads(done.stdout)
     chunks = sum(len(ts) for ts in measured["streams"])
     tokens = sum(n or 0 for n in measured["tokens"])
     print(f"  SSE streams: {tokens} tokens in {chunks} content chunks ({tokens / max(chunks, 1):.2f} per chunk)")
-    return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps.steps)
+    return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps)
 
 
 def report(n: int, arrived: float, first: float, profile: Profile, args: argparse.Namespace) -> None:
