@@ -5,7 +5,7 @@ jobs already waiting, so running rows stall at most one chunk while it
 prefills (chunks are a quarter as long while rows decode). Short prompts
 that wait together prefill as a cohort: one batch of equal real-token
 chunks (engine/cohort_prefill.py) in one lease job bounded by one chunk of
-tokens. The last prompt token is fed as an L=1 step that samples token 0
+tokens (each row weighted by its context while rows decode). The last prompt token is fed as an L=1 step that samples token 0
 on the row's own caches (mlx-lm's convention); a row that is already
 finished at token 0 never joins the batch. Prompt-cache hits start a
 prefill part-way; boundary snapshots are stored on the way.
