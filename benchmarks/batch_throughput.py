@@ -199,7 +199,7 @@ def resolve_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
         layers = args.num_layers or SHAPES[args.shape]["num_hidden_layers"]
         label = f"{args.shape} shape (random weights, bf16, {layers} layers)"
     elif args.model in (None, "default"):
-        from mlx_trio.engine.default_model import ensure_default_model
+        from mlx_trio.engine.model.default_model import ensure_default_model
 
         src, label = Path(ensure_default_model()), "SmolLM2-135M-Instruct (Q4_1 GGUF -> mlx 4-bit)"
     else:
@@ -284,8 +284,8 @@ def decode_batch_direct(model: Any, prompts: list[list[int]], max_tokens: int,
                         prefill_step_size: int) -> dict[str, Any]:
     """The engine's SoloRow + DecodeBatch without actors: prefill each row alone, join all, step."""
     import mlx.core as mx
-    from mlx_trio.engine.batch import DecodeBatch
-    from mlx_trio.engine.rows import SoloRow
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
     from mlx_trio.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens)
@@ -420,7 +420,7 @@ async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> 
 
 def window_jobs(job_log: list[tuple[str, float, float]], run: dict[str, Any], rows: int) -> dict[str, Any]:
     """Inside the decode window: the step jobs' median duration per step, and the lease thread's idle share."""
-    from mlx_trio.actors.batch_decode import steps_per_job
+    from mlx_trio.actors.decode_step import steps_per_job
 
     start, end = run["dec_start"], run["dec_end"]
     inside = [(name, a, b) for name, a, b in job_log if a >= start and b <= end]

@@ -11,7 +11,7 @@ prompts, differing in one thing:
 * ``kvcache``    mlx-lm ``KVCache`` with B rows: no padding, no mask at L=1;
 * ``batchkv``    mlx-lm ``BatchKVCache`` without padding: an all-true array mask every step
                  (batch_throughput.py's ``bare`` at B>1, and mlx-lm's BatchGenerator);
-* ``hostpadded`` our ``HostPaddedBatchKVCache`` without padding: no mask (engine/batch_kv.py);
+* ``hostpadded`` our ``HostPaddedBatchKVCache`` without padding: no mask (engine/kv/batch_kv.py);
 * ``padded``     ``HostPaddedBatchKVCache`` with row 0 one token shorter: a mask it needs;
 * ``lse``        ``hostpadded`` with ``logsumexp`` before the argmax (the engine's greedy path);
 * ``direct``     the engine's ``DecodeBatch`` (rows prefilled alone, joined together), ``step()``;
@@ -53,7 +53,7 @@ def loop(model: Any, prompts: list[list[int]], steps: int, variant: str) -> dict
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-    from mlx_trio.engine.batch_kv import HostPaddedBatchKVCache
+    from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 
     B = len(prompts)
     if variant == "kvcache":
@@ -100,8 +100,8 @@ def loop(model: Any, prompts: list[list[int]], steps: int, variant: str) -> dict
 
 def joined_batch(model: Any, prompts: list[list[int]], steps: int) -> Any:
     """The engine's `DecodeBatch` with every prompt prefilled alone and joined, ready to step."""
-    from mlx_trio.engine.batch import DecodeBatch
-    from mlx_trio.engine.rows import SoloRow
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
     from mlx_trio.params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1)

@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_throughput import build_shape  # noqa: E402
 
-from mlx_trio.engine.rows import SoloRow  # noqa: E402
+from mlx_trio.engine.batch.solo_row import SoloRow  # noqa: E402
 from mlx_trio.params import SamplingParams  # noqa: E402
 
 

@@ -49,7 +49,7 @@ from mlx_trio import open_engine  # noqa: E402
 from mlx_trio.cli import serve  # noqa: E402
 from mlx_trio.config import EngineConfig  # noqa: E402
 from mlx_trio.events import TextDelta  # noqa: E402
-from mlx_trio.http.config import ServerConfig  # noqa: E402
+from mlx_trio.http.server.config import ServerConfig  # noqa: E402
 
 
 @attrs.frozen

@@ -28,7 +28,7 @@ from mlx_trio.actors.engine_tree import EngineActors
 from mlx_trio.actors.prefill import SNAPSHOT_MIN_TOKENS
 from mlx_trio.actors.session import MAX_RESUMES, Request, SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
-from mlx_trio.engine.model import LoadedModel
+from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.output_format import OutputFormat

@@ -26,7 +26,7 @@ from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.http import HttpServer, ServerConfig
-from mlx_trio.http.config import DEFAULT_MAX_BODY_BYTES
+from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES
 from mlx_trio.params import SamplingParams
 
 log = logging.getLogger("mlx_trio.cli")

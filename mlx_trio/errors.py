@@ -3,7 +3,7 @@
 Every error a user can see derives from `MlxTrioError`. Each type refines the
 builtin it resembles (attrs' convention), so `except ValueError` still works for
 callers that do not know our names, and each says when it is raised. The HTTP
-layer maps them to status codes in exactly one place (`mlx_trio/http/errors.py`).
+layer maps them to status codes in exactly one place (`mlx_trio/http/server/errors.py`).
 """
 
 from __future__ import annotations

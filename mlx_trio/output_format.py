@@ -1,6 +1,6 @@
 """How a model marks reasoning and tool calls in its output: a pure-Python value read from its tokenizer.
 
-`engine/output_format.py` builds it from mlx-lm's `TokenizerWrapper` (which
+`engine/model/output_format.py` builds it from mlx-lm's `TokenizerWrapper` (which
 infers the thinking markers from the vocabulary and the tool parser from the
 chat template); the HTTP layer reads it through `Engine.output_format`
 without importing mlx-lm. Its callables are mlx-lm's own: the tool parser

@@ -1,7 +1,7 @@
 """Sampling parameters: one frozen value per request, validated once.
 
 Pure data (no MLX, no Trio) so that every layer can hold it: the HTTP layer
-builds it from JSON, the session actor carries it, and `engine/sampling.py`
+builds it from JSON, the session actor carries it, and `engine/sampling/processors.py`
 turns it into mlx-lm samplers and logits processors on the lease thread.
 Validation happens before a request reaches any actor, so bad input raises
 `InvalidParameter` in the caller and can never kill an actor.
@@ -25,7 +25,7 @@ MAX_TOP_LOGPROBS = 20
 
 @attrs.frozen
 class Constraint:
-    """A grammar the output must follow, enforced token by token (engine/grammar.py).
+    """A grammar the output must follow, enforced token by token (engine/sampling/grammar.py).
 
     `kind` "json_schema": `source` is the schema's JSON text. `kind` "lark":
     `source` is an llguidance Lark grammar (which may embed `%json {...}`).

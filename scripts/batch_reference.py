@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A reference replay of a continuous-batching schedule, built only from mlx-lm's own pieces.
 
-The oracle for `mlx_trio.engine.batch.DecodeBatch` (tests/engine/test_batch_dynamic.py):
+The oracle for `mlx_trio.engine.batch.decode_batch.DecodeBatch` (tests/engine/test_batch_dynamic.py):
 
 - `ReferenceRow` prefills one request alone exactly as mlx-lm's
   `generate_step` does (chunks of all but the last prompt token, then an
@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mlx_trio.engine.batch import DecodeBatch  # noqa: E402
-from mlx_trio.engine.row_sampler import RowSampler  # noqa: E402
-from mlx_trio.engine.rows import SoloRow  # noqa: E402
+from mlx_trio.engine.batch.decode_batch import DecodeBatch  # noqa: E402
+from mlx_trio.engine.sampling.row_sampler import RowSampler  # noqa: E402
+from mlx_trio.engine.batch.solo_row import SoloRow  # noqa: E402
 from mlx_trio.params import SamplingParams  # noqa: E402
 
 
@@ -369,7 +369,7 @@ def bench_b1(hidden: int, layers: int, *, vocab: int, prompt_len: int, steps: in
 
     from mlx_lm.models import llama
 
-    from mlx_trio.engine import batch_caches
+    from mlx_trio.engine.kv import batch_caches
 
     args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
                            intermediate_size=hidden * 4, num_attention_heads=hidden // 64, rms_norm_eps=1e-5,

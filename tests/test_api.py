@@ -132,8 +132,8 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
     """Prefill, steps and the final free all run on the lease's own OS thread."""
     import threading
 
-    from mlx_trio.engine.batch import DecodeBatch
-    from mlx_trio.engine.rows import SoloRow
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
     from mlx_trio.engine.serial import SerialGeneration
 
     if engine.config.batch == 1:

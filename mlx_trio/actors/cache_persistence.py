@@ -28,11 +28,11 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import drain_nowait
-from mlx_trio.engine.cache_files import CacheFileStore, StoredEntryInfo
-from mlx_trio.engine.cache_identity import identity_of_directory
-from mlx_trio.engine.host_cache import from_host, model_cache_layout, to_host
-from mlx_trio.engine.host_entry import HostEntry
-from mlx_trio.engine.model import LoadedModel
+from mlx_trio.engine.prompt_cache.ssd_files import CacheFileStore, StoredEntryInfo
+from mlx_trio.engine.prompt_cache.identity import identity_of_directory
+from mlx_trio.engine.prompt_cache.host_cache import from_host, model_cache_layout, to_host
+from mlx_trio.engine.prompt_cache.host_entry import HostEntry
+from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 

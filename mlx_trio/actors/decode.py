@@ -17,7 +17,7 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import DecodeEvent, Generate, close_replies, GenerationEnded, PrefillProgressed, TokensDecoded
-from mlx_trio.engine.model import LoadedModel
+from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.errors import LeaseClosed, Overloaded
 from mlx_trio.supervision.faults import Faults, InjectedFault

@@ -3,7 +3,7 @@
     engine (rest_for_one)     later children hold state that belongs to earlier ones
     ├── gpu-lease             one OS thread owns every MLX call; loads the model; step watchdog
     │   --batch N > 1:
-    ├── decode-step           BatchDecodeActor: the running batch
+    ├── decode-step           DecodeStepActor: the running batch
     ├── prefill               PrefillActor: solo prefill, token 0
     └── admission             AdmissionActor: FIFO queue, row cap, KV budget
     │   --batch 1:
@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.admission import AdmissionActor, Limits
-from mlx_trio.actors.batch_decode import BatchDecodeActor
+from mlx_trio.actors.decode_step import DecodeStepActor
 from mlx_trio.actors.cache_persistence import ACTOR_ID as PERSISTENCE_ID
 from mlx_trio.actors.cache_persistence import CachePersistenceActor, PersistenceStatistics, store_opener
 from mlx_trio.actors.decode import DecodeStatistics, SerialDecodeActor
@@ -35,11 +35,11 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.config import EngineConfig
-from mlx_trio.engine.kv_layout import default_kv_budget
+from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
-from mlx_trio.engine.model import LoadedModel, load_model
-from mlx_trio.engine.prompt_cache import PromptCacheStatistics
-from mlx_trio.engine.warmup import warm_up_gpu
+from mlx_trio.engine.model.load import LoadedModel, load_model
+from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
+from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
 from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -64,7 +64,7 @@ class EngineActors:
         self.load_error: MlxTrioError | None = None
         self._model_settled = trio.Event()  # set once loading succeeded or failed for good
         self.lease: GpuLease | None = None
-        self.decoder: SerialDecodeActor | BatchDecodeActor | None = None
+        self.decoder: SerialDecodeActor | DecodeStepActor | None = None
         self.prefill: PrefillActor | None = None
         self.admission: AdmissionActor | None = None
         self.persistence: CachePersistenceActor | None = None
@@ -198,7 +198,7 @@ class EngineActors:
         self._model_settled.set()
 
     async def _warm_up(self, lease: GpuLease, model: LoadedModel) -> None:
-        """Compile the batch lane's kernels before the first request (engine/warmup.py); serve even if it fails."""
+        """Compile the batch lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""
         start = time.monotonic()
         try:
             ran = await lease.run(warm_up_gpu, model.model, model.vocab_size)
@@ -226,15 +226,15 @@ class EngineActors:
         if self.admission is not None:
             self.admission.release(request_id)
 
-    async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[BatchDecodeActor] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_batch_decoder(self, *, task_status: trio.TaskStatus[DecodeStepActor] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.lease is not None
-        decoder = BatchDecodeActor(self.lease, self._wait_model, release=self._release, max_rows=self.config.batch,
+        decoder = DecodeStepActor(self.lease, self._wait_model, release=self._release, max_rows=self.config.batch,
                                    faults=self.faults, get_caching=lambda: self.caching)
         self.decoder = decoder
         await decoder.run(task_status=task_status)
 
     async def _run_prefill(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
-        assert self.lease is not None and isinstance(self.decoder, BatchDecodeActor)
+        assert self.lease is not None and isinstance(self.decoder, DecodeStepActor)
         prefill = PrefillActor(self.lease, self._wait_model, join=self.decoder.join_send, release=self._release,
                                max_rows=self.config.batch, prefill_step_size=self.config.prefill_step_size,
                                faults=self.faults, get_caching=lambda: self.caching,
@@ -243,7 +243,7 @@ class EngineActors:
         await prefill.run(task_status=task_status)
 
     async def _run_admission(self, *, task_status: trio.TaskStatus[AdmissionActor] = trio.TASK_STATUS_IGNORED) -> None:
-        assert isinstance(self.decoder, BatchDecodeActor) and self.prefill is not None
+        assert isinstance(self.decoder, DecodeStepActor) and self.prefill is not None
         decoder, prefill = self.decoder, self.prefill
         admission = AdmissionActor(
             prefill.inbox_send, get_limits=self._admission_limits, max_rows=self.config.batch,

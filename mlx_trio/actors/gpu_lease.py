@@ -238,7 +238,7 @@ class GpuLease:
         runs nothing waits for Trio. A run that ends the chain delivers its
         outcome to the handle's `wait`; a run that goes on delivers nothing,
         so the Trio thread is not woken per run (the decode step chain:
-        actors/batch_decode.py). Fault injection applies to every run.
+        actors/decode_step.py). Fault injection applies to every run.
 
         Raises:
           LeaseClosed: the lease is not serving.

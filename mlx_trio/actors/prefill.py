@@ -4,7 +4,7 @@ Each chunk of a long prompt is one GPU-lease job, queued behind the decode
 jobs already waiting, so running rows stall at most one chunk while it
 prefills (chunks are a quarter as long while rows decode). Short prompts
 that wait together prefill as a cohort: one batch of equal real-token
-chunks (engine/cohort_prefill.py) in one lease job bounded by one chunk of
+chunks (engine/batch/cohort_prefill.py) in one lease job bounded by one chunk of
 tokens (each row weighted by its context while rows decode). The last prompt token is fed as an L=1 step that samples token 0
 on the row's own caches (mlx-lm's convention); a row that is already
 finished at token 0 never joins the batch. Prompt-cache hits start a
@@ -25,10 +25,10 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import (Admitted, Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded,
                                       close_replies, drain_nowait)
 from mlx_trio.actors.prompt_caching import PromptCaching
-from mlx_trio.engine.model import LoadedModel
-from mlx_trio.engine.prompt_cache import CacheHit
-from mlx_trio.engine.cohort_prefill import prefill_rows
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.model.load import LoadedModel
+from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
+from mlx_trio.engine.batch.cohort_prefill import prefill_rows
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import Faults, InjectedFault
 
@@ -68,7 +68,7 @@ class PrefillStatistics:
     prefill_tokens: int  # prompt tokens run through the model (cache hits excluded)
     cached_tokens: int  # prompt tokens served from the prompt cache
     snapshots: int
-    cohort_rows: int  # requests prefilled in one lease job with others (engine/cohort_prefill.py)
+    cohort_rows: int  # requests prefilled in one lease job with others (engine/batch/cohort_prefill.py)
 
 
 class PrefillActor:
@@ -201,7 +201,7 @@ class PrefillActor:
         """Prefill short requests in one lease job, as one batch where the model allows; then hand each on.
 
         B requests arriving together cost one job instead of 3B lease round
-        trips, and (engine/cohort_prefill.py) a few batched forwards instead of
+        trips, and (engine/batch/cohort_prefill.py) a few batched forwards instead of
         2B solo ones. A request alone is the solo prefill of `_prefill`.
         """
         self._cohort_requests = [admitted.request for admitted, _ in cohort]

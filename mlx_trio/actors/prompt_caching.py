@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from mlx_trio.engine import cache_clone
-from mlx_trio.engine.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
+from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
 log = logging.getLogger("mlx_trio.prompt_cache")
 

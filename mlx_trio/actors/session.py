@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, TokensDecoded
-from mlx_trio.engine.text import TextStream
+from mlx_trio.engine.model.text import TextStream
 from mlx_trio.errors import ActorCrashed, EngineRestarted, MlxTrioError, Overloaded, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.logprobs import SampledLogprobs, TokenLogprob, TopLogprob

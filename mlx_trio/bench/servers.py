@@ -60,7 +60,7 @@ def default_model_path(python: str = sys.executable, timeout_s: float = 1800.0) 
 
     A subprocess, because the converter imports mlx and this package must not.
     """
-    code = "from mlx_trio.engine.default_model import ensure_default_model; print(ensure_default_model())"
+    code = "from mlx_trio.engine.model.default_model import ensure_default_model; print(ensure_default_model())"
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise ServerStartError(f"could not prepare the default model: {done.stderr.strip()[-LOG_TAIL_CHARS:]}")

@@ -10,7 +10,7 @@ same, the token ids are mlx-lm's token ids, which the goldens check.
 
 A constrained request (a grammar) reads each token before queueing the
 next step, whose mask depends on it; logprobs, when asked for, are gathered
-in the same graph as the token (engine/token_logprobs.py).
+in the same graph as the token (engine/sampling/token_logprobs.py).
 
 Every method must run on the lease thread: the arrays held between calls are
 lazy or `async_eval`'d and belong to that thread's stream.
@@ -25,10 +25,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_trio.engine.chunked_prefill import ChunkedPrefill
-from mlx_trio.engine.grammar import GrammarMatcher
-from mlx_trio.engine.sampling import build_logits_processors, build_sampler, processed_logprobs
-from mlx_trio.engine.token_logprobs import LogprobArrays, arrays_of, gather_logprobs, to_record
+from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
+from mlx_trio.engine.sampling.grammar import GrammarMatcher
+from mlx_trio.engine.sampling.processors import build_logits_processors, build_sampler, processed_logprobs
+from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, gather_logprobs, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -57,7 +57,7 @@ class SerialGeneration:
         grammar_tokenizer: Any = None,
         resumed_tokens: int = 0,
     ) -> None:
-        # `grammar_tokenizer` and `resumed_tokens` as for `SoloRow` (engine/rows.py).
+        # `grammar_tokenizer` and `resumed_tokens` as for `SoloRow` (engine/batch/solo_row.py).
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self._matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,

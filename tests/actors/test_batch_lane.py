@@ -11,7 +11,7 @@ import trio
 
 from mlx_trio import open_engine
 from mlx_trio.actors.admission import KvBudgetExceeded
-from mlx_trio.actors.batch_decode import MAX_UNHANDLED_REPORTS
+from mlx_trio.actors.decode_step import MAX_UNHANDLED_REPORTS
 from mlx_trio.errors import Overloaded
 from mlx_trio.events import TextDelta
 from tests.prompts import PROMPTS
@@ -173,7 +173,7 @@ async def _two_requests_through_a_fault(path: Path) -> tuple[list[tuple[int, ...
 
 async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_exact(monkeypatch) -> None:
     """A step that raises fails the batch; decode-step restarts and both streams resume to their solo tokens."""
-    from mlx_trio.engine.batch import DecodeBatch
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
 
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:2], 30)
@@ -187,11 +187,11 @@ async def test_a_failing_step_restarts_the_decoder_and_every_row_resumes_token_e
 
 async def test_an_error_while_emitting_reported_tokens_restarts_the_decoder_not_the_trio_run(monkeypatch) -> None:
     """Tokens are emitted from Trio's run loop; an error there is raised in the decoder's task and contained."""
-    from mlx_trio.actors.batch_decode import BatchDecodeActor
+    from mlx_trio.actors.decode_step import DecodeStepActor
 
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:2], 30)
-    _fail_on_call(monkeypatch, BatchDecodeActor, "_emit", 8, "injected emit failure")
+    _fail_on_call(monkeypatch, DecodeStepActor, "_emit", 8, "injected emit failure")
     results, decode, _ = await _two_requests_through_a_fault(path)
     assert decode["restarts"] == 1 and "injected emit failure" in (decode["last_error"] or "")
     assert results == expected
@@ -201,7 +201,7 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
     """When a layer cache has no merge, the batch lane caps itself at one row and reports mode 'serial'."""
     import attrs
 
-    import mlx_trio.engine.model as model_module
+    import mlx_trio.engine.model.load as model_module
 
     measure = model_module.measure_layout
     monkeypatch.setattr(model_module, "measure_layout", lambda m: attrs.evolve(measure(m), batchable=False))
@@ -216,7 +216,7 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
 
 
 async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_solo_tokens() -> None:
-    """A lease job holds the thread while requests arrive; they then prefill as a cohort (engine/cohort_prefill.py)."""
+    """A lease job holds the thread while requests arrive; they then prefill as a cohort (engine/batch/cohort_prefill.py)."""
     import time
 
     path = tiny_model(LLAMA)

@@ -15,9 +15,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.actors.cache_persistence import CachePersistenceActor, store_opener
 from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
-from mlx_trio.engine.cache_files import SUFFIX
+from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
-from mlx_trio.engine.model import LoadedModel, load_model
+from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 from mlx_trio.testing.tiny_models import LLAMA_SWA, tiny_model
 

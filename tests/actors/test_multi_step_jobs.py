@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from mlx_trio import open_engine
-from mlx_trio.actors.batch_decode import steps_per_job
+from mlx_trio.actors.decode_step import steps_per_job
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 from tests.prompts import PROMPTS
 

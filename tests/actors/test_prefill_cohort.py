@@ -14,7 +14,7 @@ from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
 from mlx_trio.actors.messages import Admitted, DecodeEvent, Generate, JoinRow, TokensDecoded
 from mlx_trio.actors.prefill import PrefillActor, cohort_weight
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
-from mlx_trio.engine.model import LoadedModel, load_model
+from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import attrs
 
-from mlx_trio.engine.batch import DecodeBatch, Decoded
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
@@ -28,7 +28,7 @@ class Outcome:
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> dict[str, Outcome]:
-    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in BatchDecodeActor."""
+    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor."""
     params = {a.request_id: a.params for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
     batch = DecodeBatch(model)

@@ -14,8 +14,8 @@ from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mlx_trio.engine.batch import DecodeBatch
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, tiny_model
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from mlx_lm import load
 
 from batch_driver import Arrival, run_schedule, serial_run
-from mlx_trio.engine.grammar import build_grammar_tokenizer
+from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
 from mlx_trio.params import Constraint, SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
@@ -76,7 +76,7 @@ def test_join_many_into_an_empty_batch_merges_all_and_one_row_is_adopted() -> No
 
 def test_prefill_rows_isolates_a_failing_row_and_matches_solo_prefill() -> None:
     """A cohort job: each row is what it would be alone; one row's error takes its place only."""
-    from mlx_trio.engine.cohort_prefill import prefill_rows
+    from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 
     model, vocab = _model("llama")
     alone = _row(model, "c", vocab)[1]

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_trio.engine import batch_caches
-from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.batch_kv import HostPaddedBatchKVCache
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.kv import batch_caches
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import ChunkedKVCache
 
-from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, TinyModelSpec, tiny_model
 
@@ -171,7 +171,7 @@ def test_a_reported_step_reads_before_its_launch_only_while_the_device_keeps_up(
     """The last read's wait for the device picks the order; the tokens are the same either way."""
     import mlx.core as mx
 
-    from mlx_trio.engine import batch as batch_module
+    from mlx_trio.engine.batch import decode_batch as batch_module
 
     events: list[str] = []
     launch = mx.async_eval

@@ -1,4 +1,4 @@
-"""Tests for `mlx_trio.engine.cache_files`: the SSD tier's entry files (numpy only, no MLX)."""
+"""Tests for `mlx_trio.engine.prompt_cache.ssd_files`: the SSD tier's entry files (numpy only, no MLX)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import attrs
 import numpy as np
 import pytest
 
-from mlx_trio.engine.cache_files import SUFFIX, CacheFileStore
-from mlx_trio.engine.cache_identity import FORMAT_VERSION, CacheIdentity, cache_layout, identity_of_directory
-from mlx_trio.engine.host_entry import CLASSES, STATES, HostEntry, same_entry
+from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX, CacheFileStore
+from mlx_trio.engine.prompt_cache.identity import FORMAT_VERSION, CacheIdentity, cache_layout, identity_of_directory
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry, same_entry
 from mlx_trio.testing.tiny_models import LLAMA, QWEN3, tiny_model
 
 IDENTITY = CacheIdentity("model-a", "tok-a", "KVCache*2")

@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_trio.engine.cache_files import SUFFIX, CacheFileStore
-from mlx_trio.engine.cache_identity import CacheIdentity
-from mlx_trio.engine.host_entry import CLASSES, STATES, HostEntry, same_entry
+from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX, CacheFileStore
+from mlx_trio.engine.prompt_cache.identity import CacheIdentity
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry, same_entry
 
 IDENTITY = CacheIdentity("m", "t", "KVCache")
 DTYPES = [np.float32, np.float16, np.uint16, np.int32, np.bool_]

@@ -1,4 +1,4 @@
-"""A cohort prefilled as one batch leaves every row where a solo prefill leaves it (engine/cohort_prefill.py)."""
+"""A cohort prefilled as one batch leaves every row where a solo prefill leaves it (engine/batch/cohort_prefill.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
-from mlx_trio.engine.cohort_prefill import can_prefill_together, prefill_rows, prefill_together
-from mlx_trio.engine.prompt_cache import CacheHit
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.batch.cohort_prefill import can_prefill_together, prefill_rows, prefill_together
+from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 

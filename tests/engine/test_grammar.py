@@ -1,4 +1,4 @@
-"""engine/grammar.py: what a constraint compiles to, what it refuses, and one row's mask."""
+"""engine/sampling/grammar.py: what a constraint compiles to, what it refuses, and one row's mask."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_trio.engine.grammar import GrammarMatcher, build_grammar_tokenizer, compile_constraint
+from mlx_trio.engine.sampling.grammar import GrammarMatcher, build_grammar_tokenizer, compile_constraint
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.params import Constraint
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model

@@ -1,4 +1,4 @@
-"""Tests for `mlx_trio.engine.host_cache`: mlx-lm caches → host → caches, bit-exact and still generating."""
+"""Tests for `mlx_trio.engine.prompt_cache.host_cache`: mlx-lm caches → host → caches, bit-exact and still generating."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_trio.engine.cache_identity import cache_layout
-from mlx_trio.engine.host_cache import from_host, model_cache_layout, to_host
-from mlx_trio.engine.host_entry import CLASSES, HostEntry, same_entry
+from mlx_trio.engine.prompt_cache.identity import cache_layout
+from mlx_trio.engine.prompt_cache.host_cache import from_host, model_cache_layout, to_host
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, HostEntry, same_entry
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))

@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from batch_driver import Arrival, Outcome, run_schedule, serial_run
-from mlx_trio.engine.grammar import build_grammar_tokenizer
+from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
 from mlx_trio.params import Constraint, SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from mlx_trio.engine.model import load_model
-from mlx_trio.engine.output_format import read_output_format
-from mlx_trio.engine.text import TextStream
+from mlx_trio.engine.model.load import load_model
+from mlx_trio.engine.model.output_format import read_output_format
+from mlx_trio.engine.model.text import TextStream
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.output_router import Content, OutputRouter, Reasoning, ToolCallMade
+from mlx_trio.http.completion.output_router import Content, OutputRouter, Reasoning, ToolCallMade
 from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
 
 ANSWER = ('<think>Paris it is.</think>Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

@@ -16,10 +16,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mlx_trio.engine import cache_clone
-from mlx_trio.engine.batch import DecodeBatch
-from mlx_trio.engine.prompt_cache import PromptCache
-from mlx_trio.engine.rows import SoloRow
+from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.prompt_cache.ram_tier import PromptCache
+from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 

@@ -1,4 +1,4 @@
-"""The RAM tier's bookkeeping (engine/prompt_cache.py) against a plain model of entries, LRU order and bytes."""
+"""The RAM tier's bookkeeping (engine/prompt_cache/ram_tier.py) against a plain model of entries, LRU order and bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from mlx_trio.engine.prompt_cache import CacheEntry, PromptCache
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, PromptCache
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=8).map(tuple)
 

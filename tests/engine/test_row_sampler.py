@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mlx_trio.engine.row_sampler import RowSampler
+from mlx_trio.engine.sampling.row_sampler import RowSampler
 from mlx_trio.params import SamplingParams
 
 VOCAB = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from mlx_trio.engine.text import TextStream
+from mlx_trio.engine.model.text import TextStream
 
 
 class CharDetokenizer:

@@ -7,7 +7,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from mlx_trio.engine.warmup import warm_up
+from mlx_trio.engine.batch.warmup import warm_up
 
 from tests.engine.test_batch_join_many import _model
 

@@ -23,7 +23,7 @@ def tools_format() -> OutputFormat:
     """The output format mlx-lm reads from the QWEN3_TOOLS tiny model (Hermes `<tool_call>` JSON, `<think>`)."""
     from mlx_lm.tokenizer_utils import load  # noqa: PLC0415  (tests may import mlx-lm; the http package may not)
 
-    from mlx_trio.engine.output_format import read_output_format  # noqa: PLC0415
+    from mlx_trio.engine.model.output_format import read_output_format  # noqa: PLC0415
     from mlx_trio.testing import QWEN3_TOOLS, tiny_model  # noqa: PLC0415
 
     return read_output_format(load(tiny_model(QWEN3_TOOLS)))

@@ -8,7 +8,7 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_trio.http.output_router import Content, OutputRouter, Piece, Reasoning, ToolCallMade
+from mlx_trio.http.completion.output_router import Content, OutputRouter, Piece, Reasoning, ToolCallMade
 from mlx_trio.output_format import PLAIN, OutputFormat
 
 CALL_F = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

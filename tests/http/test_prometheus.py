@@ -10,9 +10,9 @@ from http_helpers import serve_fake
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_trio.events import Finished, TextDelta, Usage
-from mlx_trio.http.app import server_metrics
-from mlx_trio.http.drain import Drain
-from mlx_trio.http.metrics import RequestLog
+from mlx_trio.http.server.app import server_metrics
+from mlx_trio.http.server.drain import Drain
+from mlx_trio.http.server.metrics import RequestLog
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -1,4 +1,4 @@
-"""Body parsing (`http/requests.py`) on its own: aliases, shapes, defaults, wire-level ranges."""
+"""Body parsing (`http/openai/requests.py`) on its own: aliases, shapes, defaults, wire-level ranges."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from mlx_trio.errors import ContextTooLong, InvalidParameter
-from mlx_trio.http.errors import HttpError
-from mlx_trio.http.requests import decode_json_object, parse_chat, parse_text
+from mlx_trio.http.server.errors import HttpError
+from mlx_trio.http.openai.requests import decode_json_object, parse_chat, parse_text
 from mlx_trio.params import Constraint
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.tool_choice import tool_choice_constraint
+from mlx_trio.http.completion.tool_choice import tool_choice_constraint
 from mlx_trio.params import Constraint
 from mlx_trio.testing import QWEN3_TOOLS, tiny_model
 

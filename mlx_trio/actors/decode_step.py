@@ -1,0 +1,329 @@
+"""The decode-step actor of the batch lane: owns the running batch (batching-design.md §4.3–§4.5).
+
+Each loop turn: settle membership if rows want to join or leave (flush the
+pipeline, filter finished rows out, join prefilled rows: adopt into an empty
+batch, extend or merge otherwise), then decode until membership must change:
+a chain of pipelined step jobs that the lease thread queues itself. It
+reports each job's tokens to Trio before it launches the job's last step,
+and they go to each row's session from there; a row finishes on EOS or
+max_tokens, or leaves when its session went away, and either stops the
+chain, as does a row waiting to join.
+
+A failed step fails every row of the batch with a typed error and then
+re-raises, so the supervisor restarts this actor with an empty batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
+from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
+from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
+from mlx_trio.engine.model.load import LoadedModel
+from mlx_trio.errors import ActorCrashed
+from mlx_trio.supervision.faults import Faults
+
+log = logging.getLogger("mlx_trio.decode_step")
+
+# Step jobs whose tokens may wait for Trio before the step chain ends (see DecodeStepActor._run_steps).
+MAX_UNHANDLED_REPORTS = 2
+
+
+def steps_per_job(rows: int) -> int:
+    """Decode steps one lease job runs for a batch of `rows`.
+
+    The Trio side costs tens of µs of CPU per token and row (emit, session,
+    caller), and it competes for the GIL with the lease thread building the
+    next step: at B=64 that was as much as the step itself on an H200.
+    Several steps per job hand each row its tokens in one message, so that
+    cost is paid once per job: at B=8 (tiny llama, this box, 400 tokens per
+    row) 2 steps per job took Trio-thread CPU from 37 to 26 µs per token and
+    task steps from 2.3 to 1.2 per token. Smaller batches keep one step per
+    job (tokens stream one by one).
+    """
+    return 1 if rows < 8 else 2 if rows < 48 else 4
+
+
+# A batched row's KV is copied out for the prompt cache only when its prompt is this long.
+EXTRACT_MIN_PROMPT_TOKENS = 256
+
+
+@attrs.define
+class RunningRow:
+    """Trio-side record of one row in the batch (its arrays live in DecodeBatch)."""
+
+    request: Generate
+    generated: list[int]  # token ids already sent, token 0 included
+    done: bool = False
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.generated)
+
+
+@attrs.frozen
+class DecodeStepStatistics:
+    mailbox_depth: int
+    active_rows: int
+    kv_bytes: int
+    steps: int
+    # Step chains started: one per membership change, plus one each time Trio fell behind (see _run_steps).
+    chains: int
+    tokens_decoded: int
+    finished: int
+    cancelled: int
+
+
+class DecodeStepActor:
+    """Runs the continuous batch; every MLX call goes through the lease."""
+
+    def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
+                 release: Callable[[str], None], max_rows: int, faults: Faults | None = None,
+                 get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
+        self._lease = lease
+        self._get_model = get_model
+        self._faults = faults or Faults()
+        self._release = release
+        self._get_caching = get_caching
+        # Prefill hands over at most max_rows rows at a time (admission's cap).
+        self.join_send, self._joins = trio.open_memory_channel[JoinRow](max_rows)
+        self._batch: DecodeBatch | None = None
+        self._rows: dict[str, RunningRow] = {}
+        # Joins taken from the channel but not yet in the batch: a failure in between must
+        # still end them (their sessions resume), or they would wait forever.
+        self._joining: list[JoinRow] = []
+        # The running step chain (see _run_steps); reports sent by the lease thread, handled by Trio.
+        self._chain: LeaseChain | None = None
+        self._reports_sent = self._reports_handled = 0
+        self._kv_bytes = 0
+        self._steps = self._chains = self._tokens = self._finished = self._cancelled = 0
+        # What `_emit_reported` raised in Trio's run loop, re-raised in this actor's task.
+        self._reported_error: BaseException | None = None
+
+    def in_flight(self) -> list[Generate]:
+        """Requests holding a row here (running or waiting to join)."""
+        return [row.request for row in self._rows.values()]
+
+    def statistics(self) -> DecodeStepStatistics:
+        return DecodeStepStatistics(
+            mailbox_depth=self._joins.statistics().current_buffer_used, active_rows=len(self._rows),
+            kv_bytes=self._kv_bytes, steps=self._steps, chains=self._chains, tokens_decoded=self._tokens,
+            finished=self._finished, cancelled=self._cancelled,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[DecodeStepActor] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        try:
+            self._model = await self._get_model()
+            self._batch = await self._lease.run(DecodeBatch, self._model.model)
+            while True:
+                if not self._rows:
+                    # Idle: sleep until a row arrives (no busy loop, no lease jobs).
+                    first = await self._joins.receive()
+                    await self._settle([first])
+                else:
+                    await self._settle(drain_nowait(self._joins))
+                if self._rows:
+                    self._faults.check("decode-step")
+                    await self._run_steps()
+        except BaseException as exc:
+            self._fail_all(exc)
+            raise
+        finally:
+            self.join_send.close()
+            for join in drain_nowait(self._joins):
+                self._end(join.request, GenerationEnded(join.request.request_id, "error",
+                                                        ActorCrashed("the decoder stopped")))
+                self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+                self._release(join.request.request_id)
+            if self._batch is not None:
+                self._lease.free_nowait(self._batch.close)
+
+    async def _settle(self, joins: list[JoinRow]) -> None:
+        """Change membership: flush the pipeline, drop finished rows, join new ones."""
+        batch = self._batch
+        assert batch is not None
+        self._joining = list(joins)
+        leaving = [rid for rid, row in self._rows.items() if row.done]
+        if not joins and not leaving:
+            return
+        if batch.size:
+            decoded = await self._lease.run(batch.flush_decoded)
+            if decoded is not None:
+                self._emit(batch.request_ids, [decoded])
+            leaving = [rid for rid, row in self._rows.items() if row.done]
+        if leaving:
+            await self._put_finished(leaving)
+            await self._lease.run(batch.leave, leaving)
+            for rid in leaving:
+                del self._rows[rid]
+                self._release(rid)
+        if self._joining:
+            # One job for every waiting row: the running rows' KV is copied once, not once per joiner.
+            await self._lease.run(batch.join_many, [(join.row, join.token0) for join in self._joining])
+            for join in self._joining:
+                self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
+            self._joining = []
+        self._kv_bytes = batch.nbytes
+
+    async def _put_finished(self, leaving: list[str]) -> None:
+        """Finish-time put (batching-design.md §4.5): leaving rows' KV goes to the prompt cache.
+
+        A lone row hands its caches over without a copy; a batched row with a
+        long enough prompt is extracted before the filter drops it.
+        """
+        caching = self._get_caching()
+        batch = self._batch
+        if caching is None or batch is None:
+            return
+        for rid in leaving:
+            row = self._rows[rid]
+            if not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
+                continue
+            tokens = row.request.prompt_ids + tuple(row.generated)
+            entry = await self._lease.run(batch.cache_entry, rid, tokens)
+            if entry is not None:
+                caching.store(entry)
+
+    async def _run_steps(self) -> None:
+        """Decode until membership must change: a lease chain of step jobs (`GpuLease.chain`).
+
+        The lease thread queues each next step job itself, so it never idles
+        across a hop to Trio and back (waking this actor, emitting, waking
+        sessions and callers: 0.4-1.1 ms per step on an H200,
+        docs/benchmarks.md), and this actor is not woken per job at all.
+
+        A job's tokens reach Trio before the job's last step is launched: the
+        lease thread reports them (`DecodeBatch.steps_decoded`) and
+        `_emit_reported` hands them to the sessions from Trio's run loop. So
+        the sessions run while the lease thread waits in `async_eval` with the
+        GIL released, not while it builds the next graph (H200, B=64,
+        interleaved pairs: 0.68 of the bare loop before, 0.82-0.87 after;
+        docs/benchmarks.md). `_emit_reported` stops the chain when a row
+        finishes or leaves, a join waits, or emitting failed; the lease thread
+        ends it when `MAX_UNHANDLED_REPORTS` reports wait for Trio, so a busy
+        Trio thread bounds how far the batch runs ahead of its sessions (a
+        finished row is fed at most that many jobs' tokens more, whose outputs
+        are dropped).
+        """
+        batch = self._batch
+        assert batch is not None
+        ids = list(batch.request_ids)
+        report = partial(self._report, ids)
+        chain = self._lease.chain(self._link, batch, steps_per_job(len(ids)), report)
+        self._chain = chain
+        self._chains += 1
+        try:
+            await chain.wait()
+        finally:
+            chain.stop()
+            self._chain = None
+        if self._reported_error is not None:
+            raise self._reported_error
+        self._kv_bytes = batch.nbytes
+
+    def _link(self, batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None]) -> bool:
+        """One link of the step chain, on the lease thread: False ends the chain (Trio is behind)."""
+        batch.steps_decoded(steps, report)
+        return self._reports_sent - self._reports_handled < MAX_UNHANDLED_REPORTS
+
+    def _report(self, request_ids: list[str], steps: list[Decoded]) -> None:
+        """On the lease thread: these consecutive steps' tokens go to `_emit_reported` in Trio's run loop."""
+        self._reports_sent += 1
+        self._lease.to_trio_soon(self._emit_reported, request_ids, steps)
+
+    def _emit_reported(self, request_ids: list[str], steps: list[Decoded]) -> None:
+        """`_emit` of a job's tokens, run by the lease in Trio's run loop: it must not raise.
+
+        Stops the step chain when membership must change; an error is kept
+        for `_run_steps` to re-raise in the actor's task.
+        """
+        self._reports_handled += 1
+        chain = self._chain
+        if chain is None or self._reported_error is not None:
+            return  # a report of a chain this actor no longer waits for: it failed or was cancelled
+        self._steps += len(steps)
+        try:
+            ended = self._emit(request_ids, steps)
+            self._faults.check("decode-step")
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the actor's task by _run_steps
+            self._reported_error = exc
+            ended = True
+        if ended or self._joins.statistics().current_buffer_used:
+            chain.stop()
+
+    def _emit(self, request_ids: list[str], steps: Sequence[Decoded]) -> bool:
+        """Send each row its tokens of these consecutive steps as one message; end the rows that finish.
+
+        Returns whether a row finished or its session went away (it must leave the batch).
+        """
+        eos = self._model.eos_token_ids
+        ended = False
+        for i, rid in enumerate(request_ids):
+            row = self._rows.get(rid)
+            if row is None or row.done:
+                continue  # already finished: these are the pipeline's wasted extra tokens
+            tokens: list[int] = []
+            logprobs: list[Any] = []
+            reason = None
+            for decoded in steps:
+                token = decoded.token_ids[i]
+                tokens.append(token)
+                logprobs.append(decoded.logprobs[i])
+                row.generated.append(token)
+                self._tokens += 1
+                if token in eos:
+                    reason = "stop"
+                elif row.num_generated >= row.request.params.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            try:
+                row.request.reply.send_nowait(TokensDecoded(
+                    rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                row.done = ended = True
+                self._cancelled += 1
+                continue
+            if reason is not None:
+                self._finish(row, reason)
+                ended = True
+        return ended
+
+    def _finish(self, row: RunningRow, reason: str) -> None:
+        row.done = True
+        self._finished += 1
+        self._end(row.request, GenerationEnded(row.request.request_id, reason))
+
+    def _end(self, request: Generate, event: GenerationEnded) -> None:
+        try:
+            request.reply.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            pass
+        request.reply.close()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if isinstance(exc, trio.Cancelled):
+            error: BaseException = ActorCrashed("the engine is stopping")
+        else:
+            log.exception("decode step failed; failing %d rows", len(self._rows))
+            error = exc if isinstance(exc, Exception) else ActorCrashed(repr(exc))
+        for rid, row in self._rows.items():
+            if not row.done:
+                self._end(row.request, GenerationEnded(rid, "error", error))
+            self._release(rid)
+        self._rows.clear()
+        for join in self._joining:
+            self._end(join.request, GenerationEnded(join.request.request_id, "error", error))
+            self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+            self._release(join.request.request_id)
+        self._joining = []
+        self._kv_bytes = 0

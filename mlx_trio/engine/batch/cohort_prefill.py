@@ -1,0 +1,127 @@
+"""Prefill several solo rows as one batch: equal chunks of real tokens (batching-design.md §4.2).
+
+Requests that arrive together (an agent's sub-agents fanning out) would
+otherwise prefill one after another: B forwards of a short prompt, each as
+slow as the host's graph launch, then B L=1 steps for token 0. Here every
+forward feeds each row of the cohort the same number `n` of its own prompt
+tokens, so no input is padded: `n` is the fewest tokens any row still has to
+prefill. A row that is done leaves the cohort (its KV copied back to its own
+caches) and the others go on; then one batched L=1 step feeds every row its
+last prompt token, and each row samples token 0 from its own logits with its
+own sampler. Rows that start at different offsets (prompt-cache hits of
+different lengths) are left-padded in the KV by mlx-lm's `BatchKVCache.merge`
+and masked, exactly as a decode batch is.
+
+The rows end on their own caches, as `SoloRow` leaves them, so joining the
+decode batch is unchanged. A cohort row's tokens may differ from a solo
+prefill's in the last bits (a `[B, n]` forward with an array mask instead of
+a `[1, n]` one with a causal mask), as any batched step does; a request alone
+never takes this path. Only models whose every layer is a plain `KVCache`
+prefill together; others prefill each row alone.
+
+Runs on the lease thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from mlx_trio.engine.kv.batch_caches import merge_rows
+from mlx_trio.engine.batch.solo_row import SoloRow
+
+
+def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
+    """Make the rows, prefill them and sample each token 0: one lease job for a cohort of short prompts.
+
+    Rows that can go together prefill as one batch (`prefill_together`); the
+    rest each alone, exactly as `prefill_chunk()` until done then
+    `first_token()`. An error is returned in place of the rows it touched
+    (their caches dropped); the other rows go on.
+    """
+    outcomes: list[SoloRow | Exception] = []
+    for make in makers:
+        try:
+            outcomes.append(make())
+        except Exception as exc:
+            outcomes.append(exc)
+    made = [row for row in outcomes if isinstance(row, SoloRow)]
+    together = made if can_prefill_together(made) else []
+    if together:
+        try:
+            prefill_together(model, together)
+        except Exception as exc:
+            outcomes = [_failed(row, exc) if row in together else row for row in outcomes]
+    for i, row in enumerate(outcomes):
+        if isinstance(row, SoloRow) and row not in together:
+            try:
+                while row.prefill_remaining:
+                    row.prefill_chunk()
+                row.first_token()
+            except Exception as exc:
+                outcomes[i] = _failed(row, exc)
+    return outcomes
+
+
+def _failed(row: SoloRow | Exception, exc: Exception) -> Exception:
+    if isinstance(row, SoloRow):
+        row.close()
+    return exc
+
+
+def can_prefill_together(rows: Sequence[SoloRow]) -> bool:
+    """Two or more rows, all on plain full-attention caches, none storing a snapshot part-way."""
+    return len(rows) > 1 and all(
+        row.snapshot_at is None and all(type(c) is KVCache for c in row.caches) for row in rows
+    )
+
+
+def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
+    """Prefill every row's prompt and sample its token 0, batched; `can_prefill_together(rows)` must hold.
+
+    Afterwards each row is where `prefill_chunk()` until done then
+    `first_token()` leaves it. An error leaves the rows unusable (the caller
+    closes them all): they share every forward.
+    """
+    active = [row for row in rows if row.prefill_remaining]
+    caches = _merge(active) if active else []
+    while active:
+        # The fewest tokens any row has left: every forward ends at least one row's prompt.
+        n = min(row.prefill_remaining for row in active)
+        model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
+        mx.eval([c.state for c in caches])
+        done = [i for i, row in enumerate(active) if not row.prefill_remaining]
+        _hand_back([active[i] for i in done], caches, done)
+        keep = [i for i, row in enumerate(active) if row.prefill_remaining]
+        if keep:
+            for layer in caches:
+                layer.filter(keep)  # the rest go on in the same batch (no re-merge)
+        active = [active[i] for i in keep]
+        mx.clear_cache()
+    lasts = [row.last_input() for row in rows]
+    caches = _merge(rows)
+    logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
+    arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
+    mx.eval(arrays, [c.state for c in caches])
+    _hand_back(rows, caches, range(len(rows)))
+    for row in rows:
+        row.read_token0()
+    mx.clear_cache()
+
+
+def _merge(rows: Sequence[SoloRow]) -> list[Any]:
+    """Per layer, the rows' caches as one batch cache (left-padded to the longest); the rows' own stay intact."""
+    return [merge_rows([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
+
+
+def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:
+    """Copy each row's KV (batch row `indices[k]` for `rows[k]`) into its own caches.
+
+    In place: the row's prefill holds the list.
+    """
+    for row, i in zip(rows, indices, strict=True):
+        row.caches[:] = [layer.extract(i) for layer in caches]

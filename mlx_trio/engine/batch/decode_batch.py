@@ -1,0 +1,390 @@
+"""The running decode batch: join, pipelined step, flush, leave, extract.
+
+This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
+(engine/batch/solo_row.py) and with per-row state in one record:
+
+- **Join** takes a `SoloRow` after its token 0. Into an empty batch the row's
+  solo caches are *adopted* (zero copy), so a lone row runs exactly the
+  serial graph (`generate_step`'s, bit for bit). A later joiner merges or
+  extends per layer (engine/kv/batch_caches.py); from then on mlx-lm's batch
+  caches supply the left padding, per-row masks and per-row RoPE offsets.
+- **Step** is `GenerationBatch._step`'s pipeline: forward every row from the
+  unread token register, sample per row, `async_eval` the new register, and
+  only then read the previous one. The device computes step n+1 while the
+  caller handles step n's tokens.
+- **Constrained rows** (a grammar) need their previous token on the host
+  before their next mask exists, so while one is in the batch a step first
+  reads the register, then queues the next step. The device still computes
+  step n+1 while the caller handles step n; only the graph build waits.
+  Without one, the step is exactly the pipeline above.
+- **Leave** filters the rows out; full-attention layers drop the padding all
+  survivors share. When one row remains it is extracted back to solo caches,
+  so B=1 is the serial graph again (measured in `leave`).
+
+Invariant: every row's KV cache holds exactly the tokens fed so far: its
+prompt, then every token that has been a forward's input (`BatchRow.num_fed`
+counts them). The register holds tokens sampled but not yet fed.
+
+Every method runs on the lease thread; none hands out a lazy array.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
+from mlx_trio.engine.sampling.row_sampler import RowSampler
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
+from mlx_trio.logprobs import SampledLogprobs
+
+# mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
+_CLEAR_CACHE_EVERY = 256
+# A read of the register that waited longer than this for the device means the device is the
+# bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
+DEVICE_BOUND_WAIT_S = 1e-4
+
+
+@attrs.define
+class BatchRow:
+    """One request's state in the batch; the list of them is aligned with the cache's batch axis."""
+
+    request_id: str
+    sampler: RowSampler
+    # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
+    num_fed: int
+
+
+@attrs.frozen
+class Decoded:
+    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledLogprobs | None, ...]
+
+
+# Takes consecutive steps' tokens on the lease thread as soon as they are read (DecodeBatch.steps_decoded).
+Report = Callable[[list[Decoded]], None]
+
+
+class DecodeBatch:
+    """The rows decoding together and their caches; one instance per decode actor.
+
+    Register protocol: `step()` queues a step and returns the tokens of the
+    step before it (None right after a flush or a join: those were already
+    returned). `flush()` returns the queued step's tokens without queueing
+    another; they become the next inputs. `join` needs a flushed batch (the
+    row set and its inputs are settled); `leave` works either way.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._rows: list[BatchRow] = []
+        # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
+        self._caches: list[Any] = []
+        self._solo = False
+        # The next forward's inputs `[B]` (uint32, like sampled tokens).
+        self._inputs: mx.array | None = None
+        # Invariant: _unread iff _inputs came from a step and were not yet returned.
+        self._unread = False
+        # While _unread: per row, the logprob arrays of the unread tokens (None: not asked).
+        self._unread_logprobs: list[LogprobArrays | None] = []
+        self._num_steps = 0
+        # Whether the last read of the register waited for the device (see step_decoded).
+        self._device_bound = False
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row.request_id for row in self._rows]
+
+    @property
+    def size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._caches)
+
+    @property
+    def is_flushed(self) -> bool:
+        return not self._unread
+
+    @property
+    def is_solo(self) -> bool:
+        """One row on serial-class caches: each step is exactly the serial graph."""
+        return self._solo
+
+    def num_fed(self, request_id: str) -> int:
+        """Tokens in the row's KV cache (prompt + fed); what `extract` returns holds exactly these."""
+        return self._rows[self._index(request_id)].num_fed
+
+    def join(self, row: SoloRow, token0: int) -> None:
+        """`join_many` of one row."""
+        self.join_many([(row, token0)])
+
+    def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
+        """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
+
+        One row into an empty batch is adopted (zero copy: it keeps the serial
+        graph); otherwise every layer takes all the joiners in one merge or
+        extend, so the running rows' KV is copied once per settle, not once per
+        joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
+        (the batch is unchanged then); the caller keeps such models serial.
+        """
+        if self._unread:
+            raise RuntimeError("join() needs a flushed batch")
+        rows = [row for row, _ in joiners]
+        ids = [row.request_id for row in rows]
+        if any(not row.caches or row.token0 is None for row in rows):
+            raise RuntimeError("join() takes a row after first_token() and before close()")
+        if len(set(ids)) != len(ids) or set(ids) & set(self.request_ids):
+            raise ValueError(f"requests already in the batch or given twice: {ids}")
+        if not rows:
+            return
+        if not self._rows and len(rows) == 1:
+            self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
+            self._solo = True
+        else:
+            if not all(batch_caches.can_batch(row.caches) for row in rows):
+                raise TypeError("this model's caches cannot batch")
+            if self._rows:
+                running, news, solo = self._caches, rows, self._solo
+            else:  # several rows into an empty batch: the first plays the running (solo) row
+                running, news, solo = rows[0].caches, rows[1:], True
+            self._caches = [
+                batch_caches.join_layer(layer, [row.caches[i] for row in news], running_is_solo=solo)
+                for i, layer in enumerate(running)
+            ]
+            batch_kv.share_offsets(self._caches)
+            self._solo = False
+        tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
+        self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
+        for row in rows:
+            self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
+            row.caches = []  # owned by the batch now (adopted or copied by merge)
+        # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
+        # the device now, or the allocator's cache holds one stale copy per join.
+        mx.eval(self._caches_state())
+        mx.clear_cache()
+
+    def step(self) -> list[int] | None:
+        """`step_decoded()`'s token ids only."""
+        decoded = self.step_decoded()
+        return list(decoded.token_ids) if decoded is not None else None
+
+    def flush(self) -> list[int] | None:
+        """`flush_decoded()`'s token ids only."""
+        decoded = self.flush_decoded()
+        return list(decoded.token_ids) if decoded is not None else None
+
+    def steps_decoded(self, count: int, report: Report | None = None) -> list[Decoded | None]:
+        """`step_decoded()` `count` times in a row (one lease job; see actors/batch_decode.steps_per_job).
+
+        With `report`, every token these steps read goes to `report` in one
+        call, made just before the last step is launched (see `step_decoded`),
+        and the list returned holds only None.
+        """
+        if report is None:
+            return [self.step_decoded() for _ in range(count)]
+        held = [d for d in (self.step_decoded() for _ in range(count - 1)) if d is not None]
+
+        def last(decoded: Decoded) -> None:
+            report([*held, decoded])
+            held.clear()
+
+        self.step_decoded(last)
+        if held:  # the last step had nothing to read (the first after a join or flush)
+            report(held)
+        return [None] * count
+
+    def step_decoded(self, report: Callable[[Decoded], None] | None = None) -> Decoded | None:
+        """Queue one decode step for every row; return the previous step's tokens (batch order).
+
+        Mutates the caches (one token per row). Returns None when the
+        previous tokens were already returned (by `flush`, or as token 0).
+
+        With `report`, the previous tokens go to `report` instead. While the
+        host is the bottleneck they are read after this step's graph is built
+        and reported before it is launched: the caller (another thread)
+        handles them while `async_eval` launches the step with the GIL
+        released, rather than while the next graph is built with it held,
+        and the read costs nothing (the device finished them during the
+        build). While the device is the bottleneck, that read would wait for
+        it and leave it idle until the next launch, so they are read after
+        the launch, as without `report` (H200, Llama-8B, B=1: 0.85 vs 1.03 of
+        the bare loop; docs/benchmarks.md, fifth pass). Which one it is, the
+        last read tells: it waited for the device longer than
+        `DEVICE_BOUND_WAIT_S`, or it did not.
+        """
+        if not self._rows:
+            raise RuntimeError("step() on an empty batch")
+        previous: Decoded | None = None
+        if self._unread and any(row.sampler.is_constrained for row in self._rows):
+            # A grammar's mask for this step needs the previous token consumed: read it first.
+            previous = self._read()
+        inputs = self._inputs
+        logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+        sampled, contexts, logprobs = self._sample(logits, inputs)
+        for row in self._rows:
+            row.num_fed += 1
+        if report is not None and not self._device_bound:
+            previous = self._hand_on(previous, report)
+        # Start the next step on the device before reading the current one (pipelining).
+        mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
+        previous = self._hand_on(previous, report)
+        self._inputs = sampled
+        self._unread_logprobs = logprobs
+        self._unread = True
+        self._num_steps += 1
+        if self._num_steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return previous
+
+    def flush_decoded(self) -> Decoded | None:
+        """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""
+        if not self._unread:
+            return None
+        return self._read()
+
+    def _hand_on(self, previous: Decoded | None, report: Callable[[Decoded], None] | None) -> Decoded | None:
+        """The previous tokens, read now if still unread: given to `report` (then None) or returned."""
+        if self._unread:
+            previous = self._read()
+        if report is not None and previous is not None:
+            report(previous)
+            return None
+        return previous
+
+    def _read(self) -> Decoded:
+        """Read the register (waiting for its step), advance the rows' grammars, mark it returned."""
+        assert self._inputs is not None
+        start = time.perf_counter()
+        tokens = self._inputs.tolist()
+        self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
+        for row, token in zip(self._rows, tokens):
+            row.sampler.accept(token)
+        records = tuple(to_record(arrays) if arrays is not None else None for arrays in self._unread_logprobs)
+        self._unread = False
+        self._unread_logprobs = []
+        return Decoded(tuple(tokens), records or (None,) * len(tokens))
+
+    def leave(self, request_ids: Collection[str]) -> None:
+        """Drop these rows (unknown ids raise KeyError, leaving the batch unchanged).
+
+        Unflushed, the leavers' queued tokens are discarded and the others'
+        stay unread (mlx-lm's `filter` after `next()`). When exactly one row
+        remains it is extracted to fresh serial-class caches: one copy of its
+        KV, after which each step is the serial graph again (no per-row mask
+        or RoPE offset arrays). Measured on an H200 (bf16, random weights,
+        scripts/batch_reference.py --bench-b1): a lone row decodes at 1.95 vs
+        3.16 ms/step (Llama-1B shape, 1k context), 2.30 vs 4.05 (8k), 5.54 vs
+        6.59 (8B shape) on solo vs B=1 batch caches; the leave step costs the
+        same either way. A drained batch often runs alone for long, so we pay
+        the copy.
+        """
+        leaving = set(request_ids)
+        unknown = leaving - set(self.request_ids)
+        if unknown:
+            raise KeyError(f"not in the batch: {sorted(unknown)}")
+        keep = [i for i, row in enumerate(self._rows) if row.request_id not in leaving]
+        if not keep:
+            self.close()
+            return
+        if len(keep) == len(self._rows):
+            return
+        if not self._solo:
+            if len(keep) == 1 and batch_caches.can_extract(self._caches):
+                self._caches = [batch_caches.extract_layer(c, keep[0]) for c in self._caches]
+                self._solo = True
+            else:
+                for cache in self._caches:
+                    batch_caches.filter_layer(cache, keep)
+                batch_kv.share_offsets(self._caches)
+        self._rows = [self._rows[i] for i in keep]
+        self._inputs = self._inputs[mx.array(keep)]
+        if self._unread_logprobs:
+            self._unread_logprobs = [self._unread_logprobs[i] for i in keep]
+        mx.eval(self._caches_state())
+        mx.clear_cache()  # as in join: the filtered-out copies go back to the device
+
+    def _caches_state(self) -> list[Any]:
+        return [c.state for c in self._caches]
+
+    def extract(self, request_id: str) -> list[Any]:
+        """A copy of the row's per-layer caches without padding; they hold `num_fed(request_id)` tokens."""
+        index = self._index(request_id)
+        if self._solo:
+            return [batch_caches.snapshot_layer(c) for c in self._caches]
+        return [batch_caches.extract_layer(c, index) for c in self._caches]
+
+    def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry | None:
+        """The row's KV as a prompt-cache entry keyed by the first `num_fed` of `tokens` (its prompt + generated).
+
+        Call right before the row leaves (after a flush). A lone row on its
+        own (adopted or extracted) caches hands them over without a copy: it
+        leaves next, and nothing writes them again. A batched row is
+        extracted (a pure slice + copy of its unpadded KV) before the filter.
+        A row fed tokens its caller never saw (a step queued before the row
+        finished) is trimmed back to `tokens`; None when that cannot be done.
+        """
+        index = self._index(request_id)
+        num_fed = self._rows[index].num_fed
+        if self._solo:
+            caches = list(self._caches)
+        else:
+            caches = [batch_caches.extract_layer(c, index) for c in self._caches]
+        excess = num_fed - len(tokens)
+        if excess > 0:
+            if not cache_clone.trimmable(caches):
+                return None
+            for cache in caches:
+                cache.trim(excess)
+        return cache_clone.entry(tokens[:num_fed], caches)
+
+    def close(self) -> None:
+        """Drop every row and array (in the lease thread, which owns them)."""
+        self._rows = []
+        self._caches = []
+        self._solo = False
+        self._inputs = None
+        self._unread = False
+        self._unread_logprobs = []
+
+    def _index(self, request_id: str) -> int:
+        for i, row in enumerate(self._rows):
+            if row.request_id == request_id:
+                return i
+        raise KeyError(request_id)
+
+    def _sample(self, logits: mx.array,
+                inputs: mx.array) -> tuple[mx.array, list[mx.array], list[LogprobArrays | None]]:
+        """The next token of every row `[B]`, the processor contexts to evaluate with it, per-row logprob arrays."""
+        rows = self._rows
+        greedy: mx.array | None = None
+        if any(row.sampler.is_plain_greedy for row in rows):
+            # One argmax over [B, V] for every plain-greedy row: per-row identical math.
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            greedy = mx.argmax(logprobs, axis=-1)
+            if all(row.sampler.is_plain_greedy for row in rows):
+                return greedy, [], [None] * len(rows)
+        pieces: list[mx.array] = []
+        contexts: list[mx.array] = []
+        row_logprobs: list[LogprobArrays | None] = []
+        for i, row in enumerate(rows):
+            if row.sampler.is_plain_greedy:
+                assert greedy is not None
+                pieces.append(greedy[i : i + 1])
+                row_logprobs.append(None)
+            else:
+                pieces.append(row.sampler.sample(logits[i : i + 1], inputs[i : i + 1]))
+                row_logprobs.append(row.sampler.last_logprobs if row.sampler.wants_logprobs else None)
+                if row.sampler.context is not None:
+                    contexts.append(row.sampler.context)
+        return mx.concatenate(pieces), contexts, row_logprobs

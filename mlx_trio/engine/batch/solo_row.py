@@ -1,0 +1,160 @@
+"""A joiner's prefill on its own caches: the first half of continuous batching.
+
+A request never prefills inside the running batch. It prefills alone, in
+chunks (one lease job each, so the decode steps of the running rows are
+interleaved and stall at most one chunk), then feeds its last prompt token
+as an L=1 step that samples token 0 on the same solo caches (mlx-lm's
+convention, and what keeps B=1 bit-exact with `generate_step`). Only then
+does it join the `DecodeBatch` (engine/batch/decode_batch.py), which takes its caches and
+sampler. Because solo state never sees a pad token, recurrent (SSM) layers
+need no padding mask when they later batch.
+
+Every method runs on the lease thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
+from mlx_trio.engine.sampling.grammar import GrammarMatcher
+from mlx_trio.engine.sampling.row_sampler import RowSampler
+from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
+from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
+from mlx_trio.logprobs import SampledLogprobs
+from mlx_trio.params import SamplingParams
+
+
+class SoloRow:
+    """One request from its prompt to token 0, on caches of its own.
+
+    Lifecycle (one lease job each): `prefill_chunk()` until it returns 0,
+    then `first_token()` once, then either `DecodeBatch.join(row, token0)`
+    (which takes `caches` and `sampler`) or, when token 0 already ends the
+    request, `close()`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+        rng_draws: int = 0,
+        hit: CacheHit | None = None,
+        snapshot_at: int | None = None,
+        grammar_tokenizer: Any = None,
+        resumed_tokens: int = 0,
+    ) -> None:
+        # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
+        # a prompt position where `snapshot()` should be taken (a message boundary).
+        # `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.constraint`
+        # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a
+        # resume, which its grammar has already seen.
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if hit is not None and hit.usable >= len(prompt_ids):
+            raise ValueError("a cache hit must leave the last prompt token to compute")
+        self._model = model
+        self.request_id = request_id
+        self.params = params
+        self._prompt_ids = tuple(prompt_ids)
+        self.cached_tokens = hit.usable if hit is not None else 0
+        self.caches: list[Any] = (
+            cache_clone.take(hit.caches, hit.trim) if hit is not None else make_prompt_cache(model)
+        )
+        matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
+                                         prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
+        self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.snapshot_at = snapshot_at
+        self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
+                                       start=self.cached_tokens, split_at=snapshot_at)
+        self.token0: int | None = None
+        # Token 0's logprobs, when the request asks for them (set by `first_token`).
+        self.token0_logprobs: SampledLogprobs | None = None
+        # Between `draw_token0` and `read_token0`: the lazy token 0 and its logprob arrays.
+        self._token0: mx.array | None = None
+        self._token0_logprobs: LogprobArrays | None = None
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens still to prefill before token 0 can be sampled (excludes the last)."""
+        return self._prefill.remaining
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def fed(self) -> int:
+        """Prompt tokens whose KV the caches hold."""
+        return self._prefill.fed
+
+    def take_prefill(self, n: int) -> mx.array:
+        """The next `n` prompt tokens, counted as fed: a cohort runs them into `caches` (engine/batch/cohort_prefill.py)."""
+        return self._prefill.take(n)
+
+    def snapshot(self) -> CacheEntry:
+        """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
+        return cache_clone.snapshot(self._prompt_ids[: self.fed], self.caches)
+
+    def prefill_chunk(self, limit: int | None = None) -> int:
+        """Prefill up to `prefill_step_size` (or `limit`) prompt tokens into `caches`; returns how many remain.
+
+        The same chunks, evaluation and allocator clearing as mlx-lm's
+        `generate_step` (and `SerialGeneration.prefill_chunk`). The last
+        prompt token is never prefilled here: it is `first_token()`'s input.
+        """
+        self._prefill.chunk(limit)
+        return self.prefill_remaining
+
+    def first_token(self) -> int:
+        """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
+        last = self.last_input()
+        logits = self._model(last[None], cache=self.caches)[:, -1, :]
+        mx.eval(*self.draw_token0(logits, last))
+        return self.read_token0()
+
+    def last_input(self) -> mx.array:
+        """Token 0's input, the last prompt token; afterwards nothing is pending. Needs the prompt prefilled."""
+        if self.prefill_remaining:
+            raise RuntimeError("first_token() before the prompt was prefilled")
+        if self.token0 is not None:
+            raise RuntimeError("first_token() was already called")
+        return self._prefill.take_rest()
+
+    def draw_token0(self, logits: mx.array, last: mx.array) -> list[mx.array]:
+        """Sample token 0 from `logits` `[1, V]` of the step that fed `last`; returns the arrays to evaluate.
+
+        Then `read_token0()`. Split so a cohort evaluates all its rows' token 0 at once.
+        """
+        self._token0 = self.sampler.sample(logits, last)
+        self._token0_logprobs = self.sampler.last_logprobs
+        context = self.sampler.context
+        return [self._token0, *([context] if context is not None else []), *arrays_of(self._token0_logprobs)]
+
+    def read_token0(self) -> int:
+        """Token 0 drawn by `draw_token0` (evaluated by now), read on the host and accepted by the sampler."""
+        assert self._token0 is not None, "read_token0() before draw_token0()"
+        self.token0 = self._token0.item()
+        self.sampler.accept(self.token0)
+        if self._token0_logprobs is not None:
+            self.token0_logprobs = to_record(self._token0_logprobs)
+        self._token0_logprobs = None
+        return self.token0
+
+    def close(self) -> None:
+        """Drop the row's caches (in the lease thread, which owns them); also done by `join`."""
+        self.caches = []
+        self._prefill.release()
+

@@ -1,0 +1,90 @@
+"""Run the batch lane's operations once at load, so that no request pays for compiling them.
+
+MLX's CUDA backend compiles a kernel the first time an operation meets a new
+dtype or layout (the compiled code is cached on disk for later processes).
+On a fresh H200 machine (1B shape, docs/benchmarks.md) the first time a row
+left a batch that held an 8.5k-token row, `leave` and the next step took
+2.3 s each, and every running stream stalled for 4.6 s. A few random rows
+taken through every batch-lane operation at load (a cohort prefill, adopt,
+join with padding, steps, leave, extract) compile those kernels before any
+request arrives. The CPU backend compiles nothing at first use, so the
+engine warms up only on a GPU (`warm_up_gpu`).
+
+Runs on the lease thread.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_trio.engine.kv import batch_caches
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.cohort_prefill import prefill_rows
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.params import SamplingParams
+
+# Prompt lengths: past one 256-token KV buffer step and one token (these two prefill as a cohort),
+# then a short prompt alone.
+_PROMPT_TOKENS = (300, 1, 40)
+_STEPS = 3
+
+
+def warm_up_gpu(model: nn.Module, vocab_size: int) -> bool:
+    """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return False
+    warm_up(model, vocab_size)
+    return True
+
+
+def warm_up(model: nn.Module, vocab_size: int) -> None:
+    """Take a few random rows through prefill, join, steps and leave, then free everything."""
+    rng = random.Random(0)
+    top = max(min(vocab_size, 1000), 4)
+    params = [SamplingParams(max_tokens=_STEPS * 4), SamplingParams(max_tokens=_STEPS * 4),
+              SamplingParams(max_tokens=_STEPS * 4, temperature=0.7, top_p=0.9, seed=0)]
+    makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p)
+              for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
+    outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
+    rows = [row for row in outcomes if isinstance(row, SoloRow)]
+    batch = DecodeBatch(model)
+    try:
+        for failed in outcomes:
+            if isinstance(failed, Exception):
+                raise failed
+        _decode(batch, rows)
+    finally:
+        batch.close()
+        for row in rows:
+            row.close()
+        mx.clear_cache()
+
+
+def _decode(batch: DecodeBatch, rows: list[SoloRow]) -> None:
+    """Adopt one row, join the rest (padded), step, let one leave (filter), then one more (extract)."""
+    first, *others = rows
+    batch.join(first, _token0(first))
+    _steps(batch)
+    if not batch_caches.can_batch(others[0].caches):
+        return  # this model decodes one row at a time: nothing more to compile
+    batch.join_many([(row, _token0(row)) for row in others])
+    _steps(batch)
+    batch.leave([others[0].request_id])
+    _steps(batch)
+    batch.leave([first.request_id])
+    _steps(batch)
+
+
+def _token0(row: SoloRow) -> int:
+    assert row.token0 is not None
+    return row.token0
+
+
+def _steps(batch: DecodeBatch) -> None:
+    for _ in range(_STEPS):
+        batch.step()
+    batch.flush()

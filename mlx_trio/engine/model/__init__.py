@@ -1,0 +1,1 @@
+"""The model: loading, GGUF conversion, the default model, output markers, detokenized text."""

@@ -1,0 +1,220 @@
+"""Load a model and its tokenizer with mlx-lm, and turn prompts into token ids.
+
+`load_model` runs on the lease thread (it evaluates the weights, which is MLX
+work). The returned `LoadedModel` is shared read-only afterwards: its weights
+are evaluated arrays (usable from any thread), and its tokenizer methods are
+plain Python that the Trio side may call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+
+from mlx_trio.errors import InvalidParameter, ModelLoadError
+from mlx_trio.engine.model.default_model import resolve_model_path
+from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer, compile_constraint
+from mlx_trio.engine.kv.layout import KvLayout, measure_layout, weights_bytes
+from mlx_trio.engine.model.output_format import read_output_format
+from mlx_trio.output_format import PLAIN, OutputFormat
+from mlx_trio.params import Constraint
+
+Message = Mapping[str, Any]
+
+# apply_chat_template's own parameters: a request may not change how we call it.
+_TEMPLATE_OWN_ARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
+                                "continue_final_message", "padding", "truncation", "max_length", "tools", "documents"})
+
+
+@attrs.frozen
+class LoadedModel:
+    """A loaded model: weights, tokenizer and the facts requests are checked against."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    model_id: str
+    path: str
+    vocab_size: int
+    context_length: int | None
+    eos_token_ids: frozenset[int]
+    kv_layout: KvLayout
+    weights_bytes: int
+    # Reasoning and tool-call markers; PLAIN for models without any.
+    output_format: OutputFormat = PLAIN
+    # llguidance's tokenizer (built once: ~0.3 s for a 49k vocabulary); None if it cannot read ours.
+    grammar_tokenizer: Any = None
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
+        if self.grammar_tokenizer is None:
+            raise InvalidParameter("constraint", f"model {self.model_id}'s tokenizer does not support constrained decoding")
+        compile_constraint(constraint, self.grammar_tokenizer)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (a part of a character for some byte-level tokens)."""
+        if self.grammar_tokenizer is not None:
+            return self.grammar_tokenizer.decode_bytes([token_id])
+        return self.tokenizer.decode([token_id]).encode()
+
+    def encode(self, prompt: str | Sequence[Message] | Sequence[int], *,
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Token ids for a raw string, a chat (list of messages) or given ids.
+
+        A string is tokenized as mlx-lm's stream_generate does (special tokens
+        added unless it already starts with BOS); messages go through the
+        model's chat template with the generation prompt appended, and
+        `tools` (OpenAI function tools) are given to the template as mlx_lm.server does.
+        """
+        if isinstance(prompt, str):
+            return self._encode_text(prompt)
+        items = list(prompt)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            bad = [t for t in items if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return items
+        if items and all(isinstance(m, Mapping) for m in items):
+            return self._encode_chat(items, dict(chat_template_kwargs or {}), tools)
+        raise InvalidParameter("prompt", "must be a non-empty string, a list of chat messages or a list of token ids")
+
+    def message_boundary(self, prompt: str | Sequence[Message] | Sequence[int], ids: Sequence[int], *,
+                         chat_template_kwargs: Mapping[str, Any] | None = None,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> int | None:
+        """Where the chat's last message starts in `ids` (its encoding), or None for a non-chat or a single message.
+
+        Found from the template itself: the chat without its last message,
+        rendered without the generation prompt, shares this many leading
+        tokens with the whole chat. The next turn of the conversation and
+        sibling requests with the same history share that prefix, so the
+        prompt cache snapshots it (batching-design.md §4.2).
+        """
+        if isinstance(prompt, str) or len(prompt) < 2 or not all(isinstance(m, Mapping) for m in prompt):
+            return None
+        try:
+            head = self.tokenizer.apply_chat_template(
+                [_flatten_content(m, i) for i, m in enumerate(prompt[:-1])], add_generation_prompt=False,
+                **dict(chat_template_kwargs or {}), **({"tools": [dict(t) for t in tools]} if tools else {}),
+            )
+        except Exception:  # a template may refuse a chat ending on a non-user turn: no boundary then
+            return None
+        shared = 0
+        for a, b in zip(head, ids):
+            if a != b:
+                break
+            shared += 1
+        return shared or None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def detokenizer(self) -> Any:
+        """A fresh streaming detokenizer for one request."""
+        return self.tokenizer.detokenizer
+
+    def _encode_text(self, text: str) -> list[int]:
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not text.startswith(bos)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def _encode_chat(self, messages: list[Message], template_kwargs: dict[str, Any],
+                     tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise InvalidParameter("messages", f"model {self.model_id} has no chat template; send a raw prompt instead")
+        if tools and not self.output_format.has_tool_calling:
+            raise InvalidParameter("tools", f"model {self.model_id} has no tool-calling format mlx-lm recognises "
+                                            "in its chat template; remove tools (or send tool_choice 'none')")
+        reserved = sorted(set(template_kwargs) & _TEMPLATE_OWN_ARGS)
+        if reserved:
+            raise InvalidParameter("chat_template_kwargs", f"may not set {', '.join(reserved)}; the engine sets those")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                raise InvalidParameter(f"messages[{i}].role", "must be a string")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [_flatten_content(m, i) for i, m in enumerate(messages)],
+                add_generation_prompt=True,
+                **({"tools": [dict(t) for t in tools]} if tools else {}),
+                **template_kwargs,
+            )
+        except InvalidParameter:
+            raise
+        except Exception as exc:  # jinja raises arbitrary errors for bad chats
+            raise InvalidParameter("messages", f"the chat template rejected these messages: {exc}") from exc
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise InvalidParameter("chat_template_kwargs", "the chat template did not produce token ids")
+        return ids
+
+
+def _flatten_content(message: Message, index: int) -> dict[str, Any]:
+    """Text-part lists become one string, as mlx_lm.server does; other part types are refused."""
+    out = dict(message)
+    content = message.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidParameter(f"messages[{index}].content[{j}]", "only parts of type 'text' with a string 'text' are supported")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    elif not isinstance(content, str):
+        raise InvalidParameter(f"messages[{index}].content", "must be a string, null or a list of text parts")
+    return out
+
+
+def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> LoadedModel:
+    """Resolve (converting the default model once if needed) and load with mlx-lm.
+
+    Must run on the lease thread: weights are evaluated there.
+    """
+    path = resolve_model_path(model, cache_dir=cache_dir)
+    try:
+        loaded_model, tokenizer, config = mlx_lm_load(path, return_config=True)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
+    mx.eval(loaded_model.parameters())
+    eos_token_ids = frozenset(tokenizer.eos_token_ids)
+    return LoadedModel(
+        model=loaded_model,
+        tokenizer=tokenizer,
+        model_id=_model_id(model, path),
+        path=str(path),
+        vocab_size=_vocab_size(loaded_model, config),
+        context_length=_context_length(config),
+        eos_token_ids=eos_token_ids,
+        kv_layout=measure_layout(loaded_model),
+        weights_bytes=weights_bytes(loaded_model),
+        output_format=read_output_format(tokenizer),
+        grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
+    )
+
+
+def _model_id(requested: str | None, path: str) -> str:
+    if requested is None or requested == "default":
+        return Path(path).name
+    return requested
+
+
+def _vocab_size(model: nn.Module, config: Mapping[str, Any]) -> int:
+    text_config = config.get("text_config", config)
+    size = text_config.get("vocab_size") or config.get("vocab_size")
+    if size is None:
+        raise ModelLoadError("model config has no vocab_size")
+    return int(size)
+
+
+def _context_length(config: Mapping[str, Any]) -> int | None:
+    text_config = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        if key in text_config:
+            return int(text_config[key])
+    return None
+

@@ -1,0 +1,118 @@
+"""Copy mlx-lm prompt caches to the host (`to_host`) and rebuild them from it (`from_host`).
+
+Both run on the lease thread: they are the only MLX work of the SSD tier, so
+the lease is held just for evaluating and copying arrays; file IO happens on
+a worker thread (engine/prompt_cache/ssd_files.py). The state of each cache is mlx-lm's
+own (`state` / `from_state`, as `save_prompt_cache` uses), written as an
+explicit JSON tree rather than a dotted flattening, so empty lists and
+`None` leaves come back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
+
+from mlx_trio.engine.prompt_cache.identity import cache_layout
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry
+
+_ARRAY = "array"  # a state tree node {"array": name} stands for arrays[name]
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def to_host(caches: Sequence[Any], tokens: Sequence[int]) -> HostEntry:
+    """Evaluate `caches` and copy their state into a `HostEntry` holding `tokens`. Lease thread.
+
+    Reads the caches, never changes them. A `KVCache` is cut to its `offset`
+    (its buffer grows in steps of 256 positions, the tail holds nothing). Raises
+    ValueError when a layer's `offset` is not `len(tokens)` (the entry would be
+    stored under the wrong key), or for a state leaf that is neither an array
+    nor a plain scalar.
+    """
+    _check_offsets(caches, len(tokens))
+    states = [_compact_state(c) for c in caches]
+    mx.eval([leaf for s in states for leaf in _leaves(s) if isinstance(leaf, mx.array)])
+    arrays: dict[str, np.ndarray] = {}
+
+    def encode(node: Any, layer: int) -> Any:
+        if isinstance(node, mx.array):
+            name = f"{layer}.{len(arrays)}"  # unique, and says which layer it belongs to
+            if node.dtype == mx.bfloat16:  # numpy has no bfloat16: keep the bits, tag the dtype
+                arrays[name] = np.array(node.view(mx.uint16))
+                return {_ARRAY: name, "dtype": "bfloat16"}
+            arrays[name] = np.array(node)
+            return {_ARRAY: name}
+        if isinstance(node, (list, tuple)):
+            return [encode(child, layer) for child in node]
+        if isinstance(node, _SCALARS):
+            return node
+        raise ValueError(f"cache state of layer {layer} holds an unserialisable {type(node).__name__}")
+
+    trees = [encode(state, i) for i, state in enumerate(states)]
+    meta = {CLASSES: json.dumps([type(c).__name__ for c in caches]), STATES: json.dumps(trees)}
+    return HostEntry(tuple(tokens), arrays, meta)
+
+
+def from_host(entry: HostEntry) -> list[Any]:
+    """Rebuild the mlx-lm caches of `entry` with each class's `from_state`; evaluated. Lease thread.
+
+    Raises ValueError (or KeyError, TypeError) when the metadata does not
+    describe a valid list of mlx-lm caches, e.g. a class that is not one.
+    """
+    classes = json.loads(entry.meta[CLASSES])
+    trees = json.loads(entry.meta[STATES])
+    if not isinstance(classes, list) or not isinstance(trees, list) or len(classes) != len(trees):
+        raise ValueError("cache metadata: classes and states differ in length")
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, dict):
+            array = mx.array(entry.arrays[node[_ARRAY]])
+            return array.view(mx.bfloat16) if node.get("dtype") == "bfloat16" else array
+        if isinstance(node, list):
+            return [decode(child) for child in node]
+        return node
+
+    caches = [_cache_class(name).from_state(decode(tree)) for name, tree in zip(classes, trees)]
+    _check_offsets(caches, len(entry.tokens))
+    mx.eval([leaf for c in caches for leaf in _leaves(c.state) if isinstance(leaf, mx.array)])
+    return caches
+
+
+def model_cache_layout(model: nn.Module) -> str:
+    """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays). Lease thread."""
+    return cache_layout(make_prompt_cache(model))
+
+
+def _compact_state(cache: Any) -> Any:
+    if type(cache) is KVCache and cache.keys is not None and cache.keys.shape[2] > cache.offset:
+        n = cache.offset
+        return cache.keys[..., :n, :], cache.values[..., :n, :], n
+    return cache.state
+
+
+def _check_offsets(caches: Sequence[Any], num_tokens: int) -> None:
+    # Layers that count positions must hold exactly the entry's tokens (recurrent state has no count).
+    wrong = [i for i, c in enumerate(caches) if getattr(c, "offset", num_tokens) != num_tokens]
+    if wrong:
+        raise ValueError(f"layer {wrong[0]} holds {caches[wrong[0]].offset} positions, the entry {num_tokens} tokens")
+
+
+def _cache_class(name: Any) -> type:
+    # Only mlx-lm's own cache classes: a damaged file must not name anything else in that module.
+    cls = getattr(mlx_cache, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, _BaseCache)):
+        raise ValueError(f"cache metadata names {name!r}, not an mlx-lm cache class")
+    return cls
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, (list, tuple)):
+        return [leaf for child in node for leaf in _leaves(child)]
+    return [node]

@@ -1,0 +1,310 @@
+"""The SSD tier's files: one safetensors file per prompt-cache entry, in one directory, under a byte cap.
+
+A file is `<key>.safetensors`, where key = `CacheIdentity.key(tokens)`. Its
+string metadata holds the identity (model, tokenizer, cache layout, format
+version), the token ids, the cache layout of `HostEntry.meta` and a sha256
+checksum over all of it and every array's bytes. Writes go to a dot-named
+`.tmp` file that is renamed into place, so a crash or a full disk never
+leaves a partial entry visible; leftovers are removed at `scan`. A file
+that turns out truncated, damaged, or written for another model or format
+is removed and read as a miss, never raised.
+
+Numpy and plain files only, no MLX: every method may run on any thread (the
+cache-persistence actor calls them from `trio.to_thread`), and one lock
+keeps the index consistent between a writer and concurrent readers.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from mlx_trio.engine.prompt_cache.identity import CacheIdentity
+from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, HostEntry, checksum
+
+log = logging.getLogger("mlx_trio.cache_files")
+
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+_KEY = re.compile(r"[0-9a-f]{32}")
+_TOKENS, _CHECKSUM = "tokens", "checksum"
+# safetensors dtype names of the numpy dtypes a HostEntry holds (bfloat16 travels as uint16).
+_DTYPES = {np.dtype(t): name for t, name in [
+    (np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"), (np.int64, "I64"), (np.int32, "I32"),
+    (np.int16, "I16"), (np.int8, "I8"), (np.uint64, "U64"), (np.uint32, "U32"), (np.uint16, "U16"),
+    (np.uint8, "U8"), (np.bool_, "BOOL"), (np.complex64, "C64")]}
+# What a damaged file raises while we parse it: it is removed and read as a miss.
+_DAMAGED = (SafetensorError, ValueError, KeyError, TypeError, struct.error)
+
+
+@attrs.frozen
+class StoredEntryInfo:
+    """An entry on disk, as the in-memory index knows it (from `scan` or `write`)."""
+
+    key: str
+    tokens: tuple[int, ...]
+    file_bytes: int
+    path: Path
+
+
+class CacheFileStore:
+    """The entry files of one directory, their index (LRU order) and their byte cap.
+
+    Nothing touches the disk until `scan` (call it first: it creates the
+    directory and builds the index). `write` and `scan` raise OSError when
+    the directory is unusable (full, read-only, removed); the caller decides
+    to stop writing. `read` never raises for a bad or missing file.
+
+    Args:
+      directory: where the entry files live (created by `scan`).
+      max_bytes: cap on the files' total size; the least recently used go first.
+      identity: this server's model, tokenizer and cache layout; other files are removed.
+    """
+
+    def __init__(self, directory: str | Path, *, max_bytes: int, identity: CacheIdentity) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.identity = identity
+        self._lock = threading.Lock()
+        # Invariant: oldest use first; _nbytes == sum of file_bytes; guarded by _lock.
+        self._index: collections.OrderedDict[str, StoredEntryInfo] = collections.OrderedDict()
+        self._nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def entries(self) -> list[StoredEntryInfo]:
+        """The indexed entries, least recently used first."""
+        with self._lock:
+            return list(self._index.values())
+
+    def scan(self) -> list[StoredEntryInfo]:
+        """Index the directory's entry files from their headers; remove what cannot be used.
+
+        Removes unfinished writes (`.tmp`), truncated or damaged files, and
+        files of another identity or format version, with one warning for
+        all of them; then evicts down to `max_bytes`. Files that are not
+        ours (other names) are left alone. Returns the index, LRU first.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found: list[tuple[float, StoredEntryInfo]] = []
+        removed: collections.Counter[str] = collections.Counter()
+        for path in self.directory.iterdir():
+            if path.name.startswith(".") and path.name.endswith(TMP_SUFFIX):
+                removed["unfinished write"] += _unlink(path)
+            elif path.name.endswith(SUFFIX) and _KEY.fullmatch(path.name[: -len(SUFFIX)]):
+                try:
+                    stat = path.stat()
+                    found.append((stat.st_mtime, self._read_header(path, stat.st_size)))
+                except FileNotFoundError:
+                    continue
+                except _Unusable as exc:
+                    removed[exc.reason] += _unlink(path)
+        if +removed:  # unary + drops the reasons whose files could not be removed
+            log.warning("prompt cache %s: removed %s", self.directory,
+                        ", ".join(f"{n} {reason}" for reason, n in sorted((+removed).items())))
+        with self._lock:
+            self._index.clear()
+            self._nbytes = 0
+            for _, info in sorted(found, key=lambda item: item[0]):
+                self._index[info.key] = info
+                self._nbytes += info.file_bytes
+        self._evict(0)  # the cap may have shrunk since the files were written
+        return self.entries
+
+    def write(self, entry: HostEntry) -> StoredEntryInfo | None:
+        """Store `entry` atomically (tmp file, then rename), evicting LRU files to stay under `max_bytes`.
+
+        Returns the stored entry's info; the existing one (now most recently
+        used) if its key is already stored; None, writing nothing, when the
+        entry alone is larger than `max_bytes`. Raises OSError when the
+        directory cannot be written: no partial file is left behind.
+        """
+        key = self.identity.key(entry.tokens)
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return self._index[key]
+        # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+        arrays = {name: np.asarray(a, order="C") for name, a in entry.arrays.items()}
+        layout = {k: entry.meta[k] for k in LAYOUT_KEYS}
+        meta = {**self.identity.to_metadata(), **layout, _TOKENS: _encode_tokens(entry.tokens),
+                _CHECKSUM: checksum(layout, entry.tokens, arrays)}
+        header = _header(arrays, meta)
+        file_bytes = 8 + len(header) + sum(a.nbytes for a in arrays.values())
+        if file_bytes > self.max_bytes:
+            return None
+        self._evict(file_bytes)  # make room first: a size-capped disk gets the space it needs
+        path = self.directory / f"{key}{SUFFIX}"
+        tmp = self.directory / f".{key}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            # No fsync: a file torn by a power cut fails its checksum and is read as a miss.
+            with tmp.open("wb") as f:
+                f.write(struct.pack("<Q", len(header)))
+                f.write(header)
+                for name in sorted(arrays):
+                    f.write(arrays[name].reshape(-1).view(np.uint8))
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        info = StoredEntryInfo(key, entry.tokens, file_bytes, path)
+        with self._lock:
+            self._index[key] = info
+            self._nbytes += file_bytes
+        self._evict(0, keep=key)  # only needed if something else was stored meanwhile
+        return info
+
+    def read(self, key: str) -> HostEntry | None:
+        """The entry stored under `key`, verified; None if it is not stored or not usable.
+
+        A file that fails verification (truncated, damaged, another identity,
+        tokens that do not match its key, a wrong checksum) is removed with a
+        warning. A file that vanished (evicted, directory removed) is a quiet miss.
+        """
+        with self._lock:
+            info = self._index.get(key)
+        if info is None:
+            return None
+        try:
+            entry = self._load(info)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except (_Unusable, OSError) as exc:
+            log.warning("prompt cache file %s is unusable (%s): removed", info.path.name, exc)
+            self.remove(key)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        try:
+            os.utime(info.path)  # the LRU order survives a restart: scan sorts by mtime
+        except OSError:
+            pass
+        return entry
+
+    def longest_prefix(self, tokens: Sequence[int], *, max_len: int | None = None) -> StoredEntryInfo | None:
+        """The longest indexed entry whose tokens are a prefix of `tokens` (and at most `max_len` long)."""
+        tokens = tuple(tokens)
+        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
+        best: StoredEntryInfo | None = None
+        with self._lock:
+            for info in self._index.values():
+                n = len(info.tokens)
+                if n <= limit and (best is None or n > len(best.tokens)) and tokens[:n] == info.tokens:
+                    best = info
+        return best
+
+    def remove(self, key: str) -> None:
+        """Forget `key` and delete its file, if either exists."""
+        info = self._forget(key)
+        if info is not None:
+            _unlink(info.path)
+
+    def _forget(self, key: str) -> StoredEntryInfo | None:
+        with self._lock:
+            info = self._index.pop(key, None)
+            if info is not None:
+                self._nbytes -= info.file_bytes
+            return info
+
+    def _evict(self, room: int, *, keep: str | None = None) -> None:
+        """Drop least recently used entries until `room` more bytes fit under the cap."""
+        paths: list[Path] = []
+        with self._lock:
+            for key in [k for k in self._index if k != keep]:
+                if self._nbytes + room <= self.max_bytes:
+                    break
+                info = self._index.pop(key)
+                self._nbytes -= info.file_bytes
+                paths.append(info.path)
+        for path in paths:  # outside the lock: a reader never waits on file system calls
+            _unlink(path)
+
+    def _read_header(self, path: Path, file_bytes: int) -> StoredEntryInfo:
+        try:
+            with safe_open(path, framework="numpy") as f:  # checks the header covers the whole file
+                meta = f.metadata() or {}
+            tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
+        except _DAMAGED as exc:
+            raise _Unusable("damaged") from exc
+        return StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, file_bytes, path)
+
+    def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[int, ...]:
+        """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
+        if CacheIdentity.from_metadata(dict(meta)) != self.identity:
+            raise _Unusable("from another model, tokenizer, cache layout or format version")
+        tokens = _decode_tokens(meta[_TOKENS])
+        if self.identity.key(tokens) != key:
+            raise _Unusable("damaged (tokens do not match the file name)")
+        return tokens
+
+    def _load(self, info: StoredEntryInfo) -> HostEntry:
+        try:
+            # pread, not mmap: a file truncated under us must raise, not SIGBUS.
+            with safe_open(info.path, framework="numpy", backend="pread") as f:
+                meta = f.metadata() or {}
+                arrays = {name: f.get_tensor(name) for name in f.keys()}
+            tokens = self._check_identity(meta, info.key)
+            layout = {k: meta[k] for k in LAYOUT_KEYS}
+            if checksum(layout, tokens, arrays) != meta[_CHECKSUM]:
+                raise _Unusable("damaged (checksum mismatch)")
+        except _DAMAGED as exc:
+            raise _Unusable(f"damaged ({exc})") from exc
+        return HostEntry(tokens, arrays, layout)
+
+
+class _Unusable(Exception):
+    """A file that exists but cannot be used; `reason` says why (for the scan's summary)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _header(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
+    """A safetensors header: the JSON table of arrays (sorted, contiguous) and metadata, padded to 8 bytes."""
+    table: dict[str, object] = {"__metadata__": dict(meta)}
+    offset = 0
+    for name in sorted(arrays):
+        a = arrays[name]
+        if a.dtype not in _DTYPES or a.dtype.byteorder == ">":
+            raise ValueError(f"array {name}: dtype {a.dtype} cannot be stored")
+        table[name] = {"dtype": _DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(table, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _encode_tokens(tokens: Sequence[int]) -> str:
+    return base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode("ascii")
+
+
+def _decode_tokens(text: str) -> tuple[int, ...]:
+    """Raises ValueError (binascii.Error) for bad base64 or a length that is not whole int32s."""
+    return tuple(int(t) for t in np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4"))
+
+
+def _unlink(path: Path) -> int:
+    """Remove `path` if possible; 1 if it was removed. Never raises: a vanished directory is no error here."""
+    try:
+        path.unlink()
+        return 1
+    except OSError:
+        return 0

@@ -1,0 +1,1 @@
+"""Per-row sampling: samplers and logits processors, grammar masks, logprobs."""

@@ -1,0 +1,64 @@
+"""Turn `SamplingParams` into mlx-lm's sampler and logits processors.
+
+We reuse mlx-lm's own `make_sampler` / `make_logits_processors` so that our
+token choices are mlx-lm's token choices (the goldens check it); this module
+only maps our field names onto theirs. Runs on the lease thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlx_trio.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mlx_trio.engine.sampling.grammar import GrammarMatcher
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def build_sampler(params: SamplingParams) -> Sampler:
+    """mlx-lm's sampler chain for these params (greedy argmax when temperature is 0)."""
+    return make_sampler(
+        temp=params.temperature,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        top_k=params.top_k,
+    )
+
+
+def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """mlx-lm's logits processors; a penalty of 0 is skipped exactly as mlx-lm skips it."""
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty or None,
+        repetition_context_size=params.repetition_context_size,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=params.presence_context_size,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=params.frequency_context_size,
+    )
+
+
+def processed_logprobs(logits: mx.array, input_tokens: mx.array, context: mx.array | None,
+                       processors: Sequence[LogitsProcessor],
+                       matcher: GrammarMatcher | None) -> tuple[mx.array, mx.array | None]:
+    """The distribution a row samples from, and its processors' context grown by `input_tokens`.
+
+    mlx-lm's order (`generate_step`): the input tokens join the context, the
+    logits processors run over it, then (ours) the grammar mask; the result
+    is log-softmaxed. Logprobs are reported from this distribution, before
+    temperature and the top-k/top-p/min-p filters. Lazy; lease thread.
+    """
+    if processors:
+        context = input_tokens if context is None else mx.concatenate([context, input_tokens])
+        for processor in processors:
+            logits = processor(context, logits)
+    if matcher is not None:
+        logits = matcher.apply(logits)
+    return logits - mx.logsumexp(logits, keepdims=True), context

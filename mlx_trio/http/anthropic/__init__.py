@@ -1,0 +1,1 @@
+"""The Anthropic Messages wire API: request parsing, message objects and stream events."""

@@ -1,0 +1,134 @@
+"""OpenAI `tools`, `tool_choice`, `parallel_tool_calls` and tool messages → what the engine and router need.
+
+Wire checks only: each tool is a function with a name and an object schema;
+`tool_choice` names a known function; assistant `tool_calls` carry JSON
+arguments, which are decoded for the chat template (templates render them
+with `tojson`, as under mlx_lm.server).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.http.completion.tool_choice import tool_choice_constraint
+from mlx_trio.params import Constraint
+
+CHOICES = ("auto", "none", "required")
+
+
+@attrs.frozen
+class ToolsRequest:
+    """The tool part of one chat request.
+
+    `choice` is "auto", "none", "required" or "function" (`function_name`
+    says which). With "none" the template gets no tools and the output is not
+    parsed for calls: the model answers in text.
+    """
+
+    tools: tuple[Mapping[str, Any], ...] = ()
+    choice: str = "none"
+    function_name: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Tools go to the template and calls are parsed out of the output."""
+        return bool(self.tools) and self.choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [dict(t) for t in self.tools] if self.active else None
+
+    def constraint(self, parser_kind: str | None) -> Constraint | None:
+        if not self.active:
+            return None
+        return tool_choice_constraint(self.tools, self.choice, parser_kind, function_name=self.function_name,
+                                      parallel=self.parallel)
+
+
+NO_TOOLS = ToolsRequest()
+
+
+def parse_openai_tools(body: Mapping[str, Any]) -> ToolsRequest:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat completion body."""
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidParameter("tools", f"must be a list of tool objects, got {type(raw).__name__}")
+    tools = tuple(_function_tool(tool, i) for i, tool in enumerate(raw or []))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidParameter("parallel_tool_calls", "must be a boolean")
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    return ToolsRequest(tools, choice, name, parallel is not False)
+
+
+def checked_function(name: Any, parameters: Any, *, field: str) -> None:
+    """A function's name and parameters schema, as every tool format needs them."""
+    if not isinstance(name, str) or not name:
+        raise InvalidParameter(f"{field}.name", "must be a non-empty string")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidParameter(f"{field}.parameters", "must be a JSON Schema object")
+
+
+def _function_tool(tool: Any, index: int) -> dict[str, Any]:
+    field = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise InvalidParameter(field, 'must be {"type": "function", "function": {...}}; only function tools are supported')
+    function = tool["function"]
+    checked_function(function.get("name"), function.get("parameters"), field=f"{field}.function")
+    return tool
+
+
+def _tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    names = [t["function"]["name"] for t in tools]
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise InvalidParameter("tool_choice", f"must be one of {', '.join(CHOICES)} or a function, got {choice!r:.40}")
+        if choice == "required" and not tools:
+            raise InvalidParameter("tool_choice", "'required' needs at least one tool in tools")
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise InvalidParameter("tool_choice", 'must be a string or {"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise InvalidParameter("tool_choice", f"names function {name!r:.60}, which is not in tools ({', '.join(names) or 'none'})")
+    return "function", name
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: assistant `tool_calls` checked, their JSON arguments decoded."""
+    out = []
+    for i, message in enumerate(messages):
+        message = dict(message)
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if message.get("role") != "assistant" or not isinstance(calls, list):
+                raise InvalidParameter(f"messages[{i}].tool_calls", "must be a list, on an assistant message")
+            message["tool_calls"] = [_history_call(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(calls)]
+        if message.get("role") == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+            raise InvalidParameter(f"messages[{i}].tool_call_id", "must be a string")
+        out.append(message)
+    return out
+
+
+def _history_call(call: Any, field: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidParameter(field, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}')
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise InvalidParameter(f"{field}.function.arguments", "must be a JSON object text") from None
+    if not isinstance(arguments, dict):
+        raise InvalidParameter(f"{field}.function.arguments", "must be a JSON object (or its JSON text)")
+    return {**call, "function": {**function, "arguments": arguments}}

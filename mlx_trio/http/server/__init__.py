@@ -1,0 +1,1 @@
+"""The server plumbing: app, hypercorn server, SSE framing, errors, guards, drain, admin, info, metrics."""

@@ -1,0 +1,96 @@
+"""Fault injection over HTTP, and the HTTP child's own fault point.
+
+`GET/POST /v1/admin/faults` exist only with `ServerConfig.enable_fault_injection`
+(`mlx-trio serve --enable-fault-injection`); otherwise they are 404 like any
+unknown path. They need the API key like every endpoint but `/health`.
+
+The HTTP child is an actor like the others: at each request it checks
+`engine.faults.check("http")`. An armed fault crashes the whole server task
+(`AppState.crash`), not just the request that found it, so the supervisor
+restarts the child and the listening socket is bound again on the same port.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+from quart import Quart, Response, request
+
+from mlx_trio.http.server.errors import invalid_value
+from mlx_trio.http.server.info import json_response
+from mlx_trio.http.openai.requests import decode_json_object
+from mlx_trio.http.server.state import AppState
+from mlx_trio.supervision.faults import ArmedFault, FaultKind, InjectedFault
+
+log = logging.getLogger("mlx_trio.http")
+
+HTTP_ACTOR_ID = "http"
+# Matches any session (see `mlx_trio.supervision.faults`).
+ANY_SESSION = "session"
+# Session ids named in an "unknown actor" message; there may be thousands.
+MAX_SESSIONS_LISTED = 5
+
+
+def install_fault_point(app: Quart, state: AppState) -> None:
+    """Check the "http" fault first thing in every request."""
+    @app.before_request
+    async def http_fault_point() -> None:
+        try:
+            state.engine.faults.check(HTTP_ACTOR_ID)
+        except InjectedFault as exc:
+            log.error("%s: crashing the HTTP child", exc)
+            state.crash(exc)
+            # `HttpServer.run` now cancels hypercorn, this request's task with it: no response is sent.
+            await trio.sleep_forever()
+
+
+def register_admin(app: Quart, state: AppState) -> None:
+    if not state.config.enable_fault_injection:
+        return
+
+    @app.get("/v1/admin/faults")
+    async def list_faults() -> Response:
+        faults = state.engine.faults
+        return json_response({"armed": [_fault(f) for f in faults.armed()],
+                              "fired": [_fault(f) for f in faults.fired]})
+
+    @app.post("/v1/admin/faults")
+    async def arm_fault() -> Response:
+        body = decode_json_object(await request.get_data())
+        kind, actor = body.get("kind"), body.get("actor")
+        kinds = [k.value for k in FaultKind]
+        if kind not in kinds:
+            raise invalid_value("kind", f"must be one of {', '.join(map(repr, kinds))}, got {kind!r}")
+        if not isinstance(actor, str):
+            raise invalid_value("actor", f"must be an actor id as GET /v1/status shows it, got {actor!r}")
+        present = set(actor_ids(state.engine.status().get("tree", {})))
+        if actor not in present and actor != ANY_SESSION:
+            raise invalid_value("actor", f"no actor {actor!r} in the status tree; ids present: {_listing(present)}")
+        armed = state.engine.faults.arm(actor, kind)
+        log.warning("fault armed over HTTP: %s %s", armed.kind.value, armed.actor)
+        return json_response({"armed": _fault(armed)})
+
+
+def actor_ids(node: dict[str, Any]) -> Iterator[str]:
+    """The ids of the actors under `node`, depth first; supervisors are left out (they check no faults)."""
+    for child in node.get("children", ()):
+        if child.get("kind") != "supervisor":
+            yield str(child.get("id"))
+        yield from actor_ids(child)
+
+
+def _listing(ids: set[str]) -> str:
+    sessions = sorted(i for i in ids if i.startswith(f"{ANY_SESSION}-"))
+    names = sorted(ids - set(sessions))
+    names.append(f"{ANY_SESSION} (any session)")
+    names.extend(sessions[:MAX_SESSIONS_LISTED])
+    if len(sessions) > MAX_SESSIONS_LISTED:
+        names.append(f"and {len(sessions) - MAX_SESSIONS_LISTED} more sessions")
+    return ", ".join(names)
+
+
+def _fault(fault: ArmedFault) -> dict[str, str]:
+    return {"actor": fault.actor, "kind": fault.kind.value}

@@ -1,0 +1,61 @@
+"""The read-only endpoints: /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quart import Quart, Response
+
+from mlx_trio.http.server.errors import model_not_found
+from mlx_trio.http.server.state import AppState
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    # default=str: status values (enums, paths) must never turn a probe into a 500.
+    return Response(json.dumps(payload, default=str), status=status, mimetype="application/json")
+
+
+def register_info(app: Quart, state: AppState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise."""
+        if state.draining:
+            return json_response({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
+        ok, reason = state.engine.health()
+        if ok:
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable", "reason": reason}, 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [_model_object(state)]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id != state.model_name():
+            raise model_not_found(model_id, state.model_name())
+        return json_response(_model_object(state))
+
+    @app.get("/v1/status")
+    async def status() -> Response:
+        """The live supervision tree and engine counters (`Engine.status()`), plus HTTP counters."""
+        return json_response({**state.engine.status(), "http": {
+            "submitted_rows": state.submitted_rows, "draining": state.draining,
+            "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}})
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        """`{"batch": {...}, "prompt_cache": {...}}`: the engine's counters where it reports them, else the HTTP layer's view."""
+        status = state.engine.status()
+        counters = status.get("counters", {})
+        fallback = {
+            "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,
+            "submitted_rows": state.submitted_rows, "kv_bytes": 0, "kv_budget_bytes": None,
+        }
+        return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()},
+                              "prompt_cache": status.get("prompt_cache", {"enabled": False})})
+
+
+def _model_object(state: AppState) -> dict[str, Any]:
+    return {"id": state.model_name(), "object": "model", "created": state.started_at, "owned_by": "mlx-trio"}

@@ -1,0 +1,111 @@
+"""What the handlers share: the engine (as the small surface they use), the config, counters, drain, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from mlx_trio.errors import MlxTrioError
+from mlx_trio.events import GenerationEvent
+from mlx_trio.http.server.config import ServerConfig
+from mlx_trio.http.server.drain import Drain
+from mlx_trio.http.server.prometheus import Metrics
+from mlx_trio.output_format import OutputFormat
+from mlx_trio.supervision.faults import Faults
+
+
+class EngineLike(Protocol):
+    """What the HTTP layer needs from `mlx_trio.api.Engine`."""
+
+    # Armed by tests and POST /v1/admin/faults; the HTTP child checks "http" at each request.
+    faults: Faults
+
+    def health(self) -> tuple[bool, str]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    @property
+    def model_id(self) -> str: ...  # raises an MlxTrioError while the model loads
+
+    @property
+    def output_format(self) -> OutputFormat: ...  # the model's reasoning and tool-call markers
+
+    async def prepare_off_loop(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                               **sampling: Any) -> Any: ...  # also takes tools=[...] (only when a request has tools)
+
+    def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
+
+
+@asynccontextmanager
+async def closing(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[AsyncIterator[GenerationEvent]]:
+    """Close an `Engine.stream` on exit, however the block is left.
+
+    `Engine.stream` is an async generator: closing it is how a request is
+    cancelled in the engine (its KV cache freed), so a client that goes away
+    must never leave it to the garbage collector.
+    """
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+@attrs.define
+class AppState:
+    """What one incarnation of the app shares: engine, config, counters, drain, metrics, crash signal.
+
+    `drain` and `metrics` belong to the `HttpServer` and outlive a restart of
+    the HTTP child; the rest is per incarnation.
+    """
+
+    engine: EngineLike
+    config: ServerConfig
+    drain: Drain
+    metrics: Metrics
+    started_at: int = attrs.field(factory=lambda: int(time.time()))
+    # Requests handed to the engine since start (the /stats `submitted_rows`).
+    submitted_rows: int = 0
+    # Set when this incarnation's server task is being stopped (hypercorn's own graceful shutdown).
+    stopping: bool = False
+    # A handler that must crash the HTTP child sets these; `HttpServer.run` raises the error
+    # from the server task, so the supervisor restarts the child (see `crash`).
+    crash_error: BaseException | None = None
+    crashed: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def draining(self) -> bool:
+        """True once a drain or a shutdown began: /health turns 503, new completions are refused."""
+        return self.stopping or self.drain.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.stopping = value
+
+    def crash(self, error: BaseException) -> None:
+        """Make the server task raise `error`: an exception raised in a handler only fails its request.
+
+        Hypercorn runs each request in its own task and turns what a handler
+        raises into a 500, so a handler cannot crash the server by raising.
+        It stashes the error here instead; `HttpServer.run` waits on `crashed`,
+        cancels hypercorn (every connection is cut, as when a process dies)
+        and raises the error from the supervised task.
+        """
+        if self.crash_error is None:
+            self.crash_error = error
+        self.crashed.set()
+
+    def model_name(self) -> str:
+        """The served model id; never empty, even while the model loads."""
+        if self.config.model_name:
+            return self.config.model_name
+        try:
+            return self.engine.model_id
+        except MlxTrioError:
+            return "default"
