@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model  # noqa: E402
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model
 
 MODELS: dict[str, TinyModelSpec] = {"llama": LLAMA, "qwen3": QWEN3, "llama_swa": LLAMA_SWA}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from http_helpers import ServerThread, tiny_engine_config
+from tests.http.http_helpers import ServerThread, tiny_engine_config
 
 from mlx_trio.http import ServerConfig
 from mlx_trio.output_format import OutputFormat

@@ -7,23 +7,20 @@ module; tests talk to it over HTTP like any client would.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ has no packages: make fakes.py importable
 
-from fakes import FakeEngine  # noqa: E402
+from tests.http.fakes import FakeEngine
 
-from mlx_trio.config import EngineConfig  # noqa: E402
-from mlx_trio.http import HttpServer, ServerConfig  # noqa: E402
-from mlx_trio.params import SamplingParams  # noqa: E402
+from mlx_trio.config import EngineConfig
+from mlx_trio.http import HttpServer, ServerConfig
+from mlx_trio.params import SamplingParams
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_helpers import tiny_engine_config
+from tests.http.http_helpers import tiny_engine_config
 
 from mlx_trio.cli import build_parser, configs_from_args, main
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
 
 # Scalars with the awkward cases: huge integers, extreme floats, unicode (surrogates excluded: not JSON-encodable).
 scalars = (

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
 
 from tests.goldens import golden
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from http_helpers import CLIENT_TIMEOUT_S, ServerThread
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread
 
 SYSTEM = "You are a careful agent. Read the sea story and answer in plain words. " * 12
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from http_helpers import ServerThread
+from tests.http.http_helpers import ServerThread
 
 from mlx_trio.cli import build_parser, configs_from_args
 

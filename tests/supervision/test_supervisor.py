@@ -9,7 +9,7 @@ import trio
 
 from mlx_trio.errors import EngineFailure
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor, SupervisorGaveUp
-from supervision_helpers import Worker, recording
+from tests.supervision.supervision_helpers import Worker, recording
 
 START_ABC = ["start a", "start b", "start c"]
 STOP_CBA = ["stop c", "stop b", "stop a"]

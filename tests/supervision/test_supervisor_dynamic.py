@@ -10,7 +10,7 @@ import trio
 
 from mlx_trio.supervision import ChildSpec, Restart, Supervisor
 from mlx_trio.supervision.child import Child
-from supervision_helpers import Worker, recording
+from tests.supervision.supervision_helpers import Worker, recording
 
 
 def live_child_records() -> int:

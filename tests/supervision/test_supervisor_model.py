@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_trio.supervision import Restart, Strategy, Supervisor, SupervisorGaveUp
-from supervision_helpers import Worker, recording
+from tests.supervision.supervision_helpers import Worker, recording
 
 CRASH_KINDS = ("raise", "return", "raise_then_fail_start")
 

@@ -7,7 +7,7 @@ import json
 import trio
 
 from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
-from supervision_helpers import Worker, recording
+from tests.supervision.supervision_helpers import Worker, recording
 
 
 async def test_status_before_and_after_running() -> None:

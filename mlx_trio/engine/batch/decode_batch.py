@@ -283,7 +283,7 @@ class DecodeBatch:
         remains it is extracted to fresh serial-class caches: one copy of its
         KV, after which each step is the serial graph again (no per-row mask
         or RoPE offset arrays). Measured on an H200 (bf16, random weights,
-        scripts/batch_reference.py --bench-b1): a lone row decodes at 1.95 vs
+        mlx_trio/testing/batch_reference.py --bench-b1): a lone row decodes at 1.95 vs
         3.16 ms/step (Llama-1B shape, 1k context), 2.30 vs 4.05 (8k), 5.54 vs
         6.59 (8B shape) on solo vs B=1 batch caches; the leave step costs the
         same either way. A drained batch often runs alone for long, so we pay

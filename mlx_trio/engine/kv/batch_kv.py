@@ -24,7 +24,7 @@ offset array every step: one kernel per layer, a twentieth of a Llama
 layer's launches, for arrays that are equal in every layer. Here a layer's
 `offset` is derived from `_idx` (its position count) through a `_Offsets`
 object that `share_offsets` hands to every layer of a batch, so the add is
-built once per step. The offsets are exactly mlx-lm's (tests/engine/test_batch_kv.py).
+built once per step. The offsets are exactly mlx-lm's (tests/engine/kv/test_batch_kv.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""Drive a DecodeBatch (or a SerialGeneration) the way the decode actors do, recording tokens and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+
+from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.serial import SerialGeneration
+from mlx_trio.logprobs import SampledLogprobs
+from mlx_trio.params import SamplingParams
+
+from mlx_trio.testing.batch_reference import Arrival  # one arrival record for the engine and the reference
+
+
+@attrs.define
+class Outcome:
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[SampledLogprobs | None] = attrs.Factory(list)
+    finish_reason: str | None = None
+
+
+def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
+                 grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> dict[str, Outcome]:
+    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor."""
+    params = {a.request_id: a.params for a in arrivals}
+    out = {a.request_id: Outcome() for a in arrivals}
+    batch = DecodeBatch(model)
+    pending = sorted(arrivals, key=lambda a: a.at_step)
+
+    def record(rid: str, token: int, logprobs: SampledLogprobs | None) -> None:
+        row = out[rid]
+        if row.finish_reason is not None:
+            return  # the pipeline's wasted extra token
+        row.tokens.append(token)
+        row.logprobs.append(logprobs)
+        if token in eos:
+            row.finish_reason = "stop"
+        elif len(row.tokens) >= params[rid].max_tokens:
+            row.finish_reason = "length"
+
+    def record_all(ids: list[str], decoded: Decoded | None) -> None:
+        if decoded is not None:
+            for rid, token, logprobs in zip(ids, decoded.token_ids, decoded.logprobs, strict=True):
+                record(rid, token, logprobs)
+
+    step = 0
+    while pending or batch.size:
+        joiners = [a for a in pending if a.at_step <= step]
+        if joiners or any(out[rid].finish_reason for rid in batch.request_ids):
+            if batch.size:
+                record_all(batch.request_ids, batch.flush_decoded())
+            leaving = [rid for rid in batch.request_ids if out[rid].finish_reason]
+            if leaving:
+                batch.leave(leaving)
+            for a in joiners:
+                pending.remove(a)
+                row = SoloRow(model, a.request_id, a.prompt_ids, a.params, prefill_step_size=prefill_step_size,
+                              grammar_tokenizer=grammar_tokenizer)
+                while row.prefill_chunk():
+                    pass
+                record(a.request_id, row.first_token(), row.token0_logprobs)
+                if out[a.request_id].finish_reason:
+                    row.close()
+                else:
+                    batch.join(row, row.token0)
+        if batch.size:
+            ids = batch.request_ids
+            record_all(ids, batch.step_decoded())
+        step += 1
+    return out
+
+
+def serial_run(model: Any, prompt_ids: tuple[int, ...], params: SamplingParams, *, eos: Collection[int],
+               grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> Outcome:
+    """The serial lane's tokens and logprobs for one request (mlx-lm's generate_step, token for token)."""
+    gen = SerialGeneration(model, prompt_ids, params, prefill_step_size=prefill_step_size,
+                           grammar_tokenizer=grammar_tokenizer)
+    while gen.prefill_chunk():
+        pass
+    out = Outcome()
+    for _ in range(params.max_tokens):
+        token, logprobs = gen.step_decoded()
+        out.tokens.append(token)
+        out.logprobs.append(logprobs)
+        if token in eos:
+            out.finish_reason = "stop"
+            break
+    else:
+        out.finish_reason = "length"
+    gen.close()
+    return out
