@@ -237,7 +237,7 @@ async def main(args: argparse.Namespace) -> None:
         limiter = trio.CapacityLimiter(1)
         to_thread_threads: set[int] = set()
         rounds = [await measure_round(lease, limiter, x, to_thread_threads, args) for _ in range(args.repeat)]
-        # Every thread that ran MLX must drop its streams before exit (trio-mlx.md §1.5),
+        # Every thread that ran MLX must drop its streams before exit (docs/design.md §8.2),
         # and only once: clear_streams leaves the thread unable to run MLX again. The
         # worker pool is LIFO, so this lands on the worker that ran the last loop.
         released = await trio.to_thread.run_sync(release_and_ident, limiter=limiter)

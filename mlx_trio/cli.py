@@ -34,7 +34,7 @@ log = logging.getLogger("mlx_trio.cli")
 # How often "still loading" is logged while the model loads (a first default-model
 # start converts a GGUF, which takes a while on a small machine).
 LOAD_PROGRESS_EVERY_S = 5.0
-# trio-mlx.md §2.5: bounds how long the Trio thread waits for the GIL held by the lease thread.
+# docs/design.md §8.4: bounds how long the Trio thread waits for the GIL held by the lease thread.
 SWITCH_INTERVAL_S = 0.001
 
 

@@ -1,4 +1,4 @@
-"""The layering rules of DEVELOPERS.md, checked on the source's import statements."""
+"""The layering rules of docs/architecture.md, checked on the source's import statements."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The admission actor: FIFO, head-of-line, never reordered (batching-design.md §4.1).
+"""The admission actor: FIFO, head-of-line, never reordered (docs/design.md §1).
 
 A queued request is admitted when fewer than `max_rows` rows are in flight
 (prefilling or decoding) and its projected worst-case KV bytes fit the budget

@@ -1,4 +1,4 @@
-"""The decode-step actor of the batch lane: owns the running batch (batching-design.md §4.3–§4.5).
+"""The decode-step actor of the batch lane: owns the running batch (docs/design.md §3, §4).
 
 Each loop turn: settle membership if rows want to join or leave (flush the
 pipeline, filter finished rows out, join prefilled rows: adopt into an empty
@@ -175,7 +175,7 @@ class DecodeStepActor:
         self._kv_bytes = batch.nbytes
 
     async def _put_finished(self, leaving: list[str]) -> None:
-        """Finish-time put (batching-design.md §4.5): leaving rows' KV goes to the prompt cache.
+        """Finish-time put (docs/design.md §6.3): leaving rows' KV goes to the prompt cache.
 
         A lone row hands its caches over without a copy; a batched row with a
         long enough prompt is extracted before the filter drops it.

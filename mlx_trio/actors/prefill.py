@@ -1,4 +1,4 @@
-"""The prefill actor: joiners prefill alone, one chunk per lease job (batching-design.md §4.2).
+"""The prefill actor: joiners prefill alone, one chunk per lease job (docs/design.md §2).
 
 Each chunk of a long prompt is one GPU-lease job, queued behind the decode
 jobs already waiting, so running rows stall at most one chunk while it
@@ -34,7 +34,7 @@ from mlx_trio.supervision.faults import Faults, InjectedFault
 
 log = logging.getLogger("mlx_trio.prefill")
 
-# A prefill this long (uncached tokens) stores a boundary snapshot (batching-design.md §4.2).
+# A prefill this long (uncached tokens) stores a boundary snapshot (docs/design.md §2.6).
 SNAPSHOT_MIN_TOKENS = 256
 # While rows decode, a joiner prefills chunks of prefill_step_size / this: a chunk's cost (and so
 # the decode stall) grows with its length times the prefix (H200, 1B shape, 8.5k prompt: 666 ms
@@ -139,7 +139,7 @@ class PrefillActor:
             self._backlog.clear()
 
     def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
-        """Where this prefill stores a snapshot (batching-design.md §4.2), or None.
+        """Where this prefill stores a snapshot (docs/design.md §2.6), or None.
 
         Only a prefill of at least `SNAPSHOT_MIN_TOKENS` uncached tokens pays
         for one. It goes at the prompt's last message boundary, so sibling

@@ -5,8 +5,8 @@ these functions in its thread through its ``on_thread_start`` /
 ``on_thread_exit`` hooks. Since mlx 0.31.2 each OS thread has its own default
 stream and thread-local command encoders, so the thread that builds a lazy
 graph must be the thread that evaluates it, and a thread that used MLX must
-drop its streams before it ends (docs/gpu-lease.md; the reference notes
-trio-mlx.md §1.1 and §1.5).
+drop its streams before it ends (docs/gpu-lease.md; docs/design.md §8.1
+and §8.2).
 
 No Trio here: these are plain sync functions that block until MLX is done.
 """

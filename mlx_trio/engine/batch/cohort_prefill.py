@@ -1,4 +1,4 @@
-"""Prefill several solo rows as one batch: equal chunks of real tokens (batching-design.md §4.2).
+"""Prefill several solo rows as one batch: equal chunks of real tokens (docs/design.md §2.4).
 
 Requests that arrive together (an agent's sub-agents fanning out) would
 otherwise prefill one after another: B forwards of a short prompt, each as

@@ -1,7 +1,7 @@
 """How many bytes a request's KV cache can grow to: the admission budget's arithmetic.
 
 GPU out-of-memory cannot be caught, so admission projects the worst case
-before a request runs (batching-design.md §4.1, §6): a row's cache at
+before a request runs (docs/design.md §1.3, §6.1): a row's cache at
 `prompt + max_tokens` tokens for this model's cache layout, plus the
 transient of prefilling one chunk. The layout is measured once, at load,
 by running one token through a fresh cache; that way every architecture

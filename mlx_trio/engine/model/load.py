@@ -93,7 +93,7 @@ class LoadedModel:
         rendered without the generation prompt, shares this many leading
         tokens with the whole chat. The next turn of the conversation and
         sibling requests with the same history share that prefix, so the
-        prompt cache snapshots it (batching-design.md §4.2).
+        prompt cache snapshots it (docs/design.md §2.6).
         """
         if isinstance(prompt, str) or len(prompt) < 2 or not all(isinstance(m, Mapping) for m in prompt):
             return None

@@ -1,7 +1,7 @@
 """Token ids → text deltas, with stop strings matched on the decoded text.
 
 Pure Python (no MLX): the session actor runs it on the Trio thread, keeping
-detokenization and string work off the lease thread (trio-mlx.md §2.5).
+detokenization and string work off the lease thread (docs/design.md §8.4).
 
 Stop strings are matched on detokenized text, not on token ids, so a stop
 word that tokenizes differently in context (" Paris" vs "Paris") still stops.

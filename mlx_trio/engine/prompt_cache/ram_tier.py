@@ -1,4 +1,4 @@
-"""The RAM tier of the prompt cache: token-prefix lookup, LRU eviction by bytes (batching-design.md §4.2, §4.5).
+"""The RAM tier of the prompt cache: token-prefix lookup, LRU eviction by bytes (docs/design.md §6.2).
 
 Entries map the token ids whose KV a set of per-layer caches holds to those
 caches. A lookup finds the longest *usable* prefix of a prompt: an entry that
