@@ -8,7 +8,7 @@ comma := ,
 EXTRA_SPEC := $(if $(EXTRAS),$(EXTRAS)$(comma)test,test)
 ARGS ?=
 
-.PHONY: setup serve test test-slow goldens bench clean
+.PHONY: setup serve test test-slow goldens bench clients clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest $(ARGS)
 
 test-slow: $(VENV)/.installed $(VENV)/.default-model
-	$(BIN)/python -m pytest -m slow $(ARGS)
+	MLX_TRIO_CLIENTS=$(abspath $(CLIENTS)) $(BIN)/python -m pytest -m slow $(ARGS)
 
 goldens: $(VENV)/.installed
 	$(BIN)/python scripts/make_goldens.py
@@ -40,5 +40,12 @@ goldens: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/lease_overhead.py
 
+# The agent CLIs the slow tier drives (tests/clients, docs/harnesses.md), pinned to the
+# versions last checked; CLIENT_VERSIONS= installs the latest.
+CLIENTS ?= .clients
+CLIENT_VERSIONS ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+clients:
+	npm install --prefix $(CLIENTS) --no-audit --no-fund $(or $(CLIENT_VERSIONS),@anthropic-ai/claude-code @openai/codex)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CLIENTS) build *.egg-info
