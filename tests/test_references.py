@@ -53,7 +53,8 @@ _PATH_CHAR = r"[\w.-]"
 _FILE = rf"{_PATH_CHAR}*\w\.(?:{_EXTENSIONS})(?![\w/])(?:#[\w-]+)?"  # name.ext, perhaps #anchor
 _PATH = re.compile(rf"(?<![\w./~-])((?:{_PATH_CHAR}+/)+(?:{_FILE}|(?![\w.-])))")
 _BARE_PAGE = re.compile(r"(?<![\w./~-])([\w.-]*\w\.md)\b(?!/)")
-_REFERENCE_NOTES = re.compile(r"batching-design|trio-mlx|mlx-lm-0\.32\.2\.md|harnesses\.md")
+# `harnesses.md` is a reference note unless it is our own docs/harnesses.md.
+_REFERENCE_NOTES = re.compile(r"batching-design|trio-mlx|mlx-lm-0\.32\.2\.md|(?<!docs/)(?<![\w/(])harnesses\.md")
 _LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 _SECTION = r"§\d+(?:\.\d+)*"
 _SECTION_LIST = rf"{_SECTION}(?:(?:,\s*|\s+and\s+|\s+or\s+|\s*[–-]\s*){_SECTION})*"
