@@ -105,17 +105,13 @@ class Engine:
         """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field.
 
         `tools` (OpenAI function tools) go to the chat template; a model
-        without a tool-calling format refuses them.
+        without a tool-calling format refuses them. Chat roles, message
+        contents and template arguments are checked once, by `LoadedModel.encode`
+        (`engine/model/chat.py`), whoever the caller.
         """
         params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
         if params.constraint is not None:
             self.model.check_constraint(params.constraint)
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidParameter("prompt", "must not be empty")
-        if not isinstance(prompt, str) and not isinstance(prompt, Sequence):
-            raise InvalidParameter("prompt", f"must be a string, a list of messages or a list of token ids, got {type(prompt).__name__}")
-        if not isinstance(prompt, str) and len(prompt) == 0:
-            raise InvalidParameter("prompt", "must not be empty")
         ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
         if not ids:
             raise InvalidParameter("prompt", "tokenizes to no tokens")

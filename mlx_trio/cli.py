@@ -24,6 +24,7 @@ from mlx_trio.api import Engine
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
+from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.http import HttpServer, ServerConfig
 from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
     arg("--top-k", type=int, default=0, help="default top-k; 0 is off (default: %(default)s)")
     arg("--min-p", type=float, default=0.0, help="default min-p; 0 is off (default: %(default)s)")
-    arg("--chat-template-args", type=_json_object, default={},
+    arg("--chat-template-args", type=_template_args, default={},
         help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
     arg("--api-key", default=os.environ.get("MLX_TRIO_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY; unset: no key)")
@@ -252,6 +253,16 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _template_args(text: str) -> dict[str, Any]:
+    """A JSON object of template variables the engine lets a request set (else every chat would be a 400)."""
+    value = _json_object(text)
+    try:
+        check_template_args(value)
+    except InvalidParameter as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlx_trio.engine.model.chat import check_chat
 from mlx_trio.errors import ContextTooLong, EngineFailure, InvalidParameter, MlxTrioError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.output_format import PLAIN, OutputFormat
@@ -64,11 +65,15 @@ class FakeEngine:
         return "fake-model"
 
     def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                **sampling: Any) -> FakeRequest:
+                tools: Any = None, **sampling: Any) -> FakeRequest:
         if not self.loaded:
             raise EngineFailure("the model is not loaded yet")
-        self.prepared.append((prompt, {"chat_template_kwargs": chat_template_kwargs, **sampling}))
+        self.prepared.append((prompt, {"chat_template_kwargs": chat_template_kwargs, "tools": tools, **sampling}))
         params = SamplingParams.from_kwargs(sampling).validate(vocab_size=100)
+        if isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt):
+            # The engine's own semantic checks, as `LoadedModel.encode` runs them.
+            check_chat(prompt, template_args=chat_template_kwargs or {}, tools=tools,
+                       output_format=self.output_format, model_id=self.model_id)
         n = len(prompt) if isinstance(prompt, (list, tuple)) else len(prompt.split())
         if n + params.max_tokens > self.context_length:
             raise ContextTooLong(f"{n} + {params.max_tokens} tokens is over the context of {self.context_length}")
@@ -121,12 +126,6 @@ class ScriptedEngine(FakeEngine):
         self.output_format = output_format
         self.scripts = list(scripts)
         self.chars_per_delta = chars_per_delta
-
-    def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: Any = None, **sampling: Any) -> FakeRequest:
-        request = super().prepare(prompt, chat_template_kwargs=chat_template_kwargs, **sampling)
-        self.prepared[-1][1]["tools"] = tools
-        return request
 
     async def stream(self, request: FakeRequest) -> AsyncGenerator[GenerationEvent, None]:
         text = self.scripts.pop(0)

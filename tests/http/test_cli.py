@@ -68,7 +68,8 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
                                   ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
-                                  ["--shutdown-timeout", "nan"]])
+                                  ["--shutdown-timeout", "nan"], ["--chat-template-args", '{"chat_template": "x"}'],
+                                  ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""
     with pytest.raises(SystemExit) as info:

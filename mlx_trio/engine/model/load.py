@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
 from mlx_trio.errors import InvalidParameter, ModelLoadError
+from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer, compile_constraint
 from mlx_trio.engine.kv.layout import KvLayout, measure_layout, weights_bytes
@@ -26,10 +27,6 @@ from mlx_trio.output_format import PLAIN, OutputFormat
 from mlx_trio.params import Constraint
 
 Message = Mapping[str, Any]
-
-# apply_chat_template's own parameters: a request may not change how we call it.
-_TEMPLATE_OWN_ARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
-                                "continue_final_message", "padding", "truncation", "max_length", "tools", "documents"})
 
 
 @attrs.frozen
@@ -65,7 +62,7 @@ class LoadedModel:
     def encode(self, prompt: str | Sequence[Message] | Sequence[int], *,
                chat_template_kwargs: Mapping[str, Any] | None = None,
                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """Token ids for a raw string, a chat (list of messages) or given ids.
+        """Token ids for a raw string, a chat (list of messages) or given ids; raises `InvalidParameter` naming the field.
 
         A string is tokenized as mlx-lm's stream_generate does (special tokens
         added unless it already starts with BOS); messages go through the
@@ -73,14 +70,21 @@ class LoadedModel:
         `tools` (OpenAI function tools) are given to the template as mlx_lm.server does.
         """
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameter("prompt", "must not be empty")
             return self._encode_text(prompt)
+        if not isinstance(prompt, Sequence):
+            raise InvalidParameter("prompt", "must be a string, a list of messages or a list of token ids, "
+                                             f"got {type(prompt).__name__}")
         items = list(prompt)
-        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not items:
+            raise InvalidParameter("prompt", "must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             bad = [t for t in items if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return items
-        if items and all(isinstance(m, Mapping) for m in items):
+        if all(isinstance(m, Mapping) for m in items):
             return self._encode_chat(items, dict(chat_template_kwargs or {}), tools)
         raise InvalidParameter("prompt", "must be a non-empty string, a list of chat messages or a list of token ids")
 
@@ -99,7 +103,7 @@ class LoadedModel:
             return None
         try:
             head = self.tokenizer.apply_chat_template(
-                [_flatten_content(m, i) for i, m in enumerate(prompt[:-1])], add_generation_prompt=False,
+                template_messages(prompt[:-1]), add_generation_prompt=False,
                 **dict(chat_template_kwargs or {}), **({"tools": [dict(t) for t in tools]} if tools else {}),
             )
         except Exception:  # a template may refuse a chat ending on a non-user turn: no boundary then
@@ -127,47 +131,20 @@ class LoadedModel:
                      tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise InvalidParameter("messages", f"model {self.model_id} has no chat template; send a raw prompt instead")
-        if tools and not self.output_format.has_tool_calling:
-            raise InvalidParameter("tools", f"model {self.model_id} has no tool-calling format mlx-lm recognises "
-                                            "in its chat template; remove tools (or send tool_choice 'none')")
-        reserved = sorted(set(template_kwargs) & _TEMPLATE_OWN_ARGS)
-        if reserved:
-            raise InvalidParameter("chat_template_kwargs", f"may not set {', '.join(reserved)}; the engine sets those")
-        for i, message in enumerate(messages):
-            if not isinstance(message.get("role"), str):
-                raise InvalidParameter(f"messages[{i}].role", "must be a string")
+        checked = check_chat(messages, template_args=template_kwargs, tools=tools, output_format=self.output_format,
+                             model_id=self.model_id)
         try:
             ids = self.tokenizer.apply_chat_template(
-                [_flatten_content(m, i) for i, m in enumerate(messages)],
+                checked,
                 add_generation_prompt=True,
                 **({"tools": [dict(t) for t in tools]} if tools else {}),
                 **template_kwargs,
             )
-        except InvalidParameter:
-            raise
         except Exception as exc:  # jinja raises arbitrary errors for bad chats
             raise InvalidParameter("messages", f"the chat template rejected these messages: {exc}") from exc
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise InvalidParameter("chat_template_kwargs", "the chat template did not produce token ids")
         return ids
-
-
-def _flatten_content(message: Message, index: int) -> dict[str, Any]:
-    """Text-part lists become one string, as mlx_lm.server does; other part types are refused."""
-    out = dict(message)
-    content = message.get("content")
-    if content is None:
-        out["content"] = ""
-    elif isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidParameter(f"messages[{index}].content[{j}]", "only parts of type 'text' with a string 'text' are supported")
-            texts.append(part["text"])
-        out["content"] = "".join(texts)
-    elif not isinstance(content, str):
-        raise InvalidParameter(f"messages[{index}].content", "must be a string, null or a list of text parts")
-    return out
 
 
 def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> LoadedModel:

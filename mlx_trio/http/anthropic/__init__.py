@@ -1,1 +1,1 @@
-"""The Anthropic Messages wire API: request parsing, message objects and stream events."""
+"""The Anthropic Messages wire API: request parsing, renderer, message objects and stream events."""

@@ -16,8 +16,9 @@ from typing import Any
 import attrs
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.openai.requests import CompletionCall, is_int, json_type, optional_field, template_kwargs
+from mlx_trio.http.completion.call import CompletionCall, template_kwargs
 from mlx_trio.http.completion.tools import ToolsRequest, checked_function, template_messages
+from mlx_trio.http.server.body import is_int, json_type, optional_field
 
 # Anthropic's sampling fields and ours (SamplingParams) where the names differ.
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}

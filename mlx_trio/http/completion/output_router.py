@@ -99,10 +99,6 @@ class OutputRouter:
         self._after_call = None
         return pieces
 
-    def finish_reason(self, engine_reason: str) -> str:
-        """OpenAI's "tool_calls" when the model stopped after calling tools, else the engine's reason."""
-        return "tool_calls" if engine_reason == "stop" and self.num_tool_calls else engine_reason
-
     def _route(self, segments: list[tuple[str | None, str]]) -> list[Piece]:
         pieces: list[Piece] = []
         for state, text in segments:

@@ -1,1 +1,1 @@
-"""The OpenAI wire APIs: chat and text completions, their request parsing, objects, chunks and logprobs."""
+"""The OpenAI wire APIs: chat and text completions, their request parsing, renderer, objects, chunks and logprobs."""

@@ -1,8 +1,8 @@
 """OpenAI response objects and stream chunks for chat and text completions.
 
 One `ResponseShape` per request holds what every chunk repeats (id, created,
-model) so a stream's chunks all agree. Builders return plain dicts; framing
-them as SSE is `sse.py`'s job.
+model) so a stream's chunks all agree. Builders return plain dicts; which
+chunks a stream sends, framed as SSE, is `render.py`'s job.
 """
 
 from __future__ import annotations

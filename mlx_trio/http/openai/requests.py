@@ -1,11 +1,11 @@
 """Chat and text completion bodies → `Engine.prepare` arguments, naming the field on error.
 
-Only wire concerns live here: JSON decoding, OpenAI field names and aliases
+Only wire concerns live here: OpenAI field names and aliases
 (`max_completion_tokens`), shapes (`messages` vs `prompt`), the two spellings
 of logprobs (chat's bool + `top_logprobs`, text's int), `response_format` into
 a `Constraint`, fields we refuse rather than silently ignore (`n` > 1,
-`echo`). Value ranges that
-depend on the model (top_k vs vocabulary, context length) are checked by
+`echo`). Value ranges that depend on the model (top_k vs vocabulary, context
+length), chat roles, message contents and template arguments are checked by
 `Engine.prepare`, which raises the same `InvalidParameter`.
 """
 
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import attrs
 
-from mlx_trio.errors import ContextTooLong, InvalidParameter, RequestError
-from mlx_trio.http.server.errors import invalid_body, invalid_json
-from mlx_trio.http.completion.tools import NO_TOOLS, ToolsRequest, parse_openai_tools, template_messages
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.http.completion.call import CompletionCall, template_kwargs
+from mlx_trio.http.completion.tools import template_messages
+from mlx_trio.http.openai.tools import parse_openai_tools
+from mlx_trio.http.server.body import is_int, json_type, optional_field
 from mlx_trio.params import MAX_TOP_LOGPROBS, Constraint
 
 # Passed through to SamplingParams under the same names (mlx_lm.server's names).
@@ -39,67 +40,6 @@ MAX_SEED = 2**64 - 1
 # *_context_size would fail inside the decoder instead of here.
 INT32_FIELDS = ("top_k", "repetition_context_size", "presence_context_size", "frequency_context_size")
 MAX_INT32 = 2**31 - 1
-# apply_chat_template's own parameters: as template variables they would change what it returns.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
-
-
-@attrs.frozen
-class CompletionCall:
-    """One parsed completion request: the prompt, how to sample, how to answer.
-
-    `prompt` is what `Engine.prepare` takes: a string or token ids for text
-    completions, a list of message objects for chat. `prompt_field` is the
-    body key it came from, used to name it in errors raised later.
-    """
-
-    chat: bool
-    prompt: Any
-    sampling: Mapping[str, Any] = attrs.field(converter=lambda m: MappingProxyType(dict(m)), hash=False)
-    chat_template_kwargs: Mapping[str, Any] | None
-    stream: bool
-    include_usage: bool
-    tools: ToolsRequest = NO_TOOLS
-
-    @property
-    def prompt_field(self) -> str:
-        return "messages" if self.chat else "prompt"
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return bool(self.sampling.get("logprobs"))
-
-    def prepare_kwargs(self) -> dict[str, Any]:
-        return {"chat_template_kwargs": self.chat_template_kwargs, **self.sampling}
-
-    def in_wire_terms(self, exc: RequestError) -> RequestError:
-        """Name the body key the client used in an error raised by `Engine.prepare`."""
-        if isinstance(exc, InvalidParameter) and exc.field == "prompt" and self.chat:
-            return InvalidParameter("messages", exc.message)
-        if isinstance(exc, ContextTooLong) and exc.field != self.prompt_field:
-            return ContextTooLong(exc.message, field=self.prompt_field)
-        if isinstance(exc, InvalidParameter) and exc.field == "constraint":
-            # The grammar came from response_format, or else from tool_choice (see tool_kwargs).
-            return InvalidParameter("response_format" if "constraint" in self.sampling else "tool_choice", exc.message)
-        return exc
-
-
-def decode_json_object(raw: bytes | str) -> dict[str, Any]:
-    """Parse a request body; anything but a JSON object is a 400 naming the problem."""
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise invalid_json("nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise invalid_json(f"not UTF-8 ({exc.reason})") from None
-    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers over Python's digit limit
-        raise invalid_json(str(exc)) from None
-    if not isinstance(body, dict):
-        raise invalid_body(json_type(body))
-    return body
 
 
 def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:
@@ -109,15 +49,10 @@ def parse_chat(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any])
         raise InvalidParameter("messages", f"must be a list of message objects, got {json_type(messages)}")
     if not messages:
         raise InvalidParameter("messages", "must not be empty")
+    # Shapes only: roles and contents are the engine's to check (`Engine.prepare`, naming `messages[i]...`).
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidParameter(f"messages[{i}]", f"must be an object, got {json_type(message)}")
-        if not isinstance(message.get("role"), str):
-            raise InvalidParameter(f"messages[{i}].role", f"must be a string, got {json_type(message.get('role'))}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise InvalidParameter(f"messages[{i}].content",
-                                   f"must be a string, null or a list of text parts, got {json_type(content)}")
     tools = parse_openai_tools(body)
     call = _common(body, chat=True, prompt=template_messages(messages), template_defaults=template_defaults)
     logprobs = bool(optional_field(body, "logprobs", bool))
@@ -237,15 +172,6 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
                           stream=stream, include_usage=include_usage)
 
 
-def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any] | None:
-    given = optional_field(body, "chat_template_kwargs", dict) or {}
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(given))
-    if reserved:
-        raise InvalidParameter(f"chat_template_kwargs.{reserved[0]}", "is set by the server and cannot be overridden")
-    merged = {**defaults, **given}
-    return merged or None
-
-
 def _check_seed(seed: Any) -> None:
     if is_int(seed) and not 0 <= seed <= MAX_SEED:
         raise InvalidParameter("seed", f"must be between 0 and {MAX_SEED}, got {seed}")
@@ -258,30 +184,3 @@ def _check_logit_bias(bias: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_ABS_LOGIT_BIAS:
             raise InvalidParameter("logit_bias",
                                    f"bias for token {key!r:.40} must be between -100 and 100, got {value}")
-
-
-def optional_field(body: Mapping[str, Any], name: str, kind: type, *, field: str | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
-        raise InvalidParameter(field or name, f"must be {_KIND_NAMES[kind]}, got {json_type(value)}")
-    return value
-
-
-_KIND_NAMES = {str: "a string", bool: "a boolean", int: "an integer", dict: "an object"}
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def json_type(value: Any) -> str:
-    names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-             list: "array", dict: "object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")

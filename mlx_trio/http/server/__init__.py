@@ -1,1 +1,1 @@
-"""The server plumbing: app, hypercorn server, SSE framing, errors, guards, drain, admin, info, metrics."""
+"""The server plumbing: app, hypercorn server, JSON bodies, SSE framing, errors, guards, drain, admin, info, metrics."""

@@ -19,9 +19,9 @@ from typing import Any
 import trio
 from quart import Quart, Response, request
 
+from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import invalid_value
 from mlx_trio.http.server.info import json_response
-from mlx_trio.http.openai.requests import decode_json_object
 from mlx_trio.http.server.state import AppState
 from mlx_trio.supervision.faults import ArmedFault, FaultKind, InjectedFault
 

@@ -12,7 +12,7 @@ from mlx_trio.events import Finished, GenerationEvent, TextDelta, Usage
 if TYPE_CHECKING:
     from mlx_trio.http.server.prometheus import Metrics
 
-log = logging.getLogger("mlx_trio.http.openai.requests")
+log = logging.getLogger("mlx_trio.http.requests")
 
 
 class RequestLog:

@@ -10,7 +10,7 @@ from typing import Any
 import anthropic
 import pytest
 from tests.http.fakes import FakeEngine, ScriptedEngine
-from tests.http.http_helpers import serve_fake
+from tests.http.http_helpers import serve_fake, sse_events
 
 from mlx_trio.output_format import OutputFormat
 
@@ -79,6 +79,18 @@ async def test_stream_event_sequence(tools_format: OutputFormat) -> None:
     assert [json.loads(d.partial_json) for d in deltas if d.type == "input_json_delta"] == [{"city": "Paris"}]
     assert final.stop_reason == "tool_use" and final.content[2].input == {"city": "Paris"}
     assert final.usage.output_tokens > 0
+
+
+async def test_stream_bytes_start_with_message_start_ping_then_keepalives() -> None:
+    """On the wire: named events, `message_start` and `ping` first, the prefill's keep-alive comments, `message_stop` last."""
+    async with serve_fake(FakeEngine()) as (_, http):
+        response = await http.post("/v1/messages", json={"max_tokens": 2, "messages": ASK, "stream": True})
+    events = sse_events(response.text)
+    assert [e.split("\n")[0] for e in events[:4]] == ["event: message_start", "event: ping", ": keepalive 0/1",
+                                                       ": keepalive 1/1"]
+    assert all(e.split("\n")[0] == f"event: {json.loads(e.split('data: ', 1)[1])['type']}"
+               for e in events if not e.startswith(":"))
+    assert events[-1] == 'event: message_stop\ndata: {"type":"message_stop"}'
 
 
 async def test_agent_loop_with_tool_result(tools_format: OutputFormat) -> None:

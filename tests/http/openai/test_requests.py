@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 
 from mlx_trio.errors import ContextTooLong, InvalidParameter
-from mlx_trio.http.server.errors import HttpError
-from mlx_trio.http.openai.requests import decode_json_object, parse_chat, parse_text
+from mlx_trio.http.openai.requests import parse_chat, parse_text
 from mlx_trio.params import Constraint
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -81,19 +80,6 @@ def test_errors_from_prepare_are_renamed_to_the_body_key() -> None:
     assert call.in_wire_terms(ContextTooLong("too long", field="prompt")).field == "messages"  # type: ignore[attr-defined]
     text = parse_text({"prompt": "hi"}, template_defaults={})
     assert text.in_wire_terms(ContextTooLong("too long")).field == "prompt"  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("raw", [b'{"a": 1}', '{"a": 1}'])
-def test_decode_accepts_bytes_and_text(raw: bytes | str) -> None:
-    """The body decodes from bytes or str."""
-    assert decode_json_object(raw) == {"a": 1}
-
-
-def test_decode_rejects_non_objects_with_an_http_error() -> None:
-    """A JSON array is an HttpError 400 invalid_body."""
-    with pytest.raises(HttpError) as info:
-        decode_json_object(b"[]")
-    assert info.value.error.status == 400 and info.value.error.code == "invalid_body"
 
 
 def test_logprobs_in_both_spellings() -> None:

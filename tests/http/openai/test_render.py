@@ -1,4 +1,4 @@
-"""SSE framing, disconnects and the response timeout, over a live server with a fake engine."""
+"""OpenAI streams (`http/openai/render.py`) on the wire: framing, disconnects, the response timeout; a fake engine."""
 
 from __future__ import annotations
 

@@ -1,0 +1,84 @@
+"""What a chat must be before the model's template sees it: the semantic checks, once for every caller.
+
+`Engine.prepare` (through `LoadedModel.encode`) is the one place these run,
+for the embeddable API and for every HTTP wire API alike. HTTP checks only
+its JSON shapes (a list of message objects, field types of its own wire
+format) and renames the fields of the `InvalidParameter` raised here to the
+body's own keys; the field names used here (`messages[i].role`,
+`chat_template_kwargs.<name>`, `tools`) are already the OpenAI ones.
+Pure Python: no MLX, so tests' fake engines run the same checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.output_format import OutputFormat
+
+# `apply_chat_template`'s own parameters, and the template itself: as template variables they
+# would change how the engine calls the template, or swap the model's template for the request's.
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_chat(messages: Sequence[Mapping[str, Any]], *, template_args: Mapping[str, Any],
+               tools: Sequence[Mapping[str, Any]] | None, output_format: OutputFormat,
+               model_id: str) -> list[dict[str, Any]]:
+    """Raise `InvalidParameter` naming the field unless the chat can go to the template; return its messages.
+
+    The messages come back as the template takes them (`template_messages`).
+    `tools` need a model with a tool-calling format mlx-lm recognises.
+    """
+    if tools and not output_format.has_tool_calling:
+        raise InvalidParameter("tools", f"model {model_id} has no tool-calling format mlx-lm recognises "
+                                        "in its chat template; remove tools (or send tool_choice 'none')")
+    check_template_args(template_args)
+    return template_messages(messages)
+
+
+def check_template_args(template_args: Mapping[str, Any]) -> None:
+    """Refuse template variables the engine sets itself, or that would replace the model's template."""
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(template_args))
+    if not reserved:
+        return
+    name = reserved[0]
+    if name == "chat_template":
+        raise InvalidParameter("chat_template_kwargs.chat_template",
+                               "cannot replace the model's chat template; a request renders with the one "
+                               "the model was loaded with")
+    raise InvalidParameter(f"chat_template_kwargs.{name}", "is set by the engine and cannot be overridden")
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each message with a string role and its content as one string (text parts joined, None → "").
+
+    Text-part lists become one string, as mlx_lm.server does; other part types are refused.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidParameter(f"messages[{i}].role", "must be a string")
+        out.append({**message, "content": _content(message.get("content"), i)})
+    return out
+
+
+def _content(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameter(f"messages[{index}].content", "must be a string, null or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidParameter(f"messages[{index}].content[{j}]",
+                                   "only parts of type 'text' with a string 'text' are supported")
+        texts.append(part["text"])
+    return "".join(texts)

@@ -1,0 +1,191 @@
+"""The one path that serves a completion, for every wire API: prepare, stream or collect, render.
+
+    parse (the wire API's)  →  serve_completion:
+        Engine.prepare_off_loop      (400 naming the body's own key, via `CompletionCall.in_wire_terms`)
+        Engine.stream, through the drain
+        stream: wait for the first event (errors before any output keep their
+                status: a full queue is a 503 + Retry-After), then SSE frames:
+                keep-alive comments while the prompt prefills, text through the
+                output router, an in-band error event after the headers
+        collect: the whole text, routed once
+    →  render (the wire API's `Renderer`)
+
+Leaving early, by a client disconnect (quart-trio cancels the handler, or
+closes the stream body) or a drain that times out (`server/drain.py`),
+closes `Engine.stream`, which cancels the request in the engine and frees
+its KV cache. Every request logs one line (`server/metrics.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Response
+
+from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
+from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
+from mlx_trio.http.completion.call import CompletionCall
+from mlx_trio.http.completion.output_router import OutputRouter
+from mlx_trio.http.completion.renderer import Renderer
+from mlx_trio.http.server.errors import ApiError, api_error, draining
+from mlx_trio.http.server.metrics import RequestLog
+from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
+from mlx_trio.http.server.sse import comment
+from mlx_trio.http.server.state import AppState, closing
+from mlx_trio.logprobs import TokenLogprob
+from mlx_trio.output_format import PLAIN
+
+log = logging.getLogger("mlx_trio.http")
+
+
+async def serve_completion(state: AppState, call: CompletionCall, renderer: Renderer) -> Response:
+    """Serve one parsed request: SSE frames or one JSON object, in `renderer`'s shapes."""
+    if state.draining:
+        raise draining()
+    prepared = await prepare(state, call)
+    # Text completions are not split: their output is shown as the model wrote it, markers included.
+    router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
+                          prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
+                          tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix)
+    request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
+    state.submitted_rows += 1
+    # A drain that times out cuts the wait for the next event: a 503 before the headers, else an in-band error.
+    events = state.drain.interruptible(state.engine.stream(prepared))
+    if call.stream:
+        # Wait for the first event before sending headers, so that errors before any output
+        # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
+        first = await _first_event(events, request_log)
+        frames = _stream(first, events, renderer, router, request_log, logprobs=call.wants_logprobs,
+                         prompt_tokens=len(getattr(prepared, "prompt_ids", ())))
+        response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
+        # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
+        response.timeout = None
+        return response
+    text, finished, logprobs = await _collect(events, request_log)
+    body = renderer.whole([*router.feed(text), *router.finish()], finished, router.num_tool_calls,
+                          logprobs if call.wants_logprobs else None)
+    return Response(json.dumps(body, ensure_ascii=False), status=200, mimetype="application/json")
+
+
+async def prepare(state: AppState, call: CompletionCall) -> Any:
+    """`Engine.prepare_off_loop` of the call; its errors in the body's own terms."""
+    try:
+        return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
+    except RequestError as exc:
+        raise call.in_wire_terms(exc) from None
+
+
+def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
+    """`tools` and the `tool_choice` constraint for `Engine.prepare`; none when the request uses no tools.
+
+    A model without a tool-calling format gets the tools all the same:
+    `Engine.prepare` refuses them, naming `tools` (there is no call syntax
+    to write a constraint for).
+    """
+    if not call.tools.active:
+        return {}
+    kwargs: dict[str, Any] = {"tools": call.tools.template_tools()}
+    fmt = state.engine.output_format
+    constraint = call.tools.constraint(fmt.tool_parser_kind) if fmt.has_tool_calling else None
+    if constraint is not None:
+        if "constraint" in call.sampling:
+            raise InvalidParameter("tool_choice", "a required or named tool_choice cannot be combined with "
+                                                  "response_format; drop one of them")
+        kwargs["constraint"] = constraint
+    return kwargs
+
+
+async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
+    # Whatever ends this await (an error, the client leaving) also ends the generator: nothing to close.
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise ActorCrashed("the generation ended without any event") from None
+    except Exception as exc:
+        request_log.done(api_error(exc).code or "error")
+        raise
+    except BaseException:
+        request_log.done("cancelled")
+        raise
+    request_log.saw(first)
+    return first
+
+
+async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], renderer: Renderer,
+                  router: OutputRouter, request_log: RequestLog, *, logprobs: bool,
+                  prompt_tokens: int) -> AsyncIterator[bytes]:
+    """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
+
+    Closing this generator early (the client went away: quart closes the body
+    iterator, or cancels the task writing it) closes `events`, which cancels
+    the request in the engine and frees its KV cache.
+    """
+    outcome = "cancelled"
+    try:
+        async with closing(events):
+            for frame in renderer.opening(prompt_tokens):
+                yield frame
+            item = first
+            while not isinstance(item, Finished):
+                if isinstance(item, PromptProgress):
+                    yield comment(f"keepalive {item.processed}/{item.total}")
+                elif isinstance(item, TextDelta):
+                    for frame in renderer.delta(router.feed(item.text), item.logprobs if logprobs else None):
+                        yield frame
+                item = await _next(events)
+                request_log.saw(item)
+            outcome = item.finish_reason
+            for frame in renderer.finish(router.finish(), item, router.num_tool_calls):
+                yield frame
+    except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
+        error = _stream_failure(exc, renderer.id)
+        outcome = error.code or error.type
+        for frame in renderer.error(error):
+            yield frame
+    finally:
+        request_log.done(outcome)
+    for frame in renderer.closing():
+        yield frame
+
+
+async def _next(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:  # an engine stream always ends with Finished or an error
+        raise ActorCrashed("the generation ended without a finish event") from None
+
+
+def _stream_failure(exc: Exception, stream_id: str) -> ApiError:
+    """What a stream that already started sends as its last event; server-side failures are logged."""
+    error = api_error(exc)
+    if error.status >= 500:
+        log.warning("stream %s failed: %r", stream_id, exc)
+    return error
+
+
+async def _collect(events: AsyncIterator[GenerationEvent],
+                   request_log: RequestLog) -> tuple[str, Finished, list[TokenLogprob]]:
+    """A whole non-streamed generation: its text, its `Finished` and its logprobs; logs the outcome."""
+    texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    outcome = "cancelled"
+    try:
+        async with closing(events):
+            while True:
+                event = await _next(events)
+                request_log.saw(event)
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                    logprobs.extend(event.logprobs)
+                elif isinstance(event, Finished):
+                    outcome = event.finish_reason
+                    return "".join(texts), event, logprobs
+    except Exception as exc:
+        error = api_error(exc)
+        outcome = error.code or error.type
+        raise
+    finally:
+        request_log.done(outcome)

@@ -1,0 +1,59 @@
+"""The engine's chat checks (`engine/model/chat.py`) on their own: what every caller's chat must be."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlx_trio.engine.model.chat import RESERVED_TEMPLATE_ARGS, check_chat, template_messages
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.output_format import PLAIN
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def test_contents_become_one_string_each() -> None:
+    """Text parts are joined and None is empty, as mlx_lm.server does; other keys pass through; the input is kept."""
+    messages = [{"role": "system", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "n"}]
+    assert template_messages(messages) == [{"role": "system", "content": ""},
+                                           {"role": "user", "content": "ab", "name": "n"}]
+    assert messages[0]["content"] is None
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    ({"content": "x"}, "messages[1].role"),
+    ({"role": None, "content": "x"}, "messages[1].role"),
+    ({"role": "user", "content": 5}, "messages[1].content"),
+    ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}, "messages[1].content[1]"),
+    ({"role": "user", "content": [{"type": "text", "text": 3}]}, "messages[1].content[0]"),
+])
+def test_bad_messages_name_the_field(message: dict[str, Any], field: str) -> None:
+    """Roles must be strings and contents text; the error names the message (and part) by index."""
+    with pytest.raises(InvalidParameter) as info:
+        template_messages([{"role": "user", "content": "ok"}, message])
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_TEMPLATE_ARGS))
+def test_every_reserved_template_argument_is_refused(name: str) -> None:
+    """The template's own parameters and the template itself cannot come from a request."""
+    with pytest.raises(InvalidParameter) as info:
+        check_chat([{"role": "user", "content": "x"}], template_args={"enable_thinking": True, name: 1}, tools=None,
+                   output_format=PLAIN, model_id="m")
+    assert info.value.field == f"chat_template_kwargs.{name}"
+
+
+def test_template_variables_of_the_models_own_are_accepted() -> None:
+    """Anything else (enable_thinking, custom variables) is the template's business."""
+    assert check_chat([{"role": "user", "content": "x"}], template_args={"enable_thinking": False, "x": 1},
+                      tools=None, output_format=PLAIN, model_id="m") == [{"role": "user", "content": "x"}]
+
+
+def test_tools_need_a_tool_calling_format() -> None:
+    """A model mlx-lm finds no tool format for refuses tools, naming `tools` and the model."""
+    with pytest.raises(InvalidParameter) as info:
+        check_chat([{"role": "user", "content": "x"}], template_args={}, tools=[TOOL], output_format=PLAIN,
+                   model_id="tiny")
+    assert info.value.field == "tools" and "tiny" in str(info.value)
