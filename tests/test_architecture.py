@@ -306,26 +306,27 @@ def test_the_architecture_checks_see_files() -> None:
 
 # -- the checkers fail where they should ------------------------------------------------------------
 
-def _write(root: Path, files: Mapping[str, str]) -> Path:
+def _write(root: Path, files: Mapping[str, str], *, packages: bool = True) -> Path:
+    """`files` under `root`; with `packages`, every directory they are in gets an `__init__.py` with a docstring."""
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
+    if packages:
+        for directory in {parent for name in files for parent in (root / name).parents if parent != root
+                          and parent.is_relative_to(root)}:
+            if not (directory / "__init__.py").exists():
+                (directory / "__init__.py").write_text(f'"""The {directory.name} room."""\n')
     return root / "mlx_trio"
 
 
 def test_the_room_check_sees_absolute_relative_and_submodule_imports(tmp_path: Path) -> None:
     package = _write(tmp_path, {
-        "mlx_trio/__init__.py": '"""p"""',
-        "mlx_trio/engine/__init__.py": '"""e"""',
-        "mlx_trio/engine/batch/__init__.py": '"""b"""',
         "mlx_trio/engine/batch/step.py": "X = 1\n",
-        "mlx_trio/engine/kv/__init__.py": '"""k"""',
         "mlx_trio/engine/kv/a.py": "from mlx_trio.engine.batch.step import X\n",
-        "mlx_trio/engine/kv/b.py": "from ..batch import step\n",
-        "mlx_trio/engine/model/__init__.py": '"""m"""',
-        "mlx_trio/engine/model/c.py": "from mlx_trio.engine import kv\nfrom . import d\n",
-        "mlx_trio/engine/model/d.py": "",
+        "mlx_trio/engine/kv/b.py": "from ..batch import step\nfrom . import a\n",  # a: the same room, no edge
+        "mlx_trio/engine/model/c.py": "from mlx_trio.engine import kv\n",
     })
+    assert packages_without_docstring(package) == []
     table = {"engine": set(), "engine/batch": set(), "engine/kv": set(), "engine/model": {"engine/batch"}}
     assert room_imports(package) == {
         ("engine/kv", "engine/batch"): {("mlx_trio.engine.kv.a", "mlx_trio.engine.batch.step"),
@@ -356,12 +357,12 @@ def test_sys_path_edits_are_found_but_reads_are_not() -> None:
 
 
 def test_the_package_checks_see_a_missing_docstring_and_a_testing_import(tmp_path: Path) -> None:
+    """http/ has no __init__.py and http/room/ an empty one; bench/ may import testing, http/room/ may not."""
     package = _write(tmp_path, {
         "mlx_trio/__init__.py": '"""p"""',
         "mlx_trio/http/room/__init__.py": "",
         "mlx_trio/http/room/a.py": "from mlx_trio.testing import tiny_models\n",
-        "mlx_trio/testing/__init__.py": '"""t"""',
         "mlx_trio/bench/__init__.py": '"""b"""\nfrom mlx_trio.testing.tiny_models import LLAMA\n',
-    })
+    }, packages=False)
     assert packages_without_docstring(package) == ["mlx_trio/http", "mlx_trio/http/room"]
     assert modules_importing_testing(package) == ["mlx_trio.http.room.a"]
