@@ -4,7 +4,7 @@ Usage:
     python benchmarks/decode_variants.py --shape llama-1b --batches 1,4,16,64
     python benchmarks/decode_variants.py --shape tiny --batches 4 --steps 32     # a CPU shape check
 
-Every variant is the bare loop of batch_throughput.py (forward + argmax,
+Every variant is the bare loop of benchmarks/batch_throughput.py (forward + argmax,
 ``async_eval`` one step ahead, ``tolist`` of the previous step) on B equal
 prompts, differing in one thing:
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +39,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")  # as the engine's lease thread (engine/lease_thread.py)
 
-from batch_throughput import SHAPES, build_shape, run_in_mlx_thread, tiny_tokenizer_dir  # noqa: E402
+from mlx_trio.testing.shaped_models import (  # noqa: E402  (after the environment variable)
+    SHAPES,
+    build_shape,
+    run_in_mlx_thread,
+    tiny_tokenizer_dir,
+)
 
 VARIANTS = ("kvcache", "batchkv", "hostpadded", "padded", "lse", "direct", "report", "chain", "chain+trio")
 SKIP = 8  # steps not timed: buffer growth and first-use kernels

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -37,10 +36,8 @@ from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease  # noqa: E402
-from mlx_trio.engine.lease_thread import release_thread_streams  # noqa: E402
+from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
+from mlx_trio.engine.lease_thread import release_thread_streams
 
 Call = Callable[..., Awaitable[Any]]
 WARMUP_CALLS = 200

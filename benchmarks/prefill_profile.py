@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +21,9 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_throughput import build_shape  # noqa: E402
-
-from mlx_trio.engine.batch.solo_row import SoloRow  # noqa: E402
-from mlx_trio.params import SamplingParams  # noqa: E402
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.shaped_models import build_shape
 
 
 def ours(model, prompt: list[int], chunk: int, clear: bool) -> tuple[list[float], float]:

@@ -15,15 +15,13 @@ import argparse
 import json
 import random
 import sys
-from pathlib import Path
 
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlx_trio.bench.client import RequestResult, RequestSpec, messages, stream_chat  # noqa: E402
-from mlx_trio.bench.metrics import chunk_times_s  # noqa: E402
-from mlx_trio.bench.workloads import words  # noqa: E402
+from mlx_trio.bench.client import RequestResult, RequestSpec, messages, stream_chat
+from mlx_trio.bench.metrics import chunk_times_s
+from mlx_trio.bench.workloads import words
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:

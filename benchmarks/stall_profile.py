@@ -41,15 +41,12 @@ from typing import Any
 import attrs
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batch_throughput import SHAPES, resolve_model  # noqa: E402
-
-from mlx_trio import open_engine  # noqa: E402
-from mlx_trio.cli import serve  # noqa: E402
-from mlx_trio.config import EngineConfig  # noqa: E402
-from mlx_trio.events import TextDelta  # noqa: E402
-from mlx_trio.http.server.config import ServerConfig  # noqa: E402
+from mlx_trio import open_engine
+from mlx_trio.cli import serve
+from mlx_trio.config import EngineConfig
+from mlx_trio.events import TextDelta
+from mlx_trio.http.server.config import ServerConfig
+from mlx_trio.testing.shaped_models import SHAPES, resolve_model
 
 
 @attrs.frozen
@@ -212,8 +209,7 @@ def main() -> int:
     args = p.parse_args()
     sys.setswitchinterval(0.001)  # as `mlx-trio serve`
     with tempfile.TemporaryDirectory() as tmp:
-        args.model = None
-        model_dir, label = resolve_model(args, Path(tmp))
+        model_dir, label = resolve_model(Path(tmp), shape=args.shape, model=None, num_layers=args.num_layers)
         print(f"# {label}")
         trio.run(profile, model_dir, args)
     return 0

@@ -45,6 +45,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "mlx_trio"
 THIS = PurePosixPath(Path(__file__).resolve().relative_to(REPO).as_posix())
+# The checkers' own tests: their fixtures are fake trees whose paths exist only in a tmp_path.
+CHECKERS = frozenset({THIS, PurePosixPath("tests/test_architecture.py")})
 
 _EXTENSIONS = "py|md|json|txt|toml|sh|png|cfg|ini|yaml|yml"
 _PATH_CHAR = r"[\w.-]"
@@ -256,7 +258,7 @@ def scan(repo: Repo, files: Iterable[str]) -> list[Problem]:
 
 def test_every_citation_in_the_repository_resolves() -> None:
     repo = _tracked_repo()
-    files = sorted(f for f in repo.files if f.endswith((".py", ".md")) and PurePosixPath(f) != THIS)
+    files = sorted(f for f in repo.files if f.endswith((".py", ".md")) and PurePosixPath(f) not in CHECKERS)
     problems = scan(repo, files)
     assert not problems, "citations that do not resolve:\n" + "\n".join(map(str, problems))
 
