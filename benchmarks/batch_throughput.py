@@ -21,8 +21,8 @@ B prompts (random token ids, equal length, greedy, ``max_tokens`` fixed):
 * ``bare``     one batched cache (B=1: mlx-lm ``KVCache``; B>1: ``BatchKVCache``,
                no padding), model forward + argmax, ``mx.async_eval`` one step
                ahead, ``tolist`` of the previous step, nothing else;
-* at B=1 also ``serial`` (our strict serial lane, an engine opened with
-               ``batch=1``) and ``stream_gen`` (mlx-lm ``stream_generate``).
+* at B=1 also ``batch1`` (an engine opened with ``batch=1``: the same
+               lane capped at one row, no prompt cache) and ``stream_gen`` (mlx-lm ``stream_generate``).
 
 Every baseline runs as one job on the engine's GPU-lease thread, so they use the
 engine's evaluated weights, and no two measurements overlap. Each measurement
@@ -33,8 +33,8 @@ tables show medians.
 ``--pairs N`` adds, after each B's rounds, N short interleaved pairs
 (``--pair-tokens``, default 64): the engine's B requests then the bare loop
 on the same prompts, in ABBA order (engine,bare then bare,engine ...); at B=1
-also one greedy request through the batch lane and one through the serial
-lane. Host speed drifts over seconds, so adjacent short runs in alternating
+also one greedy request through the engine and one through the ``batch=1``
+engine. Host speed drifts over seconds, so adjacent short runs in alternating
 order judge a ratio far better than whole rounds do. Reported: the median and
 interquartile range of the per-pair decode ratios, and the ratio of medians.
 
@@ -178,19 +178,19 @@ def decode_batch_direct(model: Any, prompts: list[list[int]], max_tokens: int,
             row.prefill_chunk()
         token0 = row.first_token()
         times[i].append(time.perf_counter())
-        batch.join(row, token0)
+        batch.join_many([(row, token0)])
     step_host_s = 0.0
     for _ in range(max_tokens - 1):
         s = time.perf_counter()
-        tokens = batch.step()
+        decoded = batch.step_decoded()
         now = time.perf_counter()
         step_host_s += now - s
-        if tokens is not None:
+        if decoded is not None:
             for ts in times:
                 ts.append(now)
-    tokens = batch.flush()
+    decoded = batch.flush_decoded()
     now = time.perf_counter()
-    if tokens is not None:
+    if decoded is not None:
         for ts in times:
             ts.append(now)
     t1 = time.perf_counter()
@@ -256,7 +256,7 @@ def machine_info() -> dict[str, Any]:
 
 async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """B concurrent requests; token arrival times at the consumer; lease and decoder counters."""
-    lease, decoder = engine.actors.lease, engine.actors.decoder
+    lease, decoder = engine.actors.lane.lease, engine.actors.lane.decode_step
     l0, d0 = lease.statistics(), decoder.statistics()
     times: list[list[float]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
@@ -288,7 +288,7 @@ async def engine_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> 
     busy = l1.busy_s - l0.busy_s
     chains = getattr(d1, "chains", 0) - getattr(d0, "chains", 0)
     steps = getattr(d1, "steps", None)
-    steps = steps - d0.steps if steps is not None else max(usage)  # serial lane: one job per token
+    steps = steps - d0.steps if steps is not None else max(usage)  # no step counter: one job per token
     out = summarize(
         t0, t1, times, lease_jobs=jobs, step_chains=chains, lease_busy_s=busy, decode_steps=steps,
         lease_gap_us_per_job=1e6 * (t1 - t0 - busy) / max(jobs, 1),
@@ -352,10 +352,10 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     async with open_engine(str(model_dir), batch=max(batches), kv_budget_bytes=args.kv_budget,
                            prefill_step_size=step, prompt_cache_bytes=args.prompt_cache_bytes) as engine:
         async with contextlib.AsyncExitStack() as stack:
-            serial = None
-            if 1 in batches:  # the strict serial lane, for the B=1 comparison
-                serial = await stack.enter_async_context(open_engine(str(model_dir), batch=1, prefill_step_size=step))
-            lease = engine.actors.lease
+            batch1 = None
+            if 1 in batches:  # an engine opened with batch=1, for the B=1 comparison
+                batch1 = await stack.enter_async_context(open_engine(str(model_dir), batch=1, prefill_step_size=step))
+            lease = engine.actors.lane.lease
             loaded = engine.model
             results["machine"] = await lease.run(machine_info)
             model = loaded.model
@@ -368,12 +368,12 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                     "batchgen": partial(lease.run, partial(batch_generator, model, prompts, M, step)),
                     "bare": partial(lease.run, partial(bare_loop, model, prompts, M, step)),
                 }
-                if B == 1 and serial is not None:
-                    methods["serial"] = partial(engine_run, serial, prompts, M)
+                if B == 1 and batch1 is not None:
+                    methods["batch1"] = partial(engine_run, batch1, prompts, M)
                     methods["stream_gen"] = partial(lease.run, partial(stream_gen, model, loaded.tokenizer,
                                                                        prompts[0], M, step))
                 if not args.repeats:  # --pairs only: warm up just what the pairs run
-                    methods = {k: v for k, v in methods.items() if k in ("engine", "bare", "serial")}
+                    methods = {k: v for k, v in methods.items() if k in ("engine", "bare", "batch1")}
                 runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
                 t_b = time.perf_counter()
                 for name, fn in methods.items():  # warm-up: the same work, not recorded
@@ -390,13 +390,13 @@ async def bench_batches(args: argparse.Namespace, model_dir: Path) -> dict[str, 
                 tokens_ok = {name: (min(r["min_row_tokens"] for r in rs), max(r["max_row_tokens"] for r in rs))
                              for name, rs in runs.items() if rs}  # --repeats 0: pairs only
                 row["row_tokens_min_max"] = tokens_ok
-                if "serial" in runs:  # paired ratio per round, then the median
-                    pairs = dec_ratios(runs["engine"], runs["serial"])
-                    row["b1_batch_over_serial_paired"] = statistics.median(pairs) if pairs else None
+                if "batch1" in runs:  # paired ratio per round, then the median
+                    pairs = dec_ratios(runs["engine"], runs["batch1"])
+                    row["b1_engine_over_batch1_paired"] = statistics.median(pairs) if pairs else None
                     row["b1_pairs"] = pairs
                     if args.pairs > 0:
                         pair = await interleaved(partial(engine_run, engine, prompts[:1], args.pair_tokens),
-                                                 partial(engine_run, serial, prompts[:1], args.pair_tokens),
+                                                 partial(engine_run, batch1, prompts[:1], args.pair_tokens),
                                                  args.pairs)
                         row.update({"b1_pairs_interleaved": pair["ratios"], "b1_pair_tokens": args.pair_tokens,
                                     "b1_interleaved_median": pair["median"], "b1_interleaved_q1_q3": pair["q1_q3"],
@@ -481,7 +481,7 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
               f"{fmt(m['engine']['lease_gap_us_per_step'], '.0f')} | {fmt(_r(jobs, steps), '.2f')} |")
     print_pairs(rows)
     print()
-    print("per decode step (ms): bare loop host split, and the engine's DecodeBatch.step() host time (direct)")
+    print("per decode step (ms): bare loop host split, and the engine's DecodeBatch.step_decoded() host time (direct)")
     print("| B | bare step | bare: build graph | bare: async_eval | bare: wait for device | direct step() |")
     print("|---:|---:|---:|---:|---:|---:|")
     for row in rows:
@@ -491,23 +491,23 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"| {row['B']} | {fmt(step, '.2f')} | {fmt(b.get('build_ms'), '.2f')} | {fmt(b.get('launch_ms'), '.2f')} | "
               f"{fmt(b.get('wait_ms'), '.2f')} | {fmt(m['direct'].get('step_ms'), '.2f')} |")
     for row in rows:
-        if row["B"] == 1 and "serial" in row["median"]:
+        if row["B"] == 1 and "batch1" in row["median"]:
             m = row["median"]
             print()
-            print("B=1: batch lane vs strict serial lane vs mlx-lm stream_generate (decode tok/s; e2e tok/s)")
-            print("| batch lane | serial lane | stream_generate | bare loop | batch/serial (paired median) "
-                  "| serial/bare | stream_generate/bare |")
+            print("B=1: engine vs --batch 1 engine vs mlx-lm stream_generate (decode tok/s; e2e tok/s)")
+            print("| engine | --batch 1 | stream_generate | bare loop | engine/batch1 (paired median) "
+                  "| batch1/bare | stream_generate/bare |")
             print("|---:|---:|---:|---:|---:|---:|---:|")
-            e, s, sg, b = (m[k]["dec_tok_s"] for k in ("engine", "serial", "stream_gen", "bare"))
-            ee, se = m["engine"]["e2e_tok_s"], m["serial"]["e2e_tok_s"]
+            e, s, sg, b = (m[k]["dec_tok_s"] for k in ("engine", "batch1", "stream_gen", "bare"))
+            ee, se = m["engine"]["e2e_tok_s"], m["batch1"]["e2e_tok_s"]
             print(f"| {fmt(e)} ({fmt(ee)}) | {fmt(s)} ({fmt(se)}) | {fmt(sg)} | {fmt(b)} | "
-                  f"{fmt(row['b1_batch_over_serial_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
+                  f"{fmt(row['b1_engine_over_batch1_paired'], '.3f')} | {fmt(_r(s, b), '.2f')} | "
                   f"{fmt(_r(sg, b), '.2f')} |")
-            print(f"  paired batch/serial ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
+            print(f"  paired engine/batch1 ratios: {', '.join(f'{x:.3f}' for x in row['b1_pairs'])}")
 
 
 def print_pairs(rows: list[dict[str, Any]]) -> None:
-    """The interleaved-pair results (--pairs): engine/bare per B, and batch/serial at B=1."""
+    """The interleaved-pair results (--pairs): engine/bare per B, and engine/batch1 at B=1."""
     paired = [row for row in rows if row.get("bare_pairs")]
     if paired:
         tokens = paired[0]["bare_pairs"]["tokens"]
@@ -538,8 +538,8 @@ def print_pairs(rows: list[dict[str, Any]]) -> None:
             q1, q3 = row["b1_interleaved_q1_q3"]
             quartiles = f" ({q1:.3f}-{q3:.3f})" if q1 is not None else ""
             print()
-            print(f"B=1 batch lane vs serial lane, interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x "
-                  f"{row['b1_pair_tokens']} tokens): batch/serial median {fmt(row['b1_interleaved_median'], '.3f')}, "
+            print(f"B=1 engine vs --batch 1 engine, interleaved ABBA pairs ({len(row['b1_pairs_interleaved'])} x "
+                  f"{row['b1_pair_tokens']} tokens): engine/batch1 median {fmt(row['b1_interleaved_median'], '.3f')}, "
                   f"IQR {fmt(row['b1_interleaved_iqr'], '.3f')}{quartiles}, "
                   f"ratio of medians {fmt(row['b1_interleaved_ratio_of_medians'], '.3f')}")
 
@@ -554,7 +554,7 @@ async def bench_long_prompts(args: argparse.Namespace, model_dir: Path) -> dict[
     out: dict[str, Any] = {"requests": rows, "prompt_tokens": length, "max_tokens": M}
     async with open_engine(str(model_dir), batch=rows, kv_budget_bytes=args.kv_budget,
                            prefill_step_size=args.prefill_step_size) as engine:
-        lease, loaded = engine.actors.lease, engine.model
+        lease, loaded = engine.actors.lane.lease, engine.model
         out["machine"] = await lease.run(machine_info)
         prompts = pick_prompts(rows, length, loaded.vocab_size, args.seed + 1)
         out["projected_bytes_per_request"] = loaded.kv_layout.request_bytes(length, M, args.prefill_step_size)
@@ -567,8 +567,8 @@ async def bench_long_prompts(args: argparse.Namespace, model_dir: Path) -> dict[
 
         async def watch() -> None:
             while not done.is_set():
-                a = engine.actors.admission.statistics()
-                d = engine.actors.decoder.statistics()
+                a = engine.actors.lane.admission.statistics()
+                d = engine.actors.lane.decode_step.statistics()
                 counters = engine.status()["counters"]
                 peaks["in_flight_rows"] = max(peaks["in_flight_rows"], a.in_flight_rows)
                 peaks["reserved_bytes"] = max(peaks["reserved_bytes"], a.reserved_bytes)
@@ -658,7 +658,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="measured rounds per B after one warm-up (default 3; 0 with --pairs: pairs only)")
     p.add_argument("--pairs", type=int, default=0,
-                   help="after each B's rounds, N interleaved (ABBA) engine/bare pairs, and at B=1 batch/serial "
+                   help="after each B's rounds, N interleaved (ABBA) engine/bare pairs, and at B=1 engine/batch1 "
                         "single-request pairs (default 0: off)")
     p.add_argument("--pair-tokens", type=int, default=64, help="max_tokens of each --pairs run (default 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048)

@@ -147,7 +147,7 @@ def direct(model: Any, prompts: list[list[int]], steps: int, variant: str) -> di
         if variant == "report":
             batch.steps_decoded(1, lambda decoded: None)
         else:
-            batch.step()
+            batch.step_decoded()
     clock.tick(steps)
     batch.close()
     mx.clear_cache()

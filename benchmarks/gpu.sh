@@ -1,7 +1,7 @@
 #!/bin/bash
 # mlx-trio vs mlx-lm on an NVIDIA H200 (MLX's CUDA backend): random-weight Llama-1B and Llama-8B shaped
 # models (bf16) built on the device, then
-#   engine (optional): B=1 decode (ours, serial lane and batch lane) vs mlx-lm stream_generate; aggregate decode at
+#   engine (optional): B=1 decode (ours, at --batch 1 and --batch N) vs mlx-lm stream_generate; aggregate decode at
 #           B=8/32/64 (ours, batch lane) vs mlx-lm BatchGenerator; the fraction of the HBM bandwidth limit
 #           that B=1 reaches (weights read once per step);
 #   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU);
@@ -201,8 +201,8 @@ else:
             await engine.complete(prompts[0], max_tokens=16, logit_bias=bias)  # warm-up: compile, first allocations
             return engine.model.weights_bytes, [{"B": B, **await run_rows(engine, B)} for B in Bs]
 
-    weights_bytes, serial = trio.run(lane, 1, [1])
-    rows += [{"stack": "ours", "lane": "serial (--batch 1)", **r} for r in serial]
+    weights_bytes, alone = trio.run(lane, 1, [1])
+    rows += [{"stack": "ours", "lane": "--batch 1 (one row)", **r} for r in alone]
     _, batched = trio.run(lane, max(batches), batches)
     rows += [{"stack": "ours", "lane": f"batch (--batch {max(batches)})", **r} for r in batched]
 json.dump({"side": side, "weights_bytes": weights_bytes, "decode_tokens": T, "prompt_tokens": PROMPT_LEN,

@@ -122,7 +122,7 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
             raise RuntimeError("the long prompt produced no token")
 
         rounds: list[tuple[float, float]] = []  # (arrival, first token) of each long prompt
-        with recording(engine.actors.lease) as (log, trio_steps):
+        with recording(engine.actors.lane.lease) as (log, trio_steps):
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
                     nursery.start_soon(stream, i)
@@ -150,7 +150,7 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
         client = [sys.executable, str(Path(__file__).with_name("stall_client.py")), "--url", server.url,
                   "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
                   "--long-words", str(args.long_words), "--rounds", str(args.rounds)]
-        with recording(server.engine.actors.lease) as (log, trio_steps):
+        with recording(server.engine.actors.lane.lease) as (log, trio_steps):
             done = await trio.run_process(client, capture_stdout=True)
         nursery.cancel_scope.cancel()
     measured = json.loads(done.stdout)

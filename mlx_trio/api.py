@@ -9,7 +9,10 @@ The engine is a supervision tree of Trio actors:
 
 `Engine.generate` validates and tokenizes for the caller, in a worker thread
 (so bad input raises there and never reaches an actor), starts a session,
-and yields its events.
+and yields its events. `Engine.stream` is the one resume loop: it outlives
+every session of a request, so it alone can carry on when the lane fails
+under a session or the session itself crashes (a crashed actor cannot
+restart itself with its state).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import trio
 
 from mlx_trio.actors.engine_tree import EngineActors
 from mlx_trio.actors.prefill import SNAPSHOT_MIN_TOKENS
-from mlx_trio.actors.session import MAX_RESUMES, Request, SessionActor, SessionOutput
+from mlx_trio.actors.messages import Request
+from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError
@@ -38,6 +42,10 @@ from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
+
+# Attempts in a row that bring no new token before a request fails with EngineRestarted.
+# Progress resets the count: a long request may live through many restarts.
+MAX_RESUMES = 3
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
@@ -150,18 +158,21 @@ class Engine:
             yield event
 
     async def stream(self, request: Request) -> AsyncGenerator[GenerationEvent, None]:
-        """Run an already prepared request (see `prepare`).
+        """Run an already prepared request (see `prepare`); the one resume loop.
 
-        If the session actor itself crashes, a new one carries on from the
-        tokens the old one had received (up to `MAX_RESUMES` times), so the
-        caller still sees one uninterrupted stream.
+        Each attempt is one session actor. If it ends without `Finished`
+        (the lane failed under it, or it crashed itself), a new one carries
+        on from the tokens the old one had received, so the caller still
+        sees one uninterrupted stream; `EngineRestarted` after `MAX_RESUMES`
+        attempts in a row that brought no new token.
         """
         actor: SessionActor | None = None
-        stalled = 0  # session crashes in a row that brought no new token
+        stalled = 0  # attempts in a row that brought no new token
         while True:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
+            # A resume waits a moment for the restarting actors; longer after each fruitless try.
             actor = SessionActor(request, get_target=self._healthy_target, model=self.model, out=send,
-                                 faults=self.faults, resume_from=actor)
+                                 faults=self.faults, resume_from=actor, delay_s=0.01 * 2**stalled if stalled else 0.0)
             try:
                 await self._sessions.start_child(
                     # A resumed session gets its own id: the crashed one may not be reaped yet.
@@ -178,10 +189,11 @@ class Engine:
                     if isinstance(item, Finished):
                         return
             stalled = stalled + 1 if len(actor.generated) == actor.generated_at_start else 1
+            cause = actor.failure or ActorCrashed("its session crashed")
             if stalled > MAX_RESUMES:
-                raise ActorCrashed(f"the session of request {request.request_id} crashed {stalled} times in a row")
-            log.warning("request %s: its session crashed; resuming after %d tokens",
-                        request.request_id, len(actor.generated))
+                raise EngineRestarted(f"request {request.request_id} failed {stalled} times in a row without "
+                                      f"progress; last: {cause!r}") from cause
+            log.warning("request %s: %r; resuming after %d tokens", request.request_id, cause, len(actor.generated))
 
     async def _healthy_target(self) -> object:
         """What takes requests, once the engine is healthy (waits through a restart, bounded)."""

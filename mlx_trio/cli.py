@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     arg("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
     arg("--batch", "--decode-concurrency", dest="batch", type=positive_int, default=8,
-        help="requests decoded together (the concurrency cap); 1 is the strict serial lane (default: %(default)s)")
+        help="requests decoded together (the concurrency cap); 1 decodes one request at a time with no "
+             "prompt cache, so its tokens depend on no other request (default: %(default)s)")
     arg("--kv-budget", dest="kv_budget", type=positive_int, default=None,
         help="bytes of KV cache admission may reserve (default: device memory minus weights and headroom)")
     arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")

@@ -20,8 +20,8 @@ class EngineConfig:
     """
 
     model: str | None = None
-    # Concurrency cap = batch size (mlx_lm.server's --decode-concurrency). 1 runs
-    # the strict serial lane, the determinism pin.
+    # Concurrency cap = batch size (mlx_lm.server's --decode-concurrency). 1 caps
+    # the lane at one row, the determinism pin: a lone row never shares a step.
     batch: int = 8
     # KV budget for admission; None derives it from device memory minus weights.
     kv_budget_bytes: int | None = None
@@ -47,5 +47,9 @@ class EngineConfig:
 
     @property
     def prompt_cache_off(self) -> bool:
-        """`--prompt-cache-bytes 0` or `--prompt-cache-size 0`: no RAM tier, and so no SSD tier."""
-        return self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0
+        """No RAM tier, and so no SSD tier: `--prompt-cache-bytes 0`, `--prompt-cache-size 0`, or `--batch 1`.
+
+        At `--batch 1` every prompt prefills from scratch, so a request's bits
+        depend on no other request, not even an earlier one's cached KV.
+        """
+        return self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0 or self.batch == 1

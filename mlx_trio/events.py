@@ -7,9 +7,19 @@ the non-streaming summary of the same thing.
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from mlx_trio.logprobs import TokenLogprob
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended. A `str` enum: it equals, prints and serialises as its wire value."""
+
+    STOP = "stop"  # an EOS token or a stop string
+    LENGTH = "length"  # max_tokens
+    ERROR = "error"  # only between actors (`GenerationEnded`): a caller gets the exception instead
 
 
 @attrs.frozen
@@ -49,7 +59,7 @@ class TextDelta:
 class Finished:
     """The last event: why generation stopped, and the counts."""
 
-    finish_reason: str  # "stop" | "length"
+    finish_reason: FinishReason  # STOP or LENGTH
     usage: Usage
     # The stop string that ended the text (finish_reason "stop"); None for EOS or length.
     stop_sequence: str | None = None
@@ -64,6 +74,6 @@ class Completion:
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()

@@ -16,15 +16,15 @@ from tests.goldens import golden
 
 
 
-@pytest.fixture(params=[1, 8], ids=["serial-lane", "batch-lane"])
+@pytest.fixture(params=[1, 8], ids=["batch-1", "batch-8"])
 async def engine(request):
     async with open_engine(str(tiny_model(LLAMA)), batch=request.param) as engine:
         yield engine
 
 
 def _cancelled(engine) -> int:
-    stats = engine.actors.decoder.statistics()
-    return stats.requests_cancelled if engine.config.batch == 1 else stats.cancelled + engine.actors.prefill.statistics().cancelled
+    lane = engine.actors.lane
+    return lane.decode_step.statistics().cancelled + lane.prefill.statistics().cancelled
 
 
 def _restarts(tree: dict[str, Any]) -> int:
@@ -104,7 +104,7 @@ async def test_leaving_the_stream_early_cancels_and_frees_the_kv_cache(engine) -
 
 
 async def test_concurrent_requests_all_finish_with_their_own_answers(engine) -> None:
-    """Three overlapping greedy requests each get exactly their solo answer (serial path, FIFO)."""
+    """Three overlapping greedy requests each get exactly their solo answer (FIFO at --batch 1, batched at 8)."""
     case = golden("llama", "greedy_raw")
     results: list[str] = []
 
@@ -122,7 +122,7 @@ async def test_status_tree_names_each_actor_and_counts(engine) -> None:
     tree = engine.status()["tree"]
     assert tree["id"] == "root"
     engine_sup = next(c for c in tree["children"] if c["id"] == "engine")
-    lane = ["decode-step"] if engine.config.batch == 1 else ["decode-step", "prefill", "admission", "cache-persistence"]
+    lane = ["decode-step", "prefill", "admission", "cache-persistence"]  # every --batch runs the one lane
     assert [c["id"] for c in engine_sup["children"]] == ["gpu-lease", *lane]
     assert all(c["state"] == "running" for c in engine_sup["children"])
     assert engine.health() == (True, "ok")
@@ -134,13 +134,9 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
 
     from mlx_trio.engine.batch.decode_batch import DecodeBatch
     from mlx_trio.engine.batch.solo_row import SoloRow
-    from mlx_trio.engine.serial import SerialGeneration
 
-    if engine.config.batch == 1:
-        watched = {SerialGeneration: ("__init__", "prefill_chunk", "step_decoded", "close")}
-    else:
-        watched = {SoloRow: ("__init__", "prefill_chunk", "first_token"),
-                   DecodeBatch: ("join_many", "step_decoded", "flush_decoded", "leave")}
+    watched = {SoloRow: ("__init__", "prefill_chunk", "first_token"),
+               DecodeBatch: ("join_many", "step_decoded", "flush_decoded", "leave")}
     seen: list[tuple[str, int]] = []
     for cls, names in watched.items():
         for name in names:
@@ -152,11 +148,10 @@ async def test_every_mlx_call_of_a_request_runs_on_the_lease_thread(engine, monk
 
             monkeypatch.setattr(cls, name, wrapper)
     await engine.complete("Once upon a time there was " * 4, max_tokens=3)
-    last = "close" if engine.config.batch == 1 else "leave"
     with trio.fail_after(5):
-        while not any(name == last for name, _ in seen):
+        while not any(name == "leave" for name, _ in seen):
             await trio.sleep(0.01)
-    lease_thread = engine.actors.lease.statistics().thread_id
+    lease_thread = engine.actors.lane.lease.statistics().thread_id
     assert {name for name, _ in seen} == {n for names in watched.values() for n in names}
     assert {ident for _, ident in seen} == {lease_thread}
     assert lease_thread != threading.get_ident()

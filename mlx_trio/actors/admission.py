@@ -5,22 +5,22 @@ A queued request is admitted when fewer than `max_rows` rows are in flight
 next to those already reserved. A request that could never fit, even alone,
 is refused at once with an actionable error instead of blocking the queue
 forever. Reserved bytes are released when the row is gone, so admission
-holds nothing for finished or evicted rows.
+holds nothing for finished or evicted rows (`Lane.end_request` releases them).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
-from mlx_trio.actors.messages import Admitted, Generate, GenerationEnded
-from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
-from mlx_trio.supervision.faults import Faults
+from mlx_trio.events import FinishReason
 
 log = logging.getLogger("mlx_trio.admission")
 
@@ -59,21 +59,18 @@ class AdmissionStatistics:
 class AdmissionActor:
     """Owns the pending queue and the KV budget; hands admitted requests to the prefill actor."""
 
-    def __init__(self, prefill: trio.MemorySendChannel[Admitted], *, get_limits: GetLimits,
-                 max_rows: int, max_queue: int = 256, in_flight: Callable[[], Sequence[Generate]] = list,
-                 faults: Faults | None = None, get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
-        # The projection and the budget depend on the model's KV layout, so they
-        # arrive (from `get_limits`) once the model is loaded.
+    def __init__(self, lane: Lane, prefill: trio.MemorySendChannel[Generate], get_limits: GetLimits) -> None:
+        # `prefill`: the prefill actor's inbox. The projection and the budget depend on the
+        # model's KV layout, so they arrive (from `get_limits`) once the model is loaded.
+        self._lane = lane
         self._prefill = prefill
         self._get_limits = get_limits
-        self._faults = faults or Faults()
-        self._in_flight = in_flight
-        self._get_caching = get_caching
+        self._faults = lane.faults
         self._project: Callable[[Generate], int] | None = None
         self._transient: Callable[[Generate], int] = lambda cmd: 0
         self._budget = 0
-        self._max_rows = max_rows
-        self._max_queue = max_queue
+        self._max_rows = lane.config.batch
+        self._max_queue = lane.config.max_queue
         # Invariant: _pending holds every submitted, not yet admitted request, in arrival order.
         self._pending: collections.deque[Generate] = collections.deque()
         # KV bytes of each row in flight, and its prefill transient (only the largest counts).
@@ -126,14 +123,14 @@ class AdmissionActor:
             self._project, self._budget, self._max_rows = limits.project_bytes, limits.budget_bytes, limits.max_rows
             self._transient = limits.transient_bytes
             # A restarted admission inherits the rows still prefilling or decoding, so it never over-admits.
-            for cmd in self._in_flight():
+            for cmd in self._lane.in_flight():
                 self._reserve(cmd)
             while True:
                 await self._admit_head()
         finally:
             self._closed = True
             for cmd in self._pending:
-                cmd.reply.close()
+                self._lane.end_request(cmd)  # no last word: its session resumes
             self._pending.clear()
 
     async def _admit_head(self) -> None:
@@ -145,12 +142,12 @@ class AdmissionActor:
         if cmd.reply.statistics().open_receive_channels == 0:
             # The session already left while queued: drop it, reserve nothing.
             self._pending.popleft()
-            cmd.reply.close()
+            self._lane.end_request(cmd)
             return
-        need = self._reserve(cmd)
+        self._reserve(cmd)
         try:
             # Bounded by max_rows: admission never has more than that many rows in flight.
-            await self._prefill.send(Admitted(cmd, need))
+            await self._prefill.send(cmd)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             # Prefill died: our supervisor restarts us right after it (rest_for_one). Keep the
             # request queued so stopping closes its reply and its session resumes; don't crash twice.
@@ -170,11 +167,7 @@ class AdmissionActor:
         except KvBudgetExceeded as exc:
             # Queued before the limits were known and can never fit: refuse it now.
             cmd = self._pending.popleft()
-            try:
-                cmd.reply.send_nowait(GenerationEnded(cmd.request_id, "error", exc))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                pass
-            cmd.reply.close()
+            self._lane.end_request(cmd, GenerationEnded(cmd.request_id, FinishReason.ERROR, exc))
             return self._head_fits()
         if len(self._reserved) >= self._max_rows:
             return False
@@ -183,7 +176,7 @@ class AdmissionActor:
         need = sum(self._reserved.values()) + self._project(head) + peak_transient
         if need > self._budget:
             return False
-        caching = self._get_caching()
+        caching = self._lane.caching
         if caching is not None and need + caching.nbytes > self._budget:
             # One ceiling for live rows and the prompt cache: the cache gives way, never a row.
             caching.make_room(self._budget - need)

@@ -11,12 +11,14 @@ chain, as does a row waiting to join.
 
 A failed step fails every row of the batch with a typed error and then
 re-raises, so the supervisor restarts this actor with an empty batch.
+Every row ends through `Lane.end_request`: its last event goes out when it
+finishes, its reply is closed and its reservation released when it leaves.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,12 +26,11 @@ import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
+from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
-from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
-from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import ActorCrashed
-from mlx_trio.supervision.faults import Faults
+from mlx_trio.events import FinishReason
 
 log = logging.getLogger("mlx_trio.decode_step")
 
@@ -85,16 +86,12 @@ class DecodeStepStatistics:
 class DecodeStepActor:
     """Runs the continuous batch; every MLX call goes through the lease."""
 
-    def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
-                 release: Callable[[str], None], max_rows: int, faults: Faults | None = None,
-                 get_caching: Callable[[], PromptCaching | None] = lambda: None) -> None:
+    def __init__(self, lane: Lane, lease: GpuLease) -> None:
+        self._lane = lane
         self._lease = lease
-        self._get_model = get_model
-        self._faults = faults or Faults()
-        self._release = release
-        self._get_caching = get_caching
-        # Prefill hands over at most max_rows rows at a time (admission's cap).
-        self.join_send, self._joins = trio.open_memory_channel[JoinRow](max_rows)
+        self._faults = lane.faults
+        # Prefill hands over at most --batch rows at a time (admission's cap).
+        self.join_send, self._joins = trio.open_memory_channel[JoinRow](lane.config.batch)
         self._batch: DecodeBatch | None = None
         self._rows: dict[str, RunningRow] = {}
         # Joins taken from the channel but not yet in the batch: a failure in between must
@@ -107,6 +104,11 @@ class DecodeStepActor:
         self._steps = self._chains = self._tokens = self._finished = self._cancelled = 0
         # What `_emit_reported` raised in Trio's run loop, re-raised in this actor's task.
         self._reported_error: BaseException | None = None
+
+    @property
+    def decoding(self) -> bool:
+        """Whether rows are in the batch (decoding, or finished and about to leave)."""
+        return bool(self._rows)
 
     def in_flight(self) -> list[Generate]:
         """Requests holding a row here (running or waiting to join)."""
@@ -122,7 +124,7 @@ class DecodeStepActor:
     async def run(self, *, task_status: trio.TaskStatus[DecodeStepActor] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         try:
-            self._model = await self._get_model()
+            self._model = await self._lane.wait_model()
             self._batch = await self._lease.run(DecodeBatch, self._model.model)
             while True:
                 if not self._rows:
@@ -140,10 +142,8 @@ class DecodeStepActor:
         finally:
             self.join_send.close()
             for join in drain_nowait(self._joins):
-                self._end(join.request, GenerationEnded(join.request.request_id, "error",
-                                                        ActorCrashed("the decoder stopped")))
-                self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
-                self._release(join.request.request_id)
+                self._lane.end_request(join.request, _failed(join.request, ActorCrashed("the decoder stopped")),
+                                       row=join.row)
             if self._batch is not None:
                 self._lease.free_nowait(self._batch.close)
 
@@ -164,8 +164,7 @@ class DecodeStepActor:
             await self._put_finished(leaving)
             await self._lease.run(batch.leave, leaving)
             for rid in leaving:
-                del self._rows[rid]
-                self._release(rid)
+                self._lane.end_request(self._rows.pop(rid).request)
         if self._joining:
             # One job for every waiting row: the running rows' KV is copied once, not once per joiner.
             await self._lease.run(batch.join_many, [(join.row, join.token0) for join in self._joining])
@@ -180,7 +179,7 @@ class DecodeStepActor:
         A lone row hands its caches over without a copy; a batched row with a
         long enough prompt is extracted before the filter drops it.
         """
-        caching = self._get_caching()
+        caching = self._lane.caching
         batch = self._batch
         if caching is None or batch is None:
             return
@@ -281,9 +280,9 @@ class DecodeStepActor:
                 row.generated.append(token)
                 self._tokens += 1
                 if token in eos:
-                    reason = "stop"
+                    reason = FinishReason.STOP
                 elif row.num_generated >= row.request.params.max_tokens:
-                    reason = "length"
+                    reason = FinishReason.LENGTH
                 if reason is not None:
                     break
             try:
@@ -298,17 +297,14 @@ class DecodeStepActor:
                 ended = True
         return ended
 
-    def _finish(self, row: RunningRow, reason: str) -> None:
+    def _finish(self, row: RunningRow, reason: FinishReason) -> None:
+        """The row's last event goes out now; it ends (`Lane.end_request`) when it leaves the batch."""
         row.done = True
         self._finished += 1
-        self._end(row.request, GenerationEnded(row.request.request_id, reason))
-
-    def _end(self, request: Generate, event: GenerationEnded) -> None:
         try:
-            request.reply.send_nowait(event)
+            row.request.reply.send_nowait(GenerationEnded(row.request.request_id, reason))
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-            pass
-        request.reply.close()
+            pass  # the session left: nobody waits for the last word
 
     def _fail_all(self, exc: BaseException) -> None:
         if isinstance(exc, trio.Cancelled):
@@ -316,14 +312,14 @@ class DecodeStepActor:
         else:
             log.exception("decode step failed; failing %d rows", len(self._rows))
             error = exc if isinstance(exc, Exception) else ActorCrashed(repr(exc))
-        for rid, row in self._rows.items():
-            if not row.done:
-                self._end(row.request, GenerationEnded(rid, "error", error))
-            self._release(rid)
+        for row in self._rows.values():
+            self._lane.end_request(row.request, None if row.done else _failed(row.request, error))
         self._rows.clear()
         for join in self._joining:
-            self._end(join.request, GenerationEnded(join.request.request_id, "error", error))
-            self._lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
-            self._release(join.request.request_id)
+            self._lane.end_request(join.request, _failed(join.request, error), row=join.row)
         self._joining = []
         self._kv_bytes = 0
+
+
+def _failed(request: Generate, error: BaseException) -> GenerationEnded:
+    return GenerationEnded(request.request_id, FinishReason.ERROR, error)

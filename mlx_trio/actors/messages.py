@@ -1,8 +1,14 @@
 """Messages between actors: frozen attrs values, never MLX arrays.
 
 Commands are imperative (`Generate`), facts are past tense (`TokensDecoded`).
-A command carries at most a reply channel, owned (and closed) by its sender's
-peer as documented on the field.
+One request carries these names on its way through the lane:
+
+    Request (validated, tokenized: `Engine.prepare`)
+    └── Generate (one attempt at it, sent by the session; a resume sends another)
+        └── JoinRow (its prefilled row, handed from prefill to decode-step)
+
+A command carries at most a reply channel; who writes and who closes it is
+documented on the field.
 """
 
 from __future__ import annotations
@@ -12,8 +18,20 @@ from typing import TypeVar
 import attrs
 import trio
 
+from mlx_trio.events import FinishReason
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
+
+
+@attrs.frozen
+class Request:
+    """A validated, tokenized request, ready for the engine (what the caller asked for, across every attempt)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    # The prompt's last message boundary in tokens (chats only): a prompt-cache snapshot point.
+    snapshot_at: int | None = None
 
 
 @attrs.frozen
@@ -40,12 +58,12 @@ class TokensDecoded:
 class GenerationEnded:
     """No more tokens will come for `request_id`.
 
-    `reason` is "stop" (an EOS token), "length" (max_tokens) or "error"
-    (then `error` holds the exception, already logged by the decoder).
+    `reason` is STOP (an EOS token), LENGTH (max_tokens) or ERROR (then
+    `error` holds the exception, already logged by the actor that sent it).
     """
 
     request_id: str
-    reason: str
+    reason: FinishReason
     error: BaseException | None = None
 
 
@@ -54,11 +72,16 @@ DecodeEvent = PrefillProgressed | TokensDecoded | GenerationEnded
 
 @attrs.frozen
 class Generate:
-    """Decode `prompt_ids` with `params`; report on `reply`.
+    """One attempt at a request: decode `prompt_ids` with `params`, report on `reply`.
 
-    The decoder closes `reply` when the request ends. The session closes its
-    receiving end to cancel: the decoder notices at the next token and frees
-    the request's KV cache.
+    `reply` has one writer at a time: the lane actor that holds the request
+    (admission while it queues, prefill until its row joins the batch,
+    decode-step after), each handing it on with the request. Whichever ends
+    the request closes `reply`, and only through `Lane.end_request`
+    (actors/lane.py), which also releases its KV reservation. The session
+    owns the receiving end and closes it to cancel: the holder notices at its
+    next send and ends the request, freeing its KV cache. A reply closed
+    without a `GenerationEnded` tells the session the lane failed under it.
     """
 
     request_id: str
@@ -73,14 +96,6 @@ class Generate:
     # How many tokens at the end of prompt_ids this request generated before a resume:
     # a constrained request's grammar consumes them, so it continues where it stood.
     resumed_tokens: int = 0
-
-
-@attrs.frozen
-class Admitted:
-    """Admission let `request` in, holding `reserved_bytes` of the KV budget until it is released."""
-
-    request: Generate
-    reserved_bytes: int
 
 
 @attrs.frozen
@@ -107,16 +122,3 @@ def drain_nowait(channel: trio.MemoryReceiveChannel[T]) -> list[T]:
             items.append(channel.receive_nowait())
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             return items
-
-
-def close_replies(pending: trio.MemoryReceiveChannel[T]) -> list[T]:
-    """Close the reply channel of every command still queued in `pending`; return those commands.
-
-    An actor that exits (crash or stop) must not leave sessions waiting on
-    replies that will never come: a closed reply tells the session at once.
-    """
-    items = drain_nowait(pending)
-    for item in items:
-        request = item if isinstance(item, Generate) else item.request  # type: ignore[attr-defined]
-        request.reply.close()
-    return items

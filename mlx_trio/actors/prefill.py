@@ -8,29 +8,31 @@ chunks (engine/batch/cohort_prefill.py) in one lease job bounded by one chunk of
 tokens (each row weighted by its context while rows decode). The last prompt token is fed as an L=1 step that samples token 0
 on the row's own caches (mlx-lm's convention); a row that is already
 finished at token 0 never joins the batch. Prompt-cache hits start a
-prefill part-way; boundary snapshots are stored on the way.
+prefill part-way; boundary snapshots are stored on the way. A request
+that ends here (an error, a left session, EOS or max_tokens at token 0)
+ends through `Lane.end_request`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 
 import attrs
 import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.actors.messages import (Admitted, Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded,
-                                      close_replies, drain_nowait)
+from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
 from mlx_trio.actors.prompt_caching import PromptCaching
-from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.errors import LeaseClosed
-from mlx_trio.supervision.faults import Faults, InjectedFault
+from mlx_trio.events import FinishReason
+from mlx_trio.supervision.faults import InjectedFault
 
 log = logging.getLogger("mlx_trio.prefill")
 
@@ -74,36 +76,29 @@ class PrefillStatistics:
 class PrefillActor:
     """Turns admitted requests into rows that hold token 0, and hands them to the decoder."""
 
-    def __init__(self, lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], *,
-                 join: trio.MemorySendChannel[JoinRow], release: Callable[[str], None], max_rows: int,
-                 prefill_step_size: int = 2048, faults: Faults | None = None,
-                 get_caching: Callable[[], PromptCaching | None] = lambda: None,
-                 decoding: Callable[[], bool] = lambda: False) -> None:
-        # `decoding`: whether rows are decoding now; their steps stall for each prefill chunk.
+    def __init__(self, lane: Lane, lease: GpuLease, join: trio.MemorySendChannel[JoinRow]) -> None:
+        # `join`: the decode-step actor's inbox of prefilled rows.
+        self._lane = lane
         self._lease = lease
-        self._get_model = get_model
-        self._faults = faults or Faults()
+        self._faults = lane.faults
         self._join = join
-        self._release = release
-        self._prefill_step_size = prefill_step_size
-        self._get_caching = get_caching
-        self._decoding = decoding
+        self._prefill_step_size = prefill_step_size = lane.config.prefill_step_size
         self._decoding_chunk = max(prefill_step_size // DECODING_CHUNK_DIVISOR, 1)
-        # At most max_rows requests are admitted at once, so this never fills.
-        self.inbox_send, self._inbox = trio.open_memory_channel[Admitted](max_rows)
+        # At most --batch requests are admitted at once, so this never fills.
+        self.inbox_send, self._inbox = trio.open_memory_channel[Generate](lane.config.batch)
         self._active: SoloRow | None = None
         self._active_request: Generate | None = None
-        # Admitted requests taken from the inbox ahead of their turn (FIFO), and the cohort
+        # Requests taken from the inbox ahead of their turn (FIFO), and the cohort
         # being prefilled together (see _prefill_cohort).
-        self._backlog: collections.deque[Admitted] = collections.deque()
+        self._backlog: collections.deque[Generate] = collections.deque()
         self._cohort_requests: list[Generate] = []
-        self._prefilled = self._cancelled = self._failed = 0
+        self._prefilled = self._cancelled = self._failed_count = 0
         self._prefill_tokens = self._cached_tokens = self._snapshots = self._cohort_rows = 0
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
         active = [self._active_request] if self._active_request is not None else []
-        return [*active, *self._cohort_requests, *(admitted.request for admitted in self._backlog)]
+        return [*active, *self._cohort_requests, *self._backlog]
 
     def statistics(self) -> PrefillStatistics:
         row = self._active
@@ -111,7 +106,7 @@ class PrefillActor:
             mailbox_depth=self._inbox.statistics().current_buffer_used,
             active_request=row.request_id if row is not None else None,
             active_kv_bytes=row.nbytes if row is not None else 0,
-            prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed,
+            prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed_count,
             prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
             cohort_rows=self._cohort_rows,
         )
@@ -119,7 +114,7 @@ class PrefillActor:
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         try:
-            self._model = await self._get_model()
+            self._model = await self._lane.wait_model()
             while True:
                 # Requests stay in the backlog (where a crash or restart ends them) until taken
                 # below, with no checkpoint between taking and owning them.
@@ -133,9 +128,8 @@ class PrefillActor:
                     await self._prefill(self._backlog.popleft(), first_hit)
         finally:
             self.inbox_send.close()
-            for admitted in [*self._backlog, *close_replies(self._inbox)]:
-                admitted.request.reply.close()
-                self._release(admitted.request.request_id)
+            for cmd in [*self._backlog, *drain_nowait(self._inbox)]:
+                self._lane.end_request(cmd)  # no last word: its session resumes
             self._backlog.clear()
 
     def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
@@ -178,13 +172,12 @@ class PrefillActor:
         decoding-size chunk of a long prompt. Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
-        decoding = self._decoding()
-        caching = self._get_caching()
+        decoding = self._lane.decoding
+        caching = self._lane.caching
         hits: list[CacheHit | None] = []
         used = 0.0
         first_hit: CacheHit | None = None
-        for i, admitted in enumerate(list(self._backlog)):
-            cmd = admitted.request
+        for i, cmd in enumerate(list(self._backlog)):
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
             uncached = len(cmd.prompt_ids) - 1 - (hit.usable if hit is not None else 0)
@@ -197,27 +190,24 @@ class PrefillActor:
             used += weight
         return hits, first_hit
 
-    async def _prefill_cohort(self, cohort: list[tuple[Admitted, CacheHit | None]]) -> None:
+    async def _prefill_cohort(self, cohort: list[tuple[Generate, CacheHit | None]]) -> None:
         """Prefill short requests in one lease job, as one batch where the model allows; then hand each on.
 
         B requests arriving together cost one job instead of 3B lease round
         trips, and (engine/batch/cohort_prefill.py) a few batched forwards instead of
         2B solo ones. A request alone is the solo prefill of `_prefill`.
         """
-        self._cohort_requests = [admitted.request for admitted, _ in cohort]
-        specs = [self._row_maker(admitted.request, hit) for admitted, hit in cohort]
+        self._cohort_requests = [cmd for cmd, _ in cohort]
+        specs = [self._row_maker(cmd, hit) for cmd, hit in cohort]
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
             outcomes = await self._lease.run(prefill_rows, self._model.model, specs)
             self._cohort_rows += len(specs) if len(specs) > 1 else 0
-            for (admitted, _), outcome in zip(cohort, outcomes, strict=True):
-                cmd = admitted.request
+            for (cmd, _), outcome in zip(cohort, outcomes, strict=True):
                 self._cohort_requests.remove(cmd)
                 if isinstance(outcome, Exception):
-                    self._fail(cmd, outcome)
-                    cmd.reply.close()
-                    self._release(cmd.request_id)
+                    self._lane.end_request(cmd, self._failed(cmd, outcome))
                     continue
                 self._prefill_tokens += outcome.fed - 1 - outcome.cached_tokens
                 self._cached_tokens += outcome.cached_tokens
@@ -234,14 +224,9 @@ class PrefillActor:
             # Stopped or crashed part-way (a lease fault, a restart cancelling us): whatever was not
             # handed on is ended here, so its session resumes instead of waiting forever.
             pending = {cmd.request_id for cmd in self._cohort_requests}
-            for (admitted, _), outcome in zip(cohort, outcomes or [None] * len(cohort)):
-                cmd = admitted.request
-                if cmd.request_id not in pending:
-                    continue
-                cmd.reply.close()
-                self._release(cmd.request_id)
-                if isinstance(outcome, SoloRow):
-                    self._lease.free_nowait(outcome.close)
+            for (cmd, _), outcome in zip(cohort, outcomes or [None] * len(cohort)):
+                if cmd.request_id in pending:
+                    self._lane.end_request(cmd, row=outcome if isinstance(outcome, SoloRow) else None)
             self._cohort_requests = []
 
     def _row_maker(self, cmd: Generate, hit: CacheHit | None,
@@ -252,19 +237,17 @@ class PrefillActor:
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
                        resumed_tokens=cmd.resumed_tokens)
 
-    def _fail(self, cmd: Generate, exc: Exception) -> None:
-        """A prefill error is this request's alone: tell its session (the caller frees the rest)."""
-        self._failed += 1
+    def _failed(self, cmd: Generate, exc: Exception) -> GenerationEnded:
+        """A prefill error is this request's alone: count and log it; the event tells its session."""
+        self._failed_count += 1
         log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
-        try:
-            cmd.reply.send_nowait(GenerationEnded(cmd.request_id, "error", exc))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-            pass
+        return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc)
 
     async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
         """Send token 0, then end the request there or pass the row to the decoder; frees what does not join."""
         rid, joined = cmd.request_id, False
-        caching = self._get_caching()
+        caching = self._lane.caching
+        ended: GenerationEnded | None = None
         try:
             token0 = row.token0
             assert token0 is not None
@@ -272,11 +255,11 @@ class PrefillActor:
             cmd.reply.send_nowait(TokensDecoded(rid, (token0,), logprobs))
             self._prefilled += 1
             if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
-                reason = "stop" if token0 in self._model.eos_token_ids else "length"
+                reason = FinishReason.STOP if token0 in self._model.eos_token_ids else FinishReason.LENGTH
+                ended = GenerationEnded(rid, reason)
                 if caching is not None:
                     # The row never joins: its prompt-only caches go back to the prompt cache.
                     caching.store(await self._lease.run(row.snapshot))
-                cmd.reply.send_nowait(GenerationEnded(rid, reason))
                 return
             await self._join.send(JoinRow(cmd, row, token0))
             joined = True
@@ -284,20 +267,18 @@ class PrefillActor:
             self._cancelled += 1
         finally:
             if not joined:
-                cmd.reply.close()
-                self._lease.free_nowait(row.close)
-                self._release(rid)
+                self._lane.end_request(cmd, ended, row=row)
 
-    async def _prefill(self, admitted: Admitted, hit: CacheHit | None) -> None:
+    async def _prefill(self, cmd: Generate, hit: CacheHit | None) -> None:
         """Prefill one request chunk by chunk (one lease job each, decode steps in between), then hand it on.
 
         `hit` is its prompt-cache lookup (made by `_cohort`).
         """
-        cmd = admitted.request
         self._active_request = cmd
         rid, total = cmd.request_id, len(cmd.prompt_ids)
         row: SoloRow | None = None
-        caching = self._get_caching()
+        ended: GenerationEnded | None = None
+        caching = self._lane.caching
         try:
             row = await self._lease.run(self._row_maker(cmd, hit, self._snapshot_point(cmd, hit, caching)))
             self._active = row
@@ -307,7 +288,7 @@ class PrefillActor:
                 self._faults.check("prefill")
                 before = row.fed
                 # Rows decoding wait for each chunk: give them smaller ones.
-                limit = self._decoding_chunk if self._decoding() else None
+                limit = self._decoding_chunk if self._lane.decoding else None
                 remaining = await self._lease.run(row.prefill_chunk, limit)
                 self._prefill_tokens += row.fed - before
                 if caching is not None and row.fed == row.snapshot_at:
@@ -323,15 +304,12 @@ class PrefillActor:
             # Not this request's fault: crash, and let the session resume on the restarted actor.
             raise
         except Exception as exc:
-            self._fail(cmd, exc)
+            ended = self._failed(cmd, exc)
         finally:
             self._active = None
             self._active_request = None
             if row is None or row.token0 is None:
-                # The row never got to token 0: free its caches and its reservation here.
-                cmd.reply.close()
-                if row is not None:
-                    self._lease.free_nowait(row.close)
-                self._release(rid)
+                # The row never got to token 0: it ends here.
+                self._lane.end_request(cmd, ended, row=row)
         if row is not None and row.token0 is not None:
             await self._hand_on(cmd, row)

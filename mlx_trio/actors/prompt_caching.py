@@ -12,36 +12,28 @@ Dropped entries are freed on the lease thread, which owns their arrays.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from mlx_trio.engine.kv import cache_clone
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
+if TYPE_CHECKING:
+    from mlx_trio.actors.lane import Lane
+
 log = logging.getLogger("mlx_trio.prompt_cache")
 
 
-class _Lease(Protocol):
-    def free_nowait(self, close: Callable[[], object]) -> None: ...
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
-
-
-class _Persistence(Protocol):
-    def offer_nowait(self, caches: Sequence[Any], tokens: Sequence[int]) -> bool: ...
-    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None: ...
-
-
 class PromptCaching:
-    """Lookups, puts and trims of the engine's prompt cache; the SSD tier, when present, behind them."""
+    """Lookups, puts and trims of the engine's prompt cache; the SSD tier, when present, behind them.
 
-    def __init__(self, *, max_bytes: int, max_entries: int, get_lease: Callable[[], _Lease | None],
-                 get_persistence: Callable[[], _Persistence | None] = lambda: None,
-                 room: Callable[[], int | None] = lambda: None) -> None:
-        # `room`: the bytes of the shared KV ceiling that live rows leave free (None: no ceiling).
-        self._get_lease = get_lease
-        self._get_persistence = get_persistence
-        self._room = room
+    Uses the lane's current lease and cache-persistence actor (each may be
+    restarted under it), and admission's unreserved bytes as its ceiling.
+    """
+
+    def __init__(self, lane: Lane, *, max_bytes: int, max_entries: int) -> None:
+        self._lane = lane
         self.cache = PromptCache(max_bytes=max_bytes, max_entries=max_entries, on_evict=self._free)
 
     @property
@@ -56,7 +48,7 @@ class PromptCaching:
         hit = self.cache.lookup(prompt)
         if hit is not None:
             return hit
-        persistence, lease = self._get_persistence(), self._get_lease()
+        persistence, lease = self._lane.persistence, self._lane.lease
         if persistence is None or lease is None:
             return None
         # At most all but the last token: a lookup must leave that one to compute.
@@ -77,7 +69,7 @@ class PromptCaching:
     def store(self, entry: CacheEntry) -> None:
         """Put `entry` in RAM and queue it for the SSD tier (a full write queue drops it, never blocks)."""
         # Offer first: a put may evict (and free) the entry at once when it is too big for RAM.
-        persistence = self._get_persistence()
+        persistence = self._lane.persistence
         if persistence is not None:
             # Entries are never written again, so the writer may read them while RAM serves them.
             persistence.offer_nowait(list(entry.caches), entry.tokens)
@@ -86,16 +78,16 @@ class PromptCaching:
 
     def _fit(self) -> None:
         """Give way to live rows: hold no more than the shared KV ceiling leaves free."""
-        room = self._room()
-        if room is not None:
-            self.cache.trim_to(room)
+        admission = self._lane.admission
+        if admission is not None:
+            self.cache.trim_to(admission.unreserved_bytes())
 
     def make_room(self, max_bytes: int) -> int:
         """Evict until the cache holds at most `max_bytes`; returns the bytes freed."""
         return self.cache.trim_to(max_bytes)
 
     def _free(self, entry: CacheEntry) -> None:
-        lease = self._get_lease()
+        lease = self._lane.lease
         if lease is not None:
             # Queued after every job that may still clone the entry (the lease is FIFO).
             lease.free_nowait(partial(entry.caches.clear))

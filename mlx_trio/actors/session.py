@@ -1,16 +1,20 @@
-"""The session actor: one per request, a temporary child of the sessions supervisor.
+"""The session actor: one attempt at a request, a temporary child of the sessions supervisor.
 
-It submits the request to the engine, turns token ids into text (stop
+It submits the request to the lane, turns token ids into text (stop
 strings included) and usage, and forwards events to the caller. Ending it
-(the caller went away, or a stop string matched) closes its channel from the
-decoder, which drops the request and frees its KV cache at the next token.
+(the caller went away, or a stop string matched) closes its end of the reply
+channel; the lane actor holding the request notices at its next send, drops
+the request and frees its KV cache.
 
-Resume: the session holds the prompt ids and every token id it has received.
-When the engine under it fails (an actor crashed and is being restarted), it
-waits for the engine to be healthy again and re-submits prompt + received
-tokens as the new prompt, `max_tokens` reduced by what it already has and the
-random draws already made skipped, so the caller sees one uninterrupted
-stream: the detokenizer and the stop-string matcher simply carry on.
+Resume: a session holds the prompt ids and every token id received so far.
+If the lane fails under it (an actor crashed and is being restarted) it
+ends without `Finished`, and so does a session that crashes itself; the
+caller's stream (`Engine.stream`, the one resume loop) then starts a new
+session from this one's state (`resume_from`). That one waits for a
+healthy lane and re-submits prompt + received tokens as the new prompt,
+`max_tokens` reduced by what it already has and the random draws already
+made skipped, so the caller sees one uninterrupted stream: the detokenizer
+and the stop-string matcher simply carry on.
 """
 
 from __future__ import annotations
@@ -21,12 +25,11 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, TokensDecoded
+from mlx_trio.actors.messages import DecodeEvent, Generate, GenerationEnded, PrefillProgressed, Request, TokensDecoded
 from mlx_trio.engine.model.text import TextStream
-from mlx_trio.errors import ActorCrashed, EngineRestarted, MlxTrioError, Overloaded, RequestError
-from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta, Usage
+from mlx_trio.errors import ActorCrashed, MlxTrioError, Overloaded, RequestError
+from mlx_trio.events import FinishReason, Finished, GenerationEvent, PromptProgress, TextDelta, Usage
 from mlx_trio.logprobs import SampledLogprobs, TokenLogprob, TopLogprob
-from mlx_trio.params import SamplingParams
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.session")
@@ -35,20 +38,6 @@ log = logging.getLogger("mlx_trio.session")
 SessionOutput = GenerationEvent | MlxTrioError
 # Awaits a healthy engine and returns what takes requests (submit_nowait(Generate)).
 GetTarget = Callable[[], Awaitable[object]]
-# Resumes in a row that bring no new token before a request fails with EngineRestarted.
-# Progress resets the count: a long request may live through many restarts.
-MAX_RESUMES = 3
-
-
-@attrs.frozen
-class Request:
-    """A validated, tokenized request, ready for the engine."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    # The prompt's last message boundary in tokens (chats only): a prompt-cache snapshot point.
-    snapshot_at: int | None = None
 
 
 @attrs.frozen
@@ -60,22 +49,20 @@ class SessionStatistics:
     resumes: int
 
 
-class _EngineFailed(Exception):
-    """Internal: this attempt died with the engine; `cause` says how."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(repr(cause))
-        self.cause = cause
-
-
 class SessionActor:
-    """Drives one request from submission to `Finished` (or an error), resuming over engine restarts."""
+    """Drives one attempt at a request: to `Finished`, to an error for the caller, or to a lane failure.
+
+    `failure` says why an attempt ended without `Finished` or an error (the
+    lane failed under it); None while it runs or if it crashed itself.
+    """
 
     def __init__(self, request: Request, *, get_target: GetTarget, model: object,
                  out: trio.MemorySendChannel[SessionOutput], faults: Faults | None = None,
-                 resume_from: SessionActor | None = None) -> None:
-        # `model` has detokenizer() and eos_token_ids. `resume_from` is a session of the
-        # same request that crashed: this one carries on from its state.
+                 resume_from: SessionActor | None = None, delay_s: float = 0.0) -> None:
+        # `model` has detokenizer() and eos_token_ids. `resume_from` is an earlier attempt at
+        # the same request that ended without `Finished`: this one carries on from its state,
+        # after `delay_s` (inside the actor, so a stopping engine cancels the wait with it).
+        self._delay_s = delay_s
         self._request = request
         self._get_target = get_target
         self._model = model
@@ -97,6 +84,7 @@ class SessionActor:
             self.cached_tokens = resume_from.cached_tokens
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
+        self.failure: BaseException | None = None
 
     def statistics(self) -> SessionStatistics:
         replies = self._replies
@@ -109,35 +97,19 @@ class SessionActor:
         )
 
     async def run(self, *, task_status: trio.TaskStatus[SessionActor] = trio.TASK_STATUS_IGNORED) -> None:
-        text = self._text
+        """Relay the attempt to the caller; closing `out` without `Finished` or an error asks for a resume."""
         async with self._out:
             task_status.started(self)
             try:
-                stalled = 0
-                while True:
-                    before = len(self.generated)
-                    try:
-                        await self._attempt(text)
-                        return
-                    except _EngineFailed as failed:
-                        stalled = stalled + 1 if len(self.generated) == before else 1
-                        if stalled > MAX_RESUMES:
-                            raise EngineRestarted(
-                                f"the engine failed {stalled} times in a row under request "
-                                f"{self._request.request_id} without progress; last: {failed.cause!r}"
-                            ) from failed.cause
-                        self.resumes += 1
-                        # Give the restarting actors a moment; longer after each fruitless try.
-                        await trio.sleep(0.01 * 2**stalled)
-                        log.warning("request %s: engine failed (%r); resuming after %d tokens",
-                                    self._request.request_id, failed.cause, len(self.generated))
+                await trio.sleep(self._delay_s)
+                self.failure = await self._attempt(self._text)
             except MlxTrioError as exc:
                 await self._out.send(exc)
             except trio.BrokenResourceError:
                 log.debug("request %s: caller went away", self._request.request_id)
 
-    async def _attempt(self, text: TextStream) -> None:
-        """Submit what remains of the request and relay it to the end; `_EngineFailed` if the engine died."""
+    async def _attempt(self, text: TextStream) -> BaseException | None:
+        """Submit what remains of the request and relay it to the end; returns why the lane failed, if it did."""
         request, done = self._request, len(self.generated)
         target = await self._get_target()
         send, self._replies = trio.open_memory_channel[DecodeEvent](
@@ -153,14 +125,15 @@ class SessionActor:
             try:
                 target.submit_nowait(command)  # type: ignore[attr-defined]
             except (RequestError, Overloaded):
-                send.close()
+                send.close()  # never submitted: no lane actor holds it, so the session closes it
                 raise
             except MlxTrioError as exc:
                 send.close()
-                raise _EngineFailed(exc) from exc
-            await self._relay(self._replies, text, offset=done)
+                return exc
+            return await self._relay(self._replies, text, offset=done)
 
-    async def _relay(self, replies: trio.MemoryReceiveChannel[DecodeEvent], text: TextStream, *, offset: int) -> None:
+    async def _relay(self, replies: trio.MemoryReceiveChannel[DecodeEvent], text: TextStream, *,
+                     offset: int) -> BaseException | None:
         eos = self._model.eos_token_ids  # type: ignore[attr-defined]
         total = len(self._request.prompt_ids)
         async for event in replies:
@@ -172,20 +145,20 @@ class SessionActor:
                     await self._emit(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
                 if await self._tokens(event.token_ids, event.logprobs, text, eos):
-                    return
+                    return None
             elif isinstance(event, GenerationEnded):
-                if event.reason == "error":
+                if event.reason == FinishReason.ERROR:
                     error = event.error
                     if isinstance(error, RequestError):
                         raise error
-                    raise _EngineFailed(error if error is not None else ActorCrashed("unknown error"))
+                    return error if error is not None else ActorCrashed("unknown error")
                 tail = text.finish()
                 if tail.text:
                     await self._emit(TextDelta(tail.text, ()))
                 await self._finish(event.reason)
-                return
-        # The channel closed without a GenerationEnded: the decoder died mid-request.
-        raise _EngineFailed(ActorCrashed("the decoder stopped before the request finished"))
+                return None
+        # The channel closed without a GenerationEnded: the lane failed mid-request.
+        return ActorCrashed("the lane stopped before the request finished")
 
     async def _tokens(self, token_ids: tuple[int, ...], logprobs: tuple[SampledLogprobs, ...] | None,
                       text: TextStream, eos: frozenset[int]) -> bool:
@@ -209,7 +182,7 @@ class SessionActor:
         if visible or any(pieces):
             await self._emit(TextDelta("".join(pieces), tuple(visible), tuple(visible_logprobs)))
         if stopped is not None:
-            await self._finish("stop", stop_sequence=stopped)
+            await self._finish(FinishReason.STOP, stop_sequence=stopped)
         return stopped is not None
 
     async def _emit(self, event: SessionOutput) -> None:
@@ -234,7 +207,7 @@ class SessionActor:
         top = tuple(TopLogprob(*shown(tid), lp) for tid, lp in sampled.top)
         return TokenLogprob(*shown(token), sampled.logprob, top)
 
-    async def _finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
+    async def _finish(self, reason: FinishReason, *, stop_sequence: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),
                       cached_tokens=self.cached_tokens)
         await self._emit(Finished(reason, usage, stop_sequence))

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.sampling.row_sampler import RowSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
@@ -141,7 +141,12 @@ class ReferenceBatch:
         return [int(c.left_padding[i].item()) for c in self._caches
                 if getattr(c, "left_padding", None) is not None]
 
-    def join(self, row: ReferenceRow, token0: int) -> None:
+    def join_many(self, joiners: Sequence[tuple[ReferenceRow, int]]) -> None:
+        """`DecodeBatch.join_many`'s interface: each row joins in turn (mlx-lm's extend)."""
+        for row, token0 in joiners:
+            self._join(row, token0)
+
+    def _join(self, row: ReferenceRow, token0: int) -> None:
         assert not self._unread
         solo_batch = [c.merge([c]) for c in row.caches]  # PromptProcessingBatch's _merge_caches
         if not self._rows:
@@ -153,7 +158,13 @@ class ReferenceBatch:
         self._next.append(token0)
         row.caches = []
 
-    def step(self) -> list[int] | None:
+    def step_decoded(self) -> Decoded | None:
+        return _decoded(self._step())
+
+    def flush_decoded(self) -> Decoded | None:
+        return _decoded(self._flush())
+
+    def _step(self) -> list[int] | None:
         inputs = mx.array(self._next, dtype=mx.uint32)
         logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
         tokens = []
@@ -172,7 +183,7 @@ class ReferenceBatch:
         self._unread = True
         return previous
 
-    def flush(self) -> list[int] | None:
+    def _flush(self) -> list[int] | None:
         if not self._unread:
             return None
         self._unread = False
@@ -286,15 +297,15 @@ def run_schedule(engine: tuple[Callable[..., Any], Any, RecordingModel | None], 
                 row.close()  # stops at token 0: never joins
                 out.never_joined.add(a.request_id)
                 continue
-            record(batch.flush())
-            batch.join(row, out.tokens[a.request_id][0])
+            record(_ids(batch.flush_decoded()))
+            batch.join_many([(row, out.tokens[a.request_id][0])])
         if not batch.size:
             num_steps = pending[0].at_step if pending else num_steps
             continue
         fed = [(rid, batch.num_fed(rid)) for rid in batch.request_ids]
         if len(fed) == 1:
             ever_alone.add(fed[0][0])
-        previous = batch.step()
+        previous = _ids(batch.step_decoded())
         logits = batch.last_logits if recorder is None else recorder.last
         out.max_batch = max(out.max_batch, len(fed))
         for i, (rid, num_fed) in enumerate(fed):
@@ -307,6 +318,14 @@ def run_schedule(engine: tuple[Callable[..., Any], Any, RecordingModel | None], 
     out.final_nbytes = batch.nbytes
     batch.close()
     return out
+
+
+def _decoded(tokens: list[int] | None) -> Decoded | None:
+    return Decoded(tuple(tokens), (None,) * len(tokens)) if tokens is not None else None
+
+
+def _ids(decoded: Decoded | None) -> list[int] | None:
+    return list(decoded.token_ids) if decoded is not None else None
 
 
 def logit_diffs(got: Replay, want: Replay) -> dict[tuple[str, int], float]:
@@ -381,22 +400,22 @@ def bench_b1(hidden: int, layers: int, *, vocab: int, prompt_len: int, steps: in
                 row = SoloRow(model, rid, [(7 * j + len(rid)) % vocab for j in range(prompt_len)], SamplingParams())
                 while row.prefill_chunk():
                     pass
-                batch.join(row, row.first_token())
-            batch.step()
-            batch.step()
+                batch.join_many([(row, row.first_token())])
+            batch.step_decoded()
+            batch.step_decoded()
             tic = time.perf_counter()
             batch.leave(["b"])
-            batch.step()
-            batch.flush()
+            batch.step_decoded()
+            batch.flush_decoded()
             leave_ms = (time.perf_counter() - tic) * 1e3
             assert batch.is_solo == extract
             for _ in range(20):
-                batch.step()
-            batch.flush()
+                batch.step_decoded()
+            batch.flush_decoded()
             tic = time.perf_counter()
             for _ in range(steps):
-                batch.step()
-            batch.flush()
+                batch.step_decoded()
+            batch.flush_decoded()
             times[extract].append((time.perf_counter() - tic) / steps * 1e3)
             print(f"  extract={extract!s:5s} leave+1 step {leave_ms:7.2f} ms   decode {times[extract][-1]:.3f} ms/step")
             batch.close()

@@ -7,8 +7,11 @@ import trio
 import trio.testing
 
 from mlx_trio.actors.admission import AdmissionActor, KvBudgetExceeded, Limits
-from mlx_trio.actors.messages import Admitted, Generate
+from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.messages import Generate
+from mlx_trio.config import EngineConfig
 from mlx_trio.params import SamplingParams
+from mlx_trio.supervision.faults import Faults
 
 
 _SESSIONS: list[object] = []  # the sessions' receiving ends stay open: nobody left
@@ -21,13 +24,14 @@ def _cmd(i: int, prompt: int = 10) -> Generate:
 
 
 async def _admission(nursery, *, budget: int, max_rows: int = 8, transient: int = 50):
-    send, recv = trio.open_memory_channel[Admitted](max_rows)
+    send, recv = trio.open_memory_channel[Generate](max_rows)
 
     async def limits() -> Limits:
         return Limits(project_bytes=lambda cmd: len(cmd.prompt_ids), transient_bytes=lambda cmd: transient,
                       budget_bytes=budget, max_rows=max_rows)
 
-    actor = AdmissionActor(send, get_limits=limits, max_rows=max_rows)
+    lane = Lane(EngineConfig(batch=max_rows), Faults())
+    lane.admission = actor = AdmissionActor(lane, send, limits)
     await nursery.start(actor.run)
     await trio.testing.wait_all_tasks_blocked()
     return actor, recv
@@ -53,12 +57,12 @@ async def test_fifo_head_of_line_waits_and_is_never_overtaken() -> None:
         actor.submit_nowait(_cmd(1, prompt=60))  # does not fit beside r0
         actor.submit_nowait(_cmd(2, prompt=5))  # would fit, but must not overtake r1
         await trio.testing.wait_all_tasks_blocked()
-        assert [admitted.receive_nowait().request.request_id] == ["r0"]
+        assert [admitted.receive_nowait().request_id] == ["r0"]
         with pytest.raises(trio.WouldBlock):
             admitted.receive_nowait()
         actor.release("r0")
         await trio.testing.wait_all_tasks_blocked()
-        assert [admitted.receive_nowait().request.request_id for _ in range(2)] == ["r1", "r2"]
+        assert [admitted.receive_nowait().request_id for _ in range(2)] == ["r1", "r2"]
         nursery.cancel_scope.cancel()
 
 
@@ -70,7 +74,7 @@ async def test_the_row_cap_holds_and_a_release_admits_the_next() -> None:
             actor.submit_nowait(_cmd(i))
         await trio.testing.wait_all_tasks_blocked()
         assert actor.statistics().in_flight_rows == 2
-        assert [admitted.receive_nowait().request.request_id for _ in range(2)] == ["r0", "r1"]
+        assert [admitted.receive_nowait().request_id for _ in range(2)] == ["r0", "r1"]
         actor.release("r1")
         await trio.testing.wait_all_tasks_blocked()
         assert actor.statistics().in_flight_rows == 2 and actor.statistics().admitted == 3

@@ -1,4 +1,4 @@
-"""Large batches run several decode steps per lease job; every row still gets exactly its serial tokens."""
+"""Large batches run several decode steps per lease job; every row still gets exactly its tokens alone (--batch 1)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ def test_steps_per_job_grows_with_the_batch() -> None:
     assert [steps_per_job(b) for b in (1, 7, 8, 16, 47, 48, 64)] == [1, 1, 2, 2, 2, 4, 4]
 
 
-async def test_twenty_rows_with_staggered_lengths_equal_the_serial_lane() -> None:
+async def test_twenty_rows_with_staggered_lengths_equal_their_runs_alone() -> None:
     """Rows finish inside a multi-step job (max_tokens 1..20): tokens, counts and KV all come out exact."""
     requests = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", 1 + i) for i in range(20)]
     path = str(tiny_model(LLAMA))
-    async with open_engine(path, batch=1) as serial:
-        expected = [(await serial.complete(p, max_tokens=n)).token_ids for p, n in requests]
+    async with open_engine(path, batch=1) as alone:
+        expected = [(await alone.complete(p, max_tokens=n)).token_ids for p, n in requests]
     got: dict[int, tuple[int, ...]] = {}
     async with open_engine(path, batch=20) as engine:
         async def one(i: int) -> None:
@@ -32,5 +32,5 @@ async def test_twenty_rows_with_staggered_lengths_equal_the_serial_lane() -> Non
         with trio.fail_after(10):
             while engine.status()["counters"]["kv_bytes"]:
                 await trio.sleep(0.01)
-        assert engine.actors.decoder.statistics().active_rows == 0
+        assert engine.actors.lane.decode_step.statistics().active_rows == 0
     assert [got[i] for i in range(len(requests))] == expected

@@ -11,12 +11,33 @@ import trio
 import trio.testing
 
 from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
-from mlx_trio.actors.messages import Admitted, DecodeEvent, Generate, JoinRow, TokensDecoded
+from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.messages import DecodeEvent, Generate, JoinRow, TokensDecoded
 from mlx_trio.actors.prefill import PrefillActor, cohort_weight
+from mlx_trio.config import EngineConfig
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
 from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.params import SamplingParams
+from mlx_trio.supervision.faults import Faults
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from tests.actors.lane_fakes import RecordingAdmission
+
+
+class _DecodeStep:
+    """Rows decoding (or not), none of them in flight for prefill's sake."""
+
+    def __init__(self, decoding: bool) -> None:
+        self.decoding = decoding
+
+    def in_flight(self) -> list[Generate]:
+        return []
+
+
+def _lane(lease: GpuLease, model: LoadedModel, *, decoding: bool = False, **config: object) -> Lane:
+    lane = Lane(EngineConfig(batch=8, **config), Faults())  # type: ignore[arg-type]
+    lane.lease, lane.admission, lane.decode_step = lease, RecordingAdmission(), _DecodeStep(decoding)  # type: ignore[assignment]
+    lane.settle_model(model)
+    return lane
 
 
 @pytest.fixture
@@ -25,23 +46,19 @@ async def lease() -> AsyncIterator[GpuLease]:
         yield lease
 
 
-def _request(i: int) -> tuple[Admitted, trio.MemoryReceiveChannel[DecodeEvent]]:
+def _request(i: int) -> tuple[Generate, trio.MemoryReceiveChannel[DecodeEvent]]:
     send, recv = trio.open_memory_channel[DecodeEvent](64)
     prompt = tuple(3 + (7 * i + j) % 300 for j in range(12))
-    return Admitted(Generate(f"r{i}", prompt, SamplingParams(max_tokens=8), send), 0), recv
+    return Generate(f"r{i}", prompt, SamplingParams(max_tokens=8), send), recv
 
 
 async def test_a_cancelled_cohort_ends_every_request_it_took(lease: GpuLease) -> None:
     """The decoder takes no joins (a restart is under way): cancelling prefill must close every reply."""
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
     join_send, join_recv = trio.open_memory_channel[JoinRow](0)  # nobody receives: hand-on blocks
-    released: list[str] = []
     jobs_before = lease.statistics().jobs_run
-
-    async def get_model() -> LoadedModel:
-        return model
-
-    actor = PrefillActor(lease, get_model, join=join_send, release=released.append, max_rows=8)
+    lane = _lane(lease, model)
+    actor = PrefillActor(lane, lease, join=join_send)
     requests = [_request(i) for i in range(4)]
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
@@ -53,7 +70,7 @@ async def test_a_cancelled_cohort_ends_every_request_it_took(lease: GpuLease) ->
             await trio.testing.wait_all_tasks_blocked()
         assert lease.statistics().jobs_run - jobs_before == 1  # the four prefilled in one job
         nursery.cancel_scope.cancel()
-    assert sorted(released) == ["r0", "r1", "r2", "r3"]
+    assert sorted(lane.admission.released) == ["r0", "r1", "r2", "r3"]  # type: ignore[union-attr]
     for _, replies in requests:
         events = [event async for event in replies]  # ends: the reply channel was closed
         assert any(isinstance(e, TokensDecoded) for e in events[:3]) or not events
@@ -65,11 +82,7 @@ async def test_while_rows_decode_short_fresh_prompts_still_fill_a_whole_chunk_pe
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
 
-    async def get_model() -> LoadedModel:
-        return model
-
-    actor = PrefillActor(lease, get_model, join=join_send, release=lambda rid: None, max_rows=8,
-                         prefill_step_size=64, decoding=lambda: True)
+    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64), lease, join=join_send)
     requests = [_request(i) for i in range(8)]
     for admitted, _ in requests:
         actor.inbox_send.send_nowait(admitted)

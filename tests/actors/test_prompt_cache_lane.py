@@ -57,7 +57,7 @@ async def test_eight_concurrent_requests_prefill_the_shared_system_prompt_once()
         async with trio.open_nursery() as nursery:
             for i in range(8):
                 nursery.start_soon(one, i)
-        prefilled = engine.actors.prefill.statistics().prefill_tokens
+        prefilled = engine.actors.lane.prefill.statistics().prefill_tokens
     cached = sorted(f.usage.cached_tokens for f in results.values())
     assert cached[0] == 0 and all(c >= boundary for c in cached[1:])
     # Every prompt token but each prompt's last (the first decode step's input) was either
@@ -80,6 +80,6 @@ async def test_the_cache_gives_way_when_live_rows_need_the_bytes() -> None:
         for chat in chats:
             ids, finished = await _run(engine, chat)
             assert finished.finish_reason in ("stop", "length")
-            assert engine.actors.caching.nbytes + engine.actors.admission.statistics().reserved_bytes <= budget
+            assert engine.actors.lane.caching.nbytes + engine.actors.lane.admission.statistics().reserved_bytes <= budget
         stats = engine.status()["prompt_cache"]
     assert stats["evictions"] >= 1 and stats["bytes"] <= budget

@@ -1,8 +1,9 @@
-"""mlx-trio's serial engine reproduces mlx-lm token for token (goldens/tiny.json).
+"""mlx-trio's engine reproduces mlx-lm token for token (goldens/tiny.json).
 
 The goldens are written only by scripts/make_goldens.py, which runs mlx-lm's
 own stream_generate on the same tiny models. Run through the whole actor
-stack: open_engine → session → decoder → GPU lease → SerialGeneration.
+stack: open_engine → session → admission → prefill (SoloRow) → decode-step
+(DecodeBatch) → GPU lease.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def test_goldens_cover_every_architecture_and_sampling_mode() -> None:
     assert all(len(c["tokens"]) > 0 for c in GOLDENS["cases"])
 
 
-@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
+@pytest.mark.parametrize("batch", [1, 8], ids=["batch-1", "batch-8"])
 @pytest.mark.parametrize("case", GOLDENS["cases"], ids=lambda c: f"{c['model']}-{c['name']}")
 async def test_engine_matches_mlx_lm_token_for_token(case: dict[str, Any], batch: int) -> None:
     """Same prompt ids, same generated ids (EOS included in the count), same text, same finish reason.
 
-    On both lanes: `--batch 1` (the serial path) and the batch lane, where a
-    lone row adopts its solo caches and so runs the serial graph (B=1).
+    At `--batch 1` (the determinism pin: a row cap of 1) and `--batch 8`; a
+    lone row adopts its solo caches and so runs mlx-lm's own graph.
     """
     path = tiny_model(_spec(case["model"]))
     async with open_engine(str(path), batch=batch, prefill_step_size=case.get("prefill_step_size", 2048)) as engine:

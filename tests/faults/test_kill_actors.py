@@ -21,7 +21,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def solo() -> list[tuple[int, ...]]:
-    """Each prompt's undisturbed greedy tokens on the serial lane."""
+    """Each prompt's undisturbed greedy tokens at --batch 1 (alone: no other request shares a step)."""
 
     async def main() -> list[tuple[int, ...]]:
         async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
@@ -80,7 +80,7 @@ async def _wait_healthy(engine) -> None:
         ("decode-step", "raise", 1),
         ("gpu-lease", "hang", 8),
     ],
-    ids=["decode-step", "admission", "prefill", "lease-job", "session", "serial-decode-step", "lease-hang-watchdog"],
+    ids=["decode-step", "admission", "prefill", "lease-job", "session", "batch-1-decode-step", "lease-hang-watchdog"],
 )
 async def test_kill_mid_generation_every_stream_completes_token_exact(solo, actor, kind, batch) -> None:
     """8 greedy streams survive the fault and equal their undisturbed runs; status counts the restart."""
@@ -143,7 +143,7 @@ async def test_restart_intensity_exceeded_fails_requests_with_a_typed_error_and_
     assert len(failures) == 4
 
 
-@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
+@pytest.mark.parametrize("batch", [1, 8], ids=["batch-1", "batch-8"])
 async def test_a_seeded_stream_resumes_its_random_sequence_exactly(batch: int) -> None:
     """A seeded sampled stream killed mid-way continues from its PRNG state: same tokens as undisturbed."""
     params = {"max_tokens": MAX_TOKENS, "temperature": 0.9, "top_k": 20, "seed": 5}
@@ -186,7 +186,7 @@ async def test_a_failed_or_killed_ssd_write_loses_no_request_and_leaves_no_parti
         assert engine.status()["prompt_cache"]["ssd"]["errors"] == 0
 
 
-@pytest.mark.parametrize("batch", [1, 8], ids=["serial-lane", "batch-lane"])
+@pytest.mark.parametrize("batch", [1, 8], ids=["batch-1", "batch-8"])
 async def test_a_constrained_stream_resumes_its_grammar_where_it_stood(batch: int) -> None:
     """A JSON-schema stream killed mid-object continues the object: same tokens as undisturbed, valid JSON."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

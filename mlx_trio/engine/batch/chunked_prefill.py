@@ -1,9 +1,9 @@
 """All but the last prompt token into a cache, one chunk per call, exactly as mlx-lm does.
 
-Shared by the serial lane (`SerialGeneration`) and the batch lane's solo
-prefill (`SoloRow`): the same chunk sizes, the same `mx.eval` of the cache
+The solo prefill of a row (`SoloRow`, engine/batch/solo_row.py) feeds its
+prompt through this: the same chunk sizes, the same `mx.eval` of the cache
 state and the same allocator clearing as mlx-lm's `generate_step`, which is
-what keeps both lanes token-identical to mlx-lm.
+what keeps a lone row token-identical to mlx-lm.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+# mlx-lm's `generate_step` default.
+DEFAULT_PREFILL_STEP_SIZE = 2048
 
 
 class ChunkedPrefill:

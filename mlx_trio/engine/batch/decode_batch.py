@@ -1,4 +1,4 @@
-"""The running decode batch: join, pipelined step, flush, leave, extract.
+"""The running decode batch: join, pipelined step, flush, leave, hand a row's KV to the prompt cache.
 
 This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
 (engine/batch/solo_row.py) and with per-row state in one record:
@@ -77,11 +77,12 @@ Report = Callable[[list[Decoded]], None]
 class DecodeBatch:
     """The rows decoding together and their caches; one instance per decode actor.
 
-    Register protocol: `step()` queues a step and returns the tokens of the
-    step before it (None right after a flush or a join: those were already
-    returned). `flush()` returns the queued step's tokens without queueing
-    another; they become the next inputs. `join` needs a flushed batch (the
-    row set and its inputs are settled); `leave` works either way.
+    Register protocol: `step_decoded()` queues a step and returns the tokens
+    of the step before it (None right after a flush or a join: those were
+    already returned); `steps_decoded()` runs several in one lease job.
+    `flush_decoded()` returns the queued step's tokens without queueing
+    another; they become the next inputs. `join_many` needs a flushed batch
+    (the row set and its inputs are settled); `leave` works either way.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -122,12 +123,8 @@ class DecodeBatch:
         return self._solo
 
     def num_fed(self, request_id: str) -> int:
-        """Tokens in the row's KV cache (prompt + fed); what `extract` returns holds exactly these."""
+        """Tokens in the row's KV cache (prompt + fed); what `cache_entry` hands over holds exactly these."""
         return self._rows[self._index(request_id)].num_fed
-
-    def join(self, row: SoloRow, token0: int) -> None:
-        """`join_many` of one row."""
-        self.join_many([(row, token0)])
 
     def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
@@ -139,11 +136,11 @@ class DecodeBatch:
         (the batch is unchanged then); the caller keeps such models serial.
         """
         if self._unread:
-            raise RuntimeError("join() needs a flushed batch")
+            raise RuntimeError("join_many() needs a flushed batch")
         rows = [row for row, _ in joiners]
         ids = [row.request_id for row in rows]
         if any(not row.caches or row.token0 is None for row in rows):
-            raise RuntimeError("join() takes a row after first_token() and before close()")
+            raise RuntimeError("join_many() takes a row after first_token() and before close()")
         if len(set(ids)) != len(ids) or set(ids) & set(self.request_ids):
             raise ValueError(f"requests already in the batch or given twice: {ids}")
         if not rows:
@@ -174,18 +171,8 @@ class DecodeBatch:
         mx.eval(self._caches_state())
         mx.clear_cache()
 
-    def step(self) -> list[int] | None:
-        """`step_decoded()`'s token ids only."""
-        decoded = self.step_decoded()
-        return list(decoded.token_ids) if decoded is not None else None
-
-    def flush(self) -> list[int] | None:
-        """`flush_decoded()`'s token ids only."""
-        decoded = self.flush_decoded()
-        return list(decoded.token_ids) if decoded is not None else None
-
     def steps_decoded(self, count: int, report: Report | None = None) -> list[Decoded | None]:
-        """`step_decoded()` `count` times in a row (one lease job; see actors/batch_decode.steps_per_job).
+        """`step_decoded()` `count` times in a row (one lease job; see actors/decode_step.steps_per_job).
 
         With `report`, every token these steps read goes to `report` in one
         call, made just before the last step is launched (see `step_decoded`),
@@ -224,7 +211,7 @@ class DecodeBatch:
         `DEVICE_BOUND_WAIT_S`, or it did not.
         """
         if not self._rows:
-            raise RuntimeError("step() on an empty batch")
+            raise RuntimeError("step_decoded() on an empty batch")
         previous: Decoded | None = None
         if self._unread and any(row.sampler.is_constrained for row in self._rows):
             # A grammar's mask for this step needs the previous token consumed: read it first.
@@ -316,13 +303,6 @@ class DecodeBatch:
 
     def _caches_state(self) -> list[Any]:
         return [c.state for c in self._caches]
-
-    def extract(self, request_id: str) -> list[Any]:
-        """A copy of the row's per-layer caches without padding; they hold `num_fed(request_id)` tokens."""
-        index = self._index(request_id)
-        if self._solo:
-            return [batch_caches.snapshot_layer(c) for c in self._caches]
-        return [batch_caches.extract_layer(c, index) for c in self._caches]
 
     def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry | None:
         """The row's KV as a prompt-cache entry keyed by the first `num_fed` of `tokens` (its prompt + generated).

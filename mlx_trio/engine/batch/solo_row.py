@@ -22,11 +22,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine.kv import cache_clone
-from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
+from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
 from mlx_trio.engine.sampling.grammar import GrammarMatcher
 from mlx_trio.engine.sampling.row_sampler import RowSampler
-from mlx_trio.engine.serial import DEFAULT_PREFILL_STEP_SIZE
 from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
@@ -112,7 +111,7 @@ class SoloRow:
         """Prefill up to `prefill_step_size` (or `limit`) prompt tokens into `caches`; returns how many remain.
 
         The same chunks, evaluation and allocator clearing as mlx-lm's
-        `generate_step` (and `SerialGeneration.prefill_chunk`). The last
+        `generate_step`. The last
         prompt token is never prefilled here: it is `first_token()`'s input.
         """
         self._prefill.chunk(limit)

@@ -6,7 +6,7 @@ On a fresh H200 machine (1B shape, docs/benchmarks.md) the first time a row
 left a batch that held an 8.5k-token row, `leave` and the next step took
 2.3 s each, and every running stream stalled for 4.6 s. A few random rows
 taken through every batch-lane operation at load (a cohort prefill, adopt,
-join with padding, steps, leave, extract) compile those kernels before any
+join with padding, reported steps, leave, extract) compile those kernels before any
 request arrives. The CPU backend compiles nothing at first use, so the
 engine warms up only on a GPU (`warm_up_gpu`).
 
@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_trio.engine.kv import batch_caches
-from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
@@ -67,7 +67,7 @@ def warm_up(model: nn.Module, vocab_size: int) -> None:
 def _decode(batch: DecodeBatch, rows: list[SoloRow]) -> None:
     """Adopt one row, join the rest (padded), step, let one leave (filter), then one more (extract)."""
     first, *others = rows
-    batch.join(first, _token0(first))
+    batch.join_many([(first, _token0(first))])
     _steps(batch)
     if not batch_caches.can_batch(others[0].caches):
         return  # this model decodes one row at a time: nothing more to compile
@@ -86,5 +86,9 @@ def _token0(row: SoloRow) -> int:
 
 def _steps(batch: DecodeBatch) -> None:
     for _ in range(_STEPS):
-        batch.step()
-    batch.flush()
+        batch.steps_decoded(1, _ignore)
+    batch.flush_decoded()
+
+
+def _ignore(decoded: list[Decoded]) -> None:
+    """Warm-up tokens go nowhere (the decode-step actor's report, without a session)."""

@@ -95,17 +95,6 @@ def extract_layer(cache: Cache, index: int) -> Cache:
     return cache.extract(index)
 
 
-def snapshot_layer(cache: Cache) -> Cache:
-    """A copy of a solo layer cache that later steps on the original cannot change.
-
-    Serial caches are updated in place (`keys[..., i] = k` rebinds the very
-    array object), so handing out the live object would leak later tokens
-    into the copy. Merging it alone and extracting the row copies exactly
-    the tokens it holds, for every kind that can batch.
-    """
-    return type(cache).merge([cache]).extract(0)
-
-
 def batch_size(cache: Cache) -> int:
     """Rows in a batched layer cache."""
     if isinstance(cache, CacheList):

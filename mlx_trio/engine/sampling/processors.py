@@ -1,8 +1,10 @@
-"""Turn `SamplingParams` into mlx-lm's sampler and logits processors.
+"""Turn `SamplingParams` into mlx-lm's logits processors, and apply them as `generate_step` does.
 
-We reuse mlx-lm's own `make_sampler` / `make_logits_processors` so that our
-token choices are mlx-lm's token choices (the goldens check it); this module
-only maps our field names onto theirs. Runs on the lease thread.
+We reuse mlx-lm's own `make_logits_processors` so that our token choices
+are mlx-lm's token choices (the goldens check it); this module only maps
+our field names onto theirs. The sampler chain itself (filters, temperature,
+the row's own key) is `RowSampler`'s (engine/sampling/row_sampler.py).
+Runs on the lease thread.
 """
 
 from __future__ import annotations
@@ -11,25 +13,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_trio.params import SamplingParams
 
 if TYPE_CHECKING:
     from mlx_trio.engine.sampling.grammar import GrammarMatcher
 
-Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-def build_sampler(params: SamplingParams) -> Sampler:
-    """mlx-lm's sampler chain for these params (greedy argmax when temperature is 0)."""
-    return make_sampler(
-        temp=params.temperature,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        top_k=params.top_k,
-    )
 
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:

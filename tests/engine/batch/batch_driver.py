@@ -1,4 +1,4 @@
-"""Drive a DecodeBatch (or a SerialGeneration) the way the decode actors do, recording tokens and logprobs."""
+"""Drive a DecodeBatch the way the decode-step actor does, recording tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import attrs
 
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -21,6 +20,11 @@ class Outcome:
     tokens: list[int] = attrs.Factory(list)
     logprobs: list[SampledLogprobs | None] = attrs.Factory(list)
     finish_reason: str | None = None
+
+
+def token_ids(decoded: Decoded | None) -> list[int] | None:
+    """One step's token ids in batch order (None: nothing was read)."""
+    return list(decoded.token_ids) if decoded is not None else None
 
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
@@ -66,7 +70,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                 if out[a.request_id].finish_reason:
                     row.close()
                 else:
-                    batch.join(row, row.token0)
+                    batch.join_many([(row, row.token0)])
         if batch.size:
             ids = batch.request_ids
             record_all(ids, batch.step_decoded())
@@ -74,22 +78,8 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     return out
 
 
-def serial_run(model: Any, prompt_ids: tuple[int, ...], params: SamplingParams, *, eos: Collection[int],
-               grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> Outcome:
-    """The serial lane's tokens and logprobs for one request (mlx-lm's generate_step, token for token)."""
-    gen = SerialGeneration(model, prompt_ids, params, prefill_step_size=prefill_step_size,
-                           grammar_tokenizer=grammar_tokenizer)
-    while gen.prefill_chunk():
-        pass
-    out = Outcome()
-    for _ in range(params.max_tokens):
-        token, logprobs = gen.step_decoded()
-        out.tokens.append(token)
-        out.logprobs.append(logprobs)
-        if token in eos:
-            out.finish_reason = "stop"
-            break
-    else:
-        out.finish_reason = "length"
-    gen.close()
-    return out
+def solo_run(model: Any, prompt_ids: tuple[int, ...], params: SamplingParams, *, eos: Collection[int],
+             grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> Outcome:
+    """One request alone (`--batch 1`): its tokens and logprobs (mlx-lm's own graph: the goldens pin it)."""
+    return run_schedule(model, [Arrival("solo", 0, prompt_ids, params)], eos=eos,
+                        grammar_tokenizer=grammar_tokenizer, prefill_step_size=prefill_step_size)["solo"]

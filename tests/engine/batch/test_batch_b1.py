@@ -18,6 +18,7 @@ from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, TinyModelSpec, tiny_model
 
 from mlx_trio.testing import batch_reference
+from tests.engine.batch.batch_driver import token_ids
 
 MODELS = {"llama": LLAMA, "qwen3": QWEN3, "llama_swa": LLAMA_SWA}
 MAX_TOKENS = 24
@@ -56,10 +57,10 @@ def batch_lane_tokens(model: Any, prompt: list[int], params: SamplingParams, *, 
         pass
     tokens = [row.first_token()]
     batch = DecodeBatch(model)
-    batch.join(row, tokens[0])
+    batch.join_many([(row, tokens[0])])
     assert batch.is_solo and row.nbytes == 0  # adopted, not copied
     while len(tokens) < params.max_tokens:
-        out = batch.step()
+        out = token_ids(batch.step_decoded())
         if out is not None:
             tokens += out
     batch.close()

@@ -6,7 +6,7 @@ rows (greedy and seeded) beside plain rows (greedy and seeded). Schemas are
 hypothesis-generated and bounded (string lengths, integer ranges, array
 sizes, closed objects), so every constrained output is finite: each must end
 with "stop" and validate against its schema (`jsonschema`). Plain rows must
-produce exactly their serial-lane tokens: sharing a batch with a grammar row
+produce exactly their tokens alone (B=1): sharing a batch with a grammar row
 (which makes each step read the register before queueing) changes nothing.
 """
 
@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
-from tests.engine.batch.batch_driver import Arrival, run_schedule, serial_run
+from tests.engine.batch.batch_driver import Arrival, run_schedule, solo_run
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
 from mlx_trio.params import Constraint, SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
@@ -42,9 +42,9 @@ def run(arrivals: list[Arrival]) -> dict[str, Any]:
     return run_schedule(model, arrivals, eos=set(tokenizer.eos_token_ids), grammar_tokenizer=grammar_tokenizer)
 
 
-def serial_tokens(prompt_ids: tuple[int, ...], params: SamplingParams) -> list[int]:
+def solo_tokens(prompt_ids: tuple[int, ...], params: SamplingParams) -> list[int]:
     model, tokenizer, grammar_tokenizer = _model()
-    return serial_run(model, prompt_ids, params, eos=set(tokenizer.eos_token_ids),
+    return solo_run(model, prompt_ids, params, eos=set(tokenizer.eos_token_ids),
                       grammar_tokenizer=grammar_tokenizer).tokens
 
 
@@ -106,7 +106,7 @@ def test_schema_rows_validate_beside_plain_rows_joining_and_leaving(schemas: lis
         jsonschema.validate(value, schema)
     for a in arrivals:
         if a.params.constraint is None:
-            assert out[a.request_id].tokens == serial_tokens(a.prompt_ids, a.params), a.request_id
+            assert out[a.request_id].tokens == solo_tokens(a.prompt_ids, a.params), a.request_id
 
 
 def test_json_object_row_is_an_object() -> None:
@@ -122,8 +122,8 @@ def test_json_object_row_is_an_object() -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_serial_lane_enforces_the_same_grammar(temperature: float) -> None:
-    """The serial lane's constrained output stops and validates too, and equals the batch lane's at B=1."""
+def test_a_lone_constrained_row_stops_and_validates(temperature: float) -> None:
+    """A constrained row alone (`--batch 1`) stops and validates too, and equals itself beside a plain row."""
     _, tokenizer, _ = _model()
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -131,7 +131,8 @@ def test_serial_lane_enforces_the_same_grammar(temperature: float) -> None:
     params = SamplingParams(max_tokens=80, temperature=temperature, seed=3,
                             constraint=Constraint("json_schema", json.dumps(schema)))
     prompt = _prompt(7, 10)
-    tokens = serial_tokens(prompt, params)
+    tokens = solo_tokens(prompt, params)
     assert tokens[-1] in tokenizer.eos_token_ids
     jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), schema)
-    assert run([Arrival("solo", 0, prompt, params)])["solo"].tokens == tokens
+    beside = run([Arrival("json", 0, prompt, params), Arrival("plain", 0, _prompt(8, 10), SamplingParams(max_tokens=30))])
+    assert beside["json"].tokens == tokens

@@ -9,8 +9,9 @@ import attrs
 from hypothesis import example, given, settings, target
 from hypothesis import strategies as st
 from mlx_lm import load
+from mlx_lm.generate import generate_step
+import mlx.core as mx
 
-from mlx_trio.engine.serial import SerialGeneration
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
@@ -26,15 +27,14 @@ def _llama() -> tuple[Any, tuple[int, ...]]:
     return model, tuple(tokenizer.eos_token_ids)
 
 
-def _serial_tokens(model: Any, a: ref.Arrival, eos: tuple[int, ...]) -> list[int]:
-    """The request alone on the serial engine, stopped at EOS or max_tokens as a session would."""
-    gen = SerialGeneration(model, a.prompt_ids, a.params, prefill_step_size=PREFILL_STEP_SIZE)
-    while gen.prefill_chunk():
-        pass
+def _mlx_lm_tokens(model: Any, a: ref.Arrival, eos: tuple[int, ...]) -> list[int]:
+    """The request alone through mlx-lm's own `generate_step` (greedy), stopped at EOS or max_tokens."""
     tokens: list[int] = []
-    while len(tokens) < a.params.max_tokens and not (tokens and tokens[-1] in eos):
-        tokens.append(gen.step())
-    gen.close()
+    for token, _ in generate_step(mx.array(a.prompt_ids), model, max_tokens=a.params.max_tokens,
+                                  prefill_step_size=PREFILL_STEP_SIZE):
+        tokens.append(int(token))
+        if tokens[-1] in eos:
+            break
     return tokens
 
 
@@ -61,7 +61,7 @@ _FULL = [ref.Arrival(f"r{i}", i % 3, tuple((37 * i + 11 * j) % 509 + 3 for j in 
 @given(arrivals=schedules())
 @example(arrivals=_FULL)
 def test_random_schedules_decode_solo_tokens_and_free_all_kv(arrivals: list[ref.Arrival]) -> None:
-    """Tokens == the serial engine's; logits == the solo run's (unpadded exact, padded within 1e-4); 0 KV bytes."""
+    """Tokens == mlx-lm's generate_step alone; logits == the solo run's (unpadded exact, padded within 1e-4); 0 KV bytes."""
     model, eos = _llama()
     got = ref.run_schedule(ref.ours(model, prefill_step_size=PREFILL_STEP_SIZE), arrivals, eos=eos, max_batch=8)
     want = ref.run_schedule(ref.reference(model, prefill_step_size=PREFILL_STEP_SIZE), arrivals, eos=eos,
@@ -71,7 +71,7 @@ def test_random_schedules_decode_solo_tokens_and_free_all_kv(arrivals: list[ref.
     assert got.final_nbytes == 0
     assert got.tokens == want.tokens
     for a in arrivals:
-        assert got.tokens[a.request_id] == _serial_tokens(model, a, eos)
+        assert got.tokens[a.request_id] == _mlx_lm_tokens(model, a, eos)
         solo = ref.run_schedule(ref.ours(model, prefill_step_size=PREFILL_STEP_SIZE), [attrs.evolve(a, at_step=0)],
                                 eos=eos)
         for key, diff in ref.logit_diffs(got, solo).items():

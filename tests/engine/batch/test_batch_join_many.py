@@ -12,6 +12,7 @@ from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
 from mlx_trio.testing import batch_reference as ref
+from tests.engine.batch.batch_driver import token_ids
 
 LENGTHS = {"a": 30, "b": 7, "c": 19, "d": 41}
 
@@ -32,21 +33,21 @@ def _row(model, rid: str, vocab: int) -> tuple[SoloRow, int]:
 
 def _run(model, vocab: int, *, together: bool) -> dict[str, list[int]]:
     batch = DecodeBatch(model)
-    batch.join(*_row(model, "a", vocab))
+    batch.join_many([_row(model, "a", vocab)])
     out: dict[str, list[int]] = {rid: [] for rid in LENGTHS}
     for _ in range(20):  # past the sliding window (16): the rotating layers have wrapped
-        tokens = batch.step()
+        tokens = token_ids(batch.step_decoded())
         if tokens:
             out["a"].extend(tokens)
-    out["a"].extend(batch.flush() or [])
+    out["a"].extend(token_ids(batch.flush_decoded()) or [])
     joiners = [_row(model, rid, vocab) for rid in ("b", "c", "d")]
     if together:
         batch.join_many(joiners)
     else:
         for row, token0 in joiners:
-            batch.join(row, token0)
+            batch.join_many([(row, token0)])
     for _ in range(12):
-        tokens = batch.step()
+        tokens = token_ids(batch.step_decoded())
         if tokens:
             for rid, token in zip(batch.request_ids, tokens):
                 out[rid].append(token)

@@ -13,6 +13,7 @@ from mlx_trio.engine.batch.decode_batch import DecodeBatch
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, TinyModelSpec, tiny_model
+from tests.engine.batch.batch_driver import token_ids
 
 
 @cache
@@ -33,7 +34,7 @@ def _batch(*rows: SoloRow, spec: TinyModelSpec = LLAMA) -> DecodeBatch:
     batch = DecodeBatch(_model(spec))
     for row in rows:
         assert row.token0 is not None
-        batch.join(row, row.token0)
+        batch.join_many([(row, row.token0)])
     return batch
 
 
@@ -41,13 +42,13 @@ def test_step_returns_the_previous_step_and_flush_the_queued_one() -> None:
     """After a join the first step returns None (token 0 was already returned); flush drains once."""
     batch = _batch(_ready_row("a", 5), _ready_row("b", 9))
     assert batch.is_flushed and batch.request_ids == ["a", "b"]
-    assert batch.step() is None and not batch.is_flushed
-    first = batch.step()
+    assert token_ids(batch.step_decoded()) is None and not batch.is_flushed
+    first = token_ids(batch.step_decoded())
     assert first is not None and len(first) == 2
-    queued = batch.flush()
+    queued = token_ids(batch.flush_decoded())
     assert queued is not None and len(queued) == 2 and batch.is_flushed
-    assert batch.flush() is None
-    assert batch.step() is None  # the flushed tokens are this step's inputs, already returned
+    assert token_ids(batch.flush_decoded()) is None
+    assert token_ids(batch.step_decoded()) is None  # the flushed tokens are this step's inputs, already returned
     assert batch.num_fed("a") == 5 + 3 and batch.num_fed("b") == 9 + 3  # three forwards
 
 
@@ -57,16 +58,16 @@ def test_leave_unflushed_equals_leave_flushed() -> None:
     for flush_first in (False, True):
         batch = _batch(_ready_row("a", 5), _ready_row("b", 9), _ready_row("c", 14))
         tokens: dict[str, list[int]] = {"a": [], "c": []}
-        batch.step()
-        batch.step()
+        batch.step_decoded()
+        batch.step_decoded()
         if flush_first:
-            for rid, t in zip(batch.request_ids, batch.flush() or []):
+            for rid, t in zip(batch.request_ids, token_ids(batch.flush_decoded()) or []):
                 tokens.setdefault(rid, []).append(t)
         batch.leave(["b"])
         for _ in range(6):
-            for rid, t in zip(batch.request_ids, batch.step() or []):
+            for rid, t in zip(batch.request_ids, token_ids(batch.step_decoded()) or []):
                 tokens[rid].append(t)
-        for rid, t in zip(batch.request_ids, batch.flush() or []):
+        for rid, t in zip(batch.request_ids, token_ids(batch.flush_decoded()) or []):
             tokens[rid].append(t)
         results.append({rid: toks[-5:] for rid, toks in tokens.items() if rid != "b"})
     assert results[0] == results[1]
@@ -78,12 +79,12 @@ def test_join_takes_the_rows_caches_and_kv_bytes_return_to_zero() -> None:
     solo_bytes = a.nbytes
     batch = _batch(a)
     assert a.nbytes == 0 and batch.nbytes == solo_bytes and batch.is_solo
-    batch.join(b, b.token0 or 0)
+    batch.join_many([(b, b.token0 or 0)])
     assert b.nbytes == 0 and batch.nbytes > 0 and not batch.is_solo
-    batch.step()
+    batch.step_decoded()
     batch.leave(["a"])
     assert batch.is_solo and batch.request_ids == ["b"]  # extracted back to solo caches
-    batch.step()
+    batch.step_decoded()
     batch.leave(["b"])
     assert batch.size == 0 and batch.nbytes == 0 and batch.is_flushed
 
@@ -91,15 +92,15 @@ def test_join_takes_the_rows_caches_and_kv_bytes_return_to_zero() -> None:
 def test_join_needs_a_flushed_batch_and_a_fresh_row() -> None:
     """join raises on a step in flight, a row before token 0 and a duplicate id, changing nothing."""
     batch = _batch(_ready_row("a", 5))
-    batch.step()
+    batch.step_decoded()
     with pytest.raises(RuntimeError):
-        batch.join(_ready_row("b", 5), 0)
-    batch.flush()
+        batch.join_many([(_ready_row("b", 5), 0)])
+    batch.flush_decoded()
     raw = SoloRow(_model(), "c", [4, 5, 6], SamplingParams())
     with pytest.raises(RuntimeError):
-        batch.join(raw, 0)
+        batch.join_many([(raw, 0)])
     with pytest.raises(ValueError):
-        batch.join(_ready_row("a", 7), 0)
+        batch.join_many([(_ready_row("a", 7), 0)])
     assert batch.request_ids == ["a"] and batch.is_solo
 
 
@@ -117,24 +118,26 @@ def test_join_of_unbatchable_caches_raises_type_error() -> None:
     row = _ready_row("q", 5)
     row.caches = [ChunkedKVCache(chunk_size=64) for _ in row.caches]
     with pytest.raises(TypeError):
-        batch.join(row, row.token0 or 0)
+        batch.join_many([(row, row.token0 or 0)])
     assert batch.request_ids == ["a"] and batch.is_solo
 
 
 @pytest.mark.parametrize("spec", [LLAMA, LLAMA_SWA], ids=["full", "rotating"])
-def test_extract_is_a_snapshot_of_the_fed_tokens(spec: TinyModelSpec) -> None:
-    """extract copies the row's KV (num_fed tokens); later steps never change the copy."""
-    for rows in (("a",), ("a", "b")):
+def test_a_batched_rows_cache_entry_is_a_copy_of_the_fed_tokens(spec: TinyModelSpec) -> None:
+    """cache_entry of a batched row copies its KV (num_fed tokens); later steps never change the copy."""
+    for rows in (("a", "b"),):
         batch = _batch(*(_ready_row(r, 20 + i, spec=spec) for i, r in enumerate(rows)), spec=spec)
-        batch.step()
-        batch.flush()
-        snapshot = batch.extract("a")
+        batch.step_decoded()
+        batch.flush_decoded()
+        entry = batch.cache_entry("a", tuple(range(batch.num_fed("a"))))
+        assert entry is not None
+        snapshot = entry.caches
         offsets = [c.offset for c in snapshot]
         keys = [c.keys[..., : c.offset, :] * 1 for c in snapshot if spec.sliding_window is None]
         assert all(o == batch.num_fed("a") for o in offsets)
         for _ in range(3):
-            batch.step()
-        batch.flush()
+            batch.step_decoded()
+        batch.flush_decoded()
         assert [c.offset for c in snapshot] == offsets
         for c, k in zip((c for c in snapshot if spec.sliding_window is None), keys):
             assert (c.keys[..., : c.offset, :] == k).all().item()

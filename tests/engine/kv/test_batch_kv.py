@@ -16,6 +16,7 @@ from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from tests.engine.batch.batch_driver import token_ids
 
 HEADS, DIM = 2, 4
 
@@ -117,25 +118,25 @@ def test_a_batch_of_equal_rows_decodes_without_a_mask_and_keeps_its_tokens() -> 
     def alone(i: int, steps: int) -> list[int]:
         solo = row(i, prompts[i])
         batch = DecodeBatch(model)
-        batch.join(solo, solo.token0)
-        return [t for _ in range(steps) for t in (batch.step() or [])] + (batch.flush() or [])
+        batch.join_many([(solo, solo.token0)])
+        return [t for _ in range(steps) for t in (token_ids(batch.step_decoded()) or [])] + (token_ids(batch.flush_decoded()) or [])
 
     first, second = row(0, prompts[0]), row(1, prompts[1])
     batch = DecodeBatch(model)
     batch.join_many([(first, first.token0), (second, second.token0)])
     layer = batch._caches[0]
     assert isinstance(layer, HostPaddedBatchKVCache) and layer.is_unpadded
-    tokens = [batch.step() for _ in range(5)]
+    tokens = [token_ids(batch.step_decoded()) for _ in range(5)]
     # One offsets array per step for every layer (mlx-lm adds one per layer), equal to the row lengths.
     assert all(c.offset is layer.offset for c in batch._caches)
     assert layer.offset.tolist() == [batch.num_fed("r0"), batch.num_fed("r1")]
     third = row(2, prompts[2])
-    tokens.append(batch.flush())
-    batch.join(third, third.token0)  # joins 5 tokens behind: padded from now on
+    tokens.append(token_ids(batch.flush_decoded()))
+    batch.join_many([(third, third.token0)])  # joins 5 tokens behind: padded from now on
     assert batch._caches[0].host_padding == (0, 0, 5)
     assert all(c._offsets is batch._caches[0]._offsets for c in batch._caches)
     assert batch._caches[0].make_mask(1) is not None
-    tokens += [batch.step() for _ in range(3)] + [batch.flush()]
+    tokens += [token_ids(batch.step_decoded()) for _ in range(3)] + [token_ids(batch.flush_decoded())]
     got = [[t[i] for t in tokens if t is not None and len(t) > i] for i in range(3)]
     want = [alone(i, 8)[: len(got[i])] for i in range(3)]
     assert got == want and len(got[2]) == 3

@@ -22,6 +22,7 @@ from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
 from mlx_trio.testing import batch_reference as ref
+from tests.engine.batch.batch_driver import token_ids
 
 _MODELS = {}
 
@@ -50,13 +51,13 @@ def _run(model, prompt, n: int, cache: PromptCache | None, snapshot_at: int | No
             cache.put(row.snapshot())
     tokens = [row.first_token()]
     batch = DecodeBatch(model)
-    batch.join(row, tokens[0])
+    batch.join_many([(row, tokens[0])])
     while len(tokens) < n:
-        out = batch.step()
+        out = token_ids(batch.step_decoded())
         if out is not None:
             tokens.extend(out)
     tokens = tokens[:n]
-    batch.flush()
+    batch.flush_decoded()
     if cache is not None:
         cache.put(batch.cache_entry("r", prompt + tuple(tokens)))
     batch.leave(["r"])

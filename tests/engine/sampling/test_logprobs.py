@@ -14,7 +14,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from tests.engine.batch.batch_driver import Arrival, Outcome, run_schedule, serial_run
+from tests.engine.batch.batch_driver import Arrival, Outcome, run_schedule
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
 from mlx_trio.params import Constraint, SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
@@ -78,16 +78,9 @@ def assert_matches_reference(name: str, got: Outcome, *, tolerance: float) -> No
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_serial_lane_logprobs_are_mlx_lm_logprobs(name: str) -> None:
-    """--batch 1: each token's logprob and top-5 are bit-identical to generate_step's logprob vector."""
-    model, tokenizer = _model()
-    got = serial_run(model, PROMPTS[name], PARAMS[name], eos=tokenizer.eos_token_ids, prefill_step_size=2048)
-    assert_matches_reference(name, got, tolerance=0.0)
-
-
-@pytest.mark.parametrize("name", list(PARAMS))
 def test_a_lone_batch_row_has_mlx_lm_logprobs(name: str) -> None:
-    """B=1 on the batch lane (token 0 from the solo row, then the adopted serial graph): bit-identical too."""
+    """B=1 (`--batch 1`; token 0 from the solo row, then the adopted serial graph): each token's logprob
+    and top-5 are bit-identical to generate_step's logprob vector."""
     model, tokenizer = _model()
     out = run_schedule(model, [Arrival(name, 0, PROMPTS[name], PARAMS[name])], eos=tokenizer.eos_token_ids,
                        prefill_step_size=2048)

@@ -1,4 +1,4 @@
-"""The batch lane end to end: admission → prefill → decode-step → sessions, on tiny models."""
+"""The lane end to end: admission → prefill → decode-step → sessions, rows batched, on tiny models."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ async def _wait_drained(engine) -> None:
 
 @pytest.mark.parametrize("spec", [LLAMA, QWEN3, LLAMA_SWA], ids=["llama", "qwen3", "llama_swa"])
 async def test_overlapping_requests_each_get_their_solo_greedy_tokens(spec: TinyModelSpec) -> None:
-    """8 staggered requests at --batch 4 each produce exactly the tokens of their solo serial run."""
+    """8 staggered requests at --batch 4 each produce exactly the tokens of their run alone (--batch 1)."""
     path = tiny_model(spec)
     expected = await _solo_tokens(path, PROMPTS, 24)
     got: dict[int, tuple[int, ...]] = {}
@@ -67,7 +67,7 @@ async def _run_watching_rows(engine, prompts: list[str], max_tokens: int) -> tup
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
         while len(results) < len(prompts):
-            most_rows = max(most_rows, engine.actors.admission.statistics().in_flight_rows)
+            most_rows = max(most_rows, engine.actors.lane.admission.statistics().in_flight_rows)
             await trio.sleep(0)
     return [results[i] for i in range(len(prompts))], most_rows
 
@@ -84,7 +84,7 @@ async def test_a_queue_that_cannot_fit_waits_then_runs() -> None:
     budget = need + row // 2
     async with open_engine(str(path), batch=4, kv_budget_bytes=budget) as engine:
         results, most_in_flight = await _run_watching_rows(engine, prompts, 8)
-        assert engine.actors.admission.statistics().admitted == 4
+        assert engine.actors.lane.admission.statistics().admitted == 4
         assert most_in_flight == 1
     assert results == expected
 
@@ -135,7 +135,7 @@ async def test_a_consumer_that_fails_evicts_only_its_own_row() -> None:
                 nursery.start_soon(good, i)
             nursery.start_soon(bad)
         await _wait_drained(engine)
-        assert engine.actors.admission.statistics().reserved_bytes == 0
+        assert engine.actors.lane.admission.statistics().reserved_bytes == 0
     assert [results[i] for i in range(3)] == expected
 
 
@@ -167,7 +167,7 @@ async def _two_requests_through_a_fault(path: Path) -> tuple[list[tuple[int, ...
         await _wait_drained(engine)
         engine_tree = next(c for c in engine.status()["tree"]["children"] if c["id"] == "engine")
         decode = next(c for c in engine_tree["children"] if c["id"] == "decode-step")
-        reserved = engine.actors.admission.statistics().reserved_bytes
+        reserved = engine.actors.lane.admission.statistics().reserved_bytes
     return [results[0], results[1]], decode, reserved
 
 
@@ -225,7 +225,7 @@ async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_sol
     got: dict[int, tuple[int, ...]] = {}
     async with open_engine(str(path), batch=8) as engine:
         await engine.wait_ready()
-        engine.actors.lease.submit_nowait(time.sleep, 0.3)  # the first request's prefill waits behind it
+        engine.actors.lane.lease.submit_nowait(time.sleep, 0.3)  # the first request's prefill waits behind it
 
         async def one(i: int) -> None:
             got[i] = (await engine.complete(prompts[i], max_tokens=12)).token_ids
@@ -234,7 +234,7 @@ async def test_requests_waiting_together_prefill_as_one_batch_and_keep_their_sol
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
         await _wait_drained(engine)
-        assert engine.actors.prefill.statistics().cohort_rows >= 2
+        assert engine.actors.lane.prefill.statistics().cohort_rows >= 2
     assert [got[i] for i in range(len(prompts))] == expected
 
 
@@ -246,7 +246,7 @@ async def test_the_step_chain_stops_when_the_trio_thread_falls_behind() -> None:
     """
     [expected] = await _solo_tokens(tiny_model(LLAMA), [PROMPTS[0]], 48)
     async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
-        lease = engine.actors.lease
+        lease = engine.actors.lane.lease
         tokens: list[int] = []
         blocked = False
         async for event in engine.generate(PROMPTS[0], max_tokens=48):

@@ -1,0 +1,125 @@
+"""The engine lane as one record: its actors and what they share.
+
+One lane serves every `--batch` value; `--batch 1` is the same lane with a
+row cap of 1, so a lone row never shares a step and its tokens do not
+depend on other requests (the determinism pin). A request flows:
+
+    session ──Generate──▶ admission ──Generate──▶ prefill ──JoinRow──▶ decode-step
+       ▲                   (FIFO, row cap,         (solo or cohort       (the running batch,
+       │                    KV budget)              prefill, token 0)     one step per job)
+       └──────────── reply: PrefillProgressed, TokensDecoded, GenerationEnded ◀────────────┘
+
+The actors find each other and what they share (the lease, the model, the
+prompt cache, the config, the faults) here, not through closures: the
+engine subtree (actors/engine_tree.py) builds one `Lane` and each
+`ChildSpec` puts its actor in it, so a restarted actor replaces its own
+field and every other actor sees the new one. `end_request` is the one way
+a request ends, whichever actor holds it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from mlx_trio.actors.messages import Generate, GenerationEnded
+from mlx_trio.config import EngineConfig
+from mlx_trio.errors import MlxTrioError
+from mlx_trio.supervision.faults import Faults
+
+if TYPE_CHECKING:
+    from mlx_trio.actors.admission import AdmissionActor
+    from mlx_trio.actors.cache_persistence import CachePersistenceActor
+    from mlx_trio.actors.decode_step import DecodeStepActor
+    from mlx_trio.actors.gpu_lease import GpuLease
+    from mlx_trio.actors.prefill import PrefillActor
+    from mlx_trio.actors.prompt_caching import PromptCaching
+    from mlx_trio.engine.model.load import LoadedModel
+
+
+@attrs.define(eq=False)
+class Lane:
+    """The lane's current actors (None until started; a restart replaces one) and their shared state.
+
+    Invariant: an actor's field is set before its `ChildSpec` reports it
+    started, and rest_for_one starts the lease, decode-step, prefill and
+    admission in that order, so each actor may use the ones before it.
+    """
+
+    config: EngineConfig
+    faults: Faults
+    # Loaded once; outlives every restart (a restarted lease reuses the evaluated weights).
+    model: LoadedModel | None = None
+    load_error: MlxTrioError | None = None
+    _model_settled: trio.Event = attrs.field(factory=trio.Event, init=False)
+    lease: GpuLease | None = None
+    decode_step: DecodeStepActor | None = None
+    prefill: PrefillActor | None = None
+    admission: AdmissionActor | None = None
+    persistence: CachePersistenceActor | None = None
+    # The prompt cache outlives actor restarts; created once the KV budget is known (None: off).
+    caching: PromptCaching | None = None
+
+    @property
+    def row_cap(self) -> int:
+        """Rows decoding together: `--batch`, or 1 for a model whose caches cannot merge."""
+        if self.model is not None and not self.model.kv_layout.batchable:
+            return 1
+        return self.config.batch
+
+    # -- the model -----------------------------------------------------------
+
+    def settle_model(self, model: LoadedModel | None, error: MlxTrioError | None = None) -> None:
+        """Loading ended, with `model` or for good with `error`."""
+        self.model, self.load_error = model, error
+        self._model_settled.set()
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
+        await self._model_settled.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def wait_model(self) -> LoadedModel:
+        """The loaded model; if loading failed for good, wait forever (health reports why) instead of crash-looping."""
+        await self._model_settled.wait()
+        if self.model is None:
+            await trio.sleep_forever()
+        assert self.model is not None
+        return self.model
+
+    # -- requests --------------------------------------------------------------
+
+    def in_flight(self) -> list[Generate]:
+        """Requests admitted and not ended: prefilling, waiting to join, or decoding."""
+        decoding = self.decode_step.in_flight() if self.decode_step is not None else []
+        prefilling = self.prefill.in_flight() if self.prefill is not None else []
+        return [*decoding, *prefilling]
+
+    @property
+    def decoding(self) -> bool:
+        """Whether rows decode now (their steps stall for each prefill chunk)."""
+        return self.decode_step is not None and self.decode_step.decoding
+
+    def end_request(self, request: Generate, ended: GenerationEnded | None = None, *,
+                    row: object | None = None) -> None:
+        """The one way a request ends, whichever actor holds it; idempotent, never raises, never waits.
+
+        Sends `ended` if given and the session still listens (without it, the
+        closed reply tells the session the lane failed under it: it resumes),
+        closes the reply channel (its only closer), releases the request's
+        admission reservation, and frees `row` (a `SoloRow` not in the batch)
+        on the lease thread, which owns its arrays.
+        """
+        if ended is not None:
+            try:
+                request.reply.send_nowait(ended)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass  # the session left (or cannot take more): it needs no last word
+        request.reply.close()
+        if self.admission is not None:
+            self.admission.release(request.request_id)
+        if row is not None and self.lease is not None:
+            self.lease.free_nowait(row.close)  # type: ignore[attr-defined]

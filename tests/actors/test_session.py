@@ -1,0 +1,65 @@
+"""The session actor and the one resume loop (`Engine.stream`): exact streams across crashes; cancellation frees KV."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.api import MAX_RESUMES
+from mlx_trio.errors import EngineRestarted
+from mlx_trio.events import Finished, TextDelta
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from tests.prompts import PROMPTS
+
+
+async def _stream(engine, prompt: str, max_tokens: int, *, crash_after: int | None = None) -> tuple[tuple[int, ...], str]:
+    ids: list[int] = []
+    text = ""
+    async for event in engine.generate(prompt, max_tokens=max_tokens):
+        if isinstance(event, TextDelta):
+            ids.extend(event.token_ids)
+            text += event.text
+            if crash_after is not None and len(ids) >= crash_after:
+                engine.faults.arm("session", "raise")  # the session crashes at its next event
+                crash_after = None
+    return tuple(ids), text
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["batch-1", "batch-4"])
+async def test_a_crashed_session_resumes_and_the_stream_stays_exact(batch: int) -> None:
+    """The session dies mid-stream; its successor carries on: same ids, same text, nothing repeated."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch) as engine:
+        undisturbed = await _stream(engine, PROMPTS[2], 30)
+        resumed = await _stream(engine, PROMPTS[2], 30, crash_after=5)
+        assert engine.faults.fired
+    assert resumed == undisturbed and len(undisturbed[0]) == 30
+
+
+async def test_sessions_that_crash_without_progress_give_up_with_engine_restarted() -> None:
+    """More than MAX_RESUMES attempts in a row that bring no token: EngineRestarted, and the engine serves on."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        for _ in range(MAX_RESUMES + 1):
+            engine.faults.arm("session", "raise")
+        with pytest.raises(EngineRestarted):
+            await engine.complete(PROMPTS[0], max_tokens=4)
+        assert not engine.faults.armed() and len(engine.faults.fired) == MAX_RESUMES + 1
+        done = await engine.complete(PROMPTS[0], max_tokens=4)
+        assert done.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["batch-1", "batch-4"])
+async def test_leaving_the_stream_cancels_and_frees_kv_and_the_reservation(batch: int) -> None:
+    """Breaking out at the first delta ends the request: no row, no KV bytes, no reservation; the lane serves on."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch) as engine:
+        lane = engine.actors.lane
+        async for event in engine.generate(PROMPTS[1], max_tokens=200):
+            if isinstance(event, TextDelta):
+                break
+        with trio.fail_after(10):
+            # The request may still sit in a channel between actors: wait until its reservation is gone.
+            while lane.in_flight() or engine.status()["counters"]["kv_bytes"] or lane.admission.statistics().reserved_bytes:
+                await trio.sleep(0.01)
+        assert lane.decode_step.statistics().cancelled + lane.prefill.statistics().cancelled == 1
+        events = [e async for e in engine.generate(PROMPTS[1], max_tokens=3)]
+        assert isinstance(events[-1], Finished)
