@@ -71,10 +71,32 @@ def _entry(tokens: Sequence[int], nbytes: int = 10) -> CacheEntry:
     return CacheEntry(tuple(tokens), [object(), object()], nbytes, trimmable=True)
 
 
+class _Admission:
+    """Admission as the prompt cache sees it: the bytes live rows leave unreserved."""
+
+    def __init__(self, room: Callable[[], int]) -> None:
+        self._room = room
+
+    def unreserved_bytes(self) -> int:
+        return self._room()
+
+
+class _Lane:
+    """The parts of `Lane` the prompt cache reads: the current lease, SSD tier and admission."""
+
+    def __init__(self, lease: Any, persistence: Any, room: Callable[[], int | None]) -> None:
+        self.lease, self.persistence, self._room = lease, persistence, room
+
+    @property
+    def admission(self) -> _Admission | None:
+        # No admission yet (room None): the cache keeps only its own ceiling.
+        return None if self._room() is None else _Admission(lambda: self._room() or 0)
+
+
 def _caching(lease: Any = None, persistence: Any = None, room: Callable[[], int | None] = lambda: None,
              max_bytes: int = 100, max_entries: int = 10) -> PromptCaching:
-    return PromptCaching(max_bytes=max_bytes, max_entries=max_entries, get_lease=lambda: lease,
-                         get_persistence=lambda: persistence, room=room)
+    return PromptCaching(_Lane(lease, persistence, room), max_bytes=max_bytes,  # type: ignore[arg-type]
+                         max_entries=max_entries)
 
 
 # -- RAM only ---------------------------------------------------------------------------------------
