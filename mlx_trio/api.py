@@ -46,6 +46,10 @@ log = logging.getLogger("mlx_trio.engine")
 # Attempts in a row that bring no new token before a request fails with EngineRestarted.
 # Progress resets the count: a long request may live through many restarts.
 MAX_RESUMES = 3
+# Attempts that end while the request still waits in admission's queue are counted apart, with a
+# larger bound: a restart then says nothing about the request (it never reached the model), and
+# under sustained faults a request deep in the queue sees many before its turn comes.
+MAX_QUEUED_RESUMES = 30
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
@@ -164,10 +168,12 @@ class Engine:
         (the lane failed under it, or it crashed itself), a new one carries
         on from the tokens the old one had received, so the caller still
         sees one uninterrupted stream; `EngineRestarted` after `MAX_RESUMES`
-        attempts in a row that brought no new token.
+        attempts in a row that brought no new token (`MAX_QUEUED_RESUMES` for
+        attempts that ended while the request still waited in admission's queue).
         """
         actor: SessionActor | None = None
         stalled = 0  # attempts in a row that brought no new token
+        queued = 0  # of those, attempts that ended while still waiting in admission's queue
         while True:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
             # A resume waits a moment for the restarting actors; longer after each fruitless try.
@@ -188,9 +194,14 @@ class Engine:
                     yield item
                     if isinstance(item, Finished):
                         return
-            stalled = stalled + 1 if len(actor.generated) == actor.generated_at_start else 1
+            if len(actor.generated) > actor.generated_at_start:
+                stalled, queued = 1, 0
+            elif actor.left_queue:
+                stalled += 1
+            else:
+                queued += 1
             cause = actor.failure or ActorCrashed("its session crashed")
-            if stalled > MAX_RESUMES:
+            if stalled > MAX_RESUMES or queued > MAX_QUEUED_RESUMES:
                 raise EngineRestarted(f"request {request.request_id} failed {stalled} times in a row without "
                                       f"progress; last: {cause!r}") from cause
             log.warning("request %s: %r; resuming after %d tokens", request.request_id, cause, len(actor.generated))

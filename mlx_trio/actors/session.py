@@ -85,6 +85,9 @@ class SessionActor:
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
         self.failure: BaseException | None = None
+        # Whether the lane took this attempt past admission's queue (prefill sent an event): an
+        # attempt that only waited in the queue cannot be the request that makes the lane fail.
+        self.left_queue = False
 
     def statistics(self) -> SessionStatistics:
         replies = self._replies
@@ -137,6 +140,7 @@ class SessionActor:
         eos = self._model.eos_token_ids  # type: ignore[attr-defined]
         total = len(self._request.prompt_ids)
         async for event in replies:
+            self.left_queue = True
             # Before the event changes any state: a crash here loses nothing a resume can't redo.
             self._faults.check(self._id)
             if isinstance(event, PrefillProgressed):

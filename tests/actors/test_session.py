@@ -63,3 +63,33 @@ async def test_leaving_the_stream_cancels_and_frees_kv_and_the_reservation(batch
         assert lane.decode_step.statistics().cancelled + lane.prefill.statistics().cancelled == 1
         events = [e async for e in engine.generate(PROMPTS[1], max_tokens=3)]
         assert isinstance(events[-1], Finished)
+
+
+async def test_restarts_while_a_request_only_queues_do_not_count_as_its_fruitless_attempts() -> None:
+    """More than MAX_RESUMES admission crashes while a request waits behind a running row: it still completes.
+
+    With `--batch 1` the running row holds the only slot; each resubmission of the queued request
+    crashes admission (rest_for_one: the running row is untouched). Those attempts never left the
+    queue, so they count against MAX_QUEUED_RESUMES, not MAX_RESUMES.
+    """
+    async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
+        undisturbed = (await engine.complete(PROMPTS[1], max_tokens=8)).token_ids
+        results: dict[str, tuple[int, ...]] = {}
+
+        async def long_row(started: trio.Event) -> None:
+            ids: list[int] = []
+            async for event in engine.generate(PROMPTS[0], max_tokens=120):
+                if isinstance(event, TextDelta):
+                    ids.extend(event.token_ids)
+                    started.set()
+            results["long"] = tuple(ids)
+
+        async with trio.open_nursery() as nursery:
+            started = trio.Event()
+            nursery.start_soon(long_row, started)
+            await started.wait()
+            for _ in range(MAX_RESUMES + 3):
+                engine.faults.arm("admission", "raise")
+            results["queued"] = (await engine.complete(PROMPTS[1], max_tokens=8)).token_ids
+        assert len(engine.faults.fired) == MAX_RESUMES + 3
+        assert results["queued"] == undisturbed and len(results["long"]) > 0
