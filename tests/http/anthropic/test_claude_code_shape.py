@@ -47,7 +47,7 @@ async def test_a_claude_code_body_reaches_the_engine_as_a_chat(tools_format: Out
             message = await client.beta.messages.create(model="claude-opus-4-8", betas=BETAS, timeout=60, **body)
         else:
             message = await client.messages.create(
-                model="claude-sonnet-4-5", **{k: body[k] for k in SDK_ONLY},
+                model="claude-sonnet-4-6", **{k: body[k] for k in SDK_ONLY},
                 extra_body={"context_management": body["context_management"]}, timeout=60)
     assert [(b.type, b.text) for b in message.content] == [("text", "pong")] and message.stop_reason == "end_turn"
     prompt, kwargs = engine.prepared[0]
