@@ -88,6 +88,11 @@ class Engine:
         return self.model.model_id
 
     @property
+    def context_length(self) -> int | None:
+        """Prompt plus answer tokens the model takes (None: its config does not say; no limit is enforced)."""
+        return self.model.context_length
+
+    @property
     def output_format(self) -> OutputFormat:
         """How the model marks reasoning and tool calls (mlx-lm's markers and parsers, pure Python)."""
         return self.model.output_format
@@ -113,32 +118,54 @@ class Engine:
     # -- requests -------------------------------------------------------------
 
     def prepare(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None, **sampling: Any) -> Request:
+                tools: Sequence[Mapping[str, Any]] | None = None, clamp_max_tokens: bool = True,
+                **sampling: Any) -> Request:
         """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field.
 
         `tools` (OpenAI function tools) go to the chat template; a model
         without a tool-calling format refuses them. Chat roles, message
         contents and template arguments are checked once, by `LoadedModel.encode`
         (`engine/model/chat.py`), whoever the caller.
+
+        Context policy: a prompt that leaves no room for one new token is
+        `ContextTooLong` ("prompt is too long: N tokens > M maximum", the
+        words harnesses read to compact). A `max_tokens` over the room left is
+        lowered to that room (the answer then ends with "length" when it fills
+        the context), or, with `clamp_max_tokens=False`, `ContextTooLong`.
         """
         params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
         if params.constraint is not None:
             self.model.check_constraint(params.constraint)
-        ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
-        if not ids:
-            raise InvalidParameter("prompt", "tokenizes to no tokens")
+        ids = self._encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
         limit = self.model.context_length
         if limit is not None and len(ids) + params.max_tokens > limit:
-            raise ContextTooLong(
-                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"together over the model's context of {limit} tokens; shorten the prompt or lower max_tokens",
-                field="prompt" if isinstance(prompt, str) or isinstance(prompt[0], int) else "messages",
-            )
+            field = "prompt" if isinstance(prompt, str) or isinstance(prompt[0], int) else "messages"
+            if len(ids) >= limit:
+                raise ContextTooLong(f"prompt is too long: {len(ids)} tokens > {limit - 1} maximum "
+                                     f"(the model's context is {limit} tokens); shorten the prompt", field=field)
+            if not clamp_max_tokens:
+                raise ContextTooLong(f"input length and `max_tokens` exceed context limit: {len(ids)} + "
+                                     f"{params.max_tokens} > {limit}, decrease input length or `max_tokens` "
+                                     "and try again", field=field)
+            params = attrs.evolve(params, max_tokens=limit - len(ids))
         boundary = None
         if len(ids) >= SNAPSHOT_MIN_TOKENS:  # shorter prompts never store a snapshot
             boundary = self.model.message_boundary(prompt, ids, chat_template_kwargs=chat_template_kwargs,
                                                    tools=tools)
         return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary)
+
+    def count_tokens(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     tools: Sequence[Mapping[str, Any]] | None = None, **_sampling: Any) -> int:
+        """How many tokens `prepare` would prefill for the same arguments (sampling ones are ignored)."""
+        return len(self._encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools))
+
+    def _encode(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None,
+                tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
+        """The prompt's token ids, as `prepare` and `count_tokens` both render it."""
+        ids = self.model.encode(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
+        if not ids:
+            raise InvalidParameter("prompt", "tokenizes to no tokens")
+        return ids
 
     async def prepare_off_loop(self, prompt: Prompt, **kwargs: Any) -> Request:
         """`prepare` in a worker thread (no MLX work: tokenizer, chat template, grammar compilation).

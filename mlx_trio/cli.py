@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--min-p", type=float, default=0.0, help="default min-p; 0 is off (default: %(default)s)")
     arg("--chat-template-args", type=_template_args, default={},
         help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    arg("--strict-max-tokens", action="store_true",
+        help="refuse (400) a max_tokens over the room the prompt leaves in the context "
+             "(default: lower it to that room)")
+    arg("--keep-billing-header", action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header system block in the prompt "
+             "(default: drop it, so the prompt cache's prefix survives across requests)")
     arg("--api-key", default=os.environ.get("MLX_TRIO_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $MLX_TRIO_API_KEY; unset: no key)")
     arg("--allowed-origins", nargs="*", default=[],
@@ -106,7 +112,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
                           batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
-                          enable_fault_injection=args.enable_fault_injection)
+                          enable_fault_injection=args.enable_fault_injection,
+                          strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header)
     return engine, server
 
 

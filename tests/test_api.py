@@ -59,11 +59,22 @@ async def test_bad_input_raises_typed_error_naming_the_field_and_no_actor_dies(e
     assert done.usage.completion_tokens == 3
 
 
-async def test_prompt_over_the_context_is_refused_naming_the_limit(engine) -> None:
-    """prompt + max_tokens beyond the model's context raises ContextTooLong with the limit in the message."""
+async def test_max_tokens_over_the_context_is_clamped_or_refused(engine) -> None:
+    """max_tokens beyond the room the prompt leaves is lowered to that room; clamp_max_tokens=False refuses it."""
     limit = engine.model.context_length
-    with pytest.raises(ContextTooLong, match=str(limit)):
-        await engine.complete("hello", max_tokens=limit)
+    n = engine.count_tokens("hello")
+    assert n == len(engine.prepare("hello").prompt_ids)
+    assert engine.prepare("hello", max_tokens=limit).params.max_tokens == limit - n
+    assert engine.prepare("hello", max_tokens=limit - n).params.max_tokens == limit - n
+    with pytest.raises(ContextTooLong, match=f"{n} \\+ {limit} > {limit}"):
+        engine.prepare("hello", max_tokens=limit, clamp_max_tokens=False)
+
+
+async def test_a_prompt_that_fills_the_context_is_too_long(engine) -> None:
+    """A prompt that leaves no room for one token: ContextTooLong in the words harnesses read to compact."""
+    limit = engine.model.context_length
+    with pytest.raises(ContextTooLong, match=f"^prompt is too long: {limit} tokens > {limit - 1} maximum"):
+        engine.prepare([7] * limit, max_tokens=1)
 
 
 async def test_stream_shape_progress_then_deltas_then_one_finished(engine) -> None:

@@ -65,21 +65,32 @@ class FakeEngine:
         return "fake-model"
 
     def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: Any = None, **sampling: Any) -> FakeRequest:
+                tools: Any = None, clamp_max_tokens: bool = True, **sampling: Any) -> FakeRequest:
+        """One token per word (per message for a chat); the engine's context policy over `context_length`."""
         if not self.loaded:
             raise EngineFailure("the model is not loaded yet")
         self.prepared.append((prompt, {"chat_template_kwargs": chat_template_kwargs, "tools": tools, **sampling}))
         params = SamplingParams.from_kwargs(sampling).validate(vocab_size=100)
+        n = self.count_tokens(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools)
+        if n >= self.context_length:
+            raise ContextTooLong(f"prompt is too long: {n} tokens > {self.context_length - 1} maximum")
+        if n + params.max_tokens > self.context_length:
+            if not clamp_max_tokens:
+                raise ContextTooLong(f"{n} + {params.max_tokens} tokens is over the context of {self.context_length}")
+            params = attrs.evolve(params, max_tokens=self.context_length - n)
+        if isinstance(prompt, str) and "bad-prompt" in prompt:
+            raise InvalidParameter("prompt", "contains bad-prompt")
+        return FakeRequest(n, params)
+
+    def count_tokens(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     tools: Any = None, **_sampling: Any) -> int:
+        if not self.loaded:
+            raise EngineFailure("the model is not loaded yet")
         if isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt):
             # The engine's own semantic checks, as `LoadedModel.encode` runs them.
             check_chat(prompt, template_args=chat_template_kwargs or {}, tools=tools,
                        output_format=self.output_format, model_id=self.model_id)
-        n = len(prompt) if isinstance(prompt, (list, tuple)) else len(prompt.split())
-        if n + params.max_tokens > self.context_length:
-            raise ContextTooLong(f"{n} + {params.max_tokens} tokens is over the context of {self.context_length}")
-        if isinstance(prompt, str) and "bad-prompt" in prompt:
-            raise InvalidParameter("prompt", "contains bad-prompt")
-        return FakeRequest(n, params)
+        return len(prompt) if isinstance(prompt, (list, tuple)) else len(prompt.split())
 
     async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> FakeRequest:
         return self.prepare(prompt, **kwargs)

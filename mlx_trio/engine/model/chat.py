@@ -55,7 +55,8 @@ def check_template_args(template_args: Mapping[str, Any]) -> None:
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each message with a string role and its content as one string (text parts joined, None → "").
+    """Each message with a string role and its content as one string (text parts joined, None → ""),
+    system messages placed where every template takes them (`place_system_messages`).
 
     Text-part lists become one string, as mlx_lm.server does; other part types are refused.
     """
@@ -65,7 +66,58 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         if not isinstance(role, str):
             raise InvalidParameter(f"messages[{i}].role", "must be a string")
         out.append({**message, "content": _content(message.get("content"), i)})
+    return place_system_messages(out)
+
+
+def place_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One leading system message at most; a later system message becomes a note in a user turn.
+
+    Chat templates disagree on system messages: many take one, first, and
+    raise on any other (Qwen2.5, Gemma, Mistral), others render them
+    anywhere. Harnesses send them mid-conversation (Claude Code's agent and
+    skill lists). So, for every template alike:
+
+    - the leading run of system messages is joined (blank line between) into one;
+    - a system message after the first non-system message becomes the text
+      `<system>…</system>` merged into the user turn before it (appended) or,
+      if the message before is not a user's, the user turn after it
+      (prepended; tool results in between stay next to their call), else a
+      user message of its own, so user and assistant turns still alternate
+      for templates that insist on it.
+
+    A note is not hoisted into the leading system message: the note stays
+    where it was sent in the conversation, so the prompt before it, and the
+    prompt cache's prefix, do not change when a note is added later.
+    """
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out = messages[:lead]
+    if lead > 1:
+        out = [{**messages[0], "content": "\n\n".join(m["content"] for m in messages[:lead])}]
+    pending: list[str] = []  # notes waiting for the next user turn
+    for message in messages[lead:]:
+        if message["role"] == "system":
+            note = f"<system>\n{message['content']}\n</system>"
+            if out and out[-1]["role"] == "user" and not pending:
+                out[-1] = {**out[-1], "content": _joined(out[-1]["content"], note)}
+            else:
+                pending.append(note)
+            continue
+        if pending and message["role"] == "user":
+            message = {**message, "content": _joined(*pending, message["content"])}
+            pending = []
+        elif pending and message["role"] != "tool":  # tool results stay next to the call they answer
+            out.append({"role": "user", "content": _joined(*pending)})
+            pending = []
+        out.append(message)
+    if pending:
+        out.append({"role": "user", "content": _joined(*pending)})
     return out
+
+
+def _joined(*texts: str) -> str:
+    return "\n\n".join(t for t in texts if t)
 
 
 def _content(content: Any, index: int) -> str:

@@ -34,7 +34,13 @@ def stop_reason(finished: Finished, num_tool_calls: int) -> str:
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the prompt cache.
+
+    The prompt is `input_tokens + cache_read_input_tokens` (harnesses add the
+    two to know how full the context is); nothing is billed for writing the
+    cache, so `cache_creation_input_tokens` is 0.
+    """
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
             "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
@@ -56,7 +62,8 @@ class MessageShape:
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     def start_event(self, prompt_tokens: int) -> Event:
-        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+        """`message_start`: how much of the prompt the cache held is not known yet (`message_delta` says)."""
+        usage = usage_object(Usage(prompt_tokens, 0))
         return {"type": "message_start", "message": self.message([], stop_reason=None, stop_sequence=None,
                                                                  usage=usage)}
 

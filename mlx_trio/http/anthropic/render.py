@@ -1,11 +1,12 @@
 """`MessageRenderer`: an Anthropic message on the shared completion path, streamed or whole.
 
-The stream: `message_start`, `ping`, per content block `content_block_start`,
+The stream: `message_start`, `ping` (and one more per prefill progress
+step: Anthropic's keep-alive), per content block `content_block_start`,
 `content_block_delta`…, `content_block_stop` (`MessageBlocks` opens and
 closes them as the router's pieces arrive), then `message_delta` (stop
-reason, output tokens) and `message_stop`; an error after the headers is an
-`error` event. Each event is named by its type. Logprobs are not part of
-this API.
+reason, the final usage: cumulative, as Anthropic's) and `message_stop`; an
+error after the headers is an `error` event. Each event is named by its
+type. Logprobs are not part of this API.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class MessageRenderer:
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return _frames([self._shape.start_event(prompt_tokens), {"type": "ping"}])
 
+    def keepalive(self, processed: int, total: int) -> list[bytes]:
+        return _frames([{"type": "ping"}])
+
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
         return _frames([e for piece in pieces for e in self._blocks.add(piece)])
 
@@ -49,7 +53,7 @@ class MessageRenderer:
         events = [e for piece in pieces for e in self._blocks.add(piece)] + self._blocks.close()
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": stop_reason(finished, tool_calls), "stop_sequence": finished.stop_sequence},
-                       "usage": {"output_tokens": finished.usage.completion_tokens}})
+                       "usage": usage_object(finished.usage)})
         events.append({"type": "message_stop"})
         return _frames(events)
 

@@ -1,15 +1,23 @@
-"""Anthropic Messages bodies (`POST /v1/messages`) → the same engine call a chat completion makes.
+"""Anthropic Messages bodies (`POST /v1/messages`, `/count_tokens`) → the same engine call a chat completion makes.
 
 Anthropic's content blocks become the OpenAI-style messages chat templates
-expect: `system` → a system message, `tool_use` blocks → the assistant's
-`tool_calls`, `tool_result` blocks → `tool` messages, text blocks → content.
-Its tools (`name`, `input_schema`) become function tools and its
+expect: `system` → a system message, `role: "system"` messages stay system
+messages (the engine places them: `engine/model/chat.py`), `tool_use`
+blocks → the assistant's `tool_calls`, `tool_result` blocks → `tool`
+messages, `thinking` blocks → the assistant's `reasoning_content` (which
+templates with a reasoning slot render, and others ignore), text blocks →
+content. Its tools (`name`, `input_schema`) become function tools and its
 `tool_choice` (`auto`, `any`, `tool`, `none`) the OpenAI choices, so tool
 calls are parsed and enforced exactly as for chat completions.
+
+Prefix hygiene: a system block that changes on every request would sit in
+front of the whole cached prompt, so `VOLATILE_SYSTEM_BLOCKS` are dropped
+(unless `keep_billing_header`); docs/harnesses.md lists them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,26 +27,26 @@ from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.completion.call import CompletionCall, template_kwargs
 from mlx_trio.http.completion.tools import ToolsRequest, checked_function, template_messages
 from mlx_trio.http.server.body import is_int, json_type, optional_field
+from mlx_trio.params import Constraint
 
 # Anthropic's sampling fields and ours (SamplingParams) where the names differ.
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # Blocks a model here cannot take; a 400 says so rather than dropping them.
 _UNSUPPORTED_BLOCKS = frozenset({"image", "document", "search_result", "server_tool_use", "web_search_tool_result",
                                  "container_upload"})
+# System text blocks that differ on every request, by their first characters. Claude Code's first
+# block, `x-anthropic-billing-header: cc_version=…; cch=…;`, changes with each version and session.
+VOLATILE_SYSTEM_BLOCKS = ("x-anthropic-billing-header:",)
+# `thinking.type` → the templates' `enable_thinking` (a budget is not enforced).
+_THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 
 
-def parse_messages(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any]) -> CompletionCall:
+def parse_messages(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any],
+                   keep_billing_header: bool = False) -> CompletionCall:
     """Validate a Messages body; errors name the Anthropic field."""
-    optional_field(body, "model", str)
     max_tokens = body.get("max_tokens")
     if not is_int(max_tokens) or max_tokens < 1:
         raise InvalidParameter("max_tokens", f"is required: an integer >= 1, got {max_tokens!r:.40}")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise InvalidParameter("messages", f"must be a non-empty list of messages, got {json_type(raw)}")
-    messages = [*_system(body.get("system"))]
-    for i, message in enumerate(raw):
-        messages.extend(_message(message, i))
     sampling: dict[str, Any] = {"max_tokens": max_tokens}
     for name, ours in _SAMPLING.items():
         if body.get(name) is not None:
@@ -46,55 +54,130 @@ def parse_messages(body: Mapping[str, Any], *, template_defaults: Mapping[str, A
     if "stop" in sampling and not (isinstance(sampling["stop"], list)
                                    and all(isinstance(s, str) and s for s in sampling["stop"])):
         raise InvalidParameter("stop_sequences", "must be a list of non-empty strings")
-    return CompletionCall(chat=True, prompt=template_messages(messages), sampling=sampling,
+    call = parse_count_tokens(body, template_defaults=template_defaults, keep_billing_header=keep_billing_header)
+    return attrs.evolve(call, sampling={**call.sampling, **sampling}, stream=bool(optional_field(body, "stream", bool)))
+
+
+def parse_count_tokens(body: Mapping[str, Any], *, template_defaults: Mapping[str, Any],
+                       keep_billing_header: bool = False) -> CompletionCall:
+    """The prompt part of a Messages body (`count_tokens` takes no `max_tokens`): system, messages, tools,
+    thinking, and `output_config.format` (the one sampling field count_tokens takes)."""
+    optional_field(body, "model", str)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidParameter("messages", f"must be a non-empty list of messages, got {json_type(raw)}")
+    tools = _tools(body)
+    messages = [*_system(body.get("system"), keep_billing_header)]
+    history = _History({t["function"]["name"] for t in tools.tools})
+    for i, message in enumerate(raw):
+        messages.extend(history.message(message, i))
+    constraint = _output_format(body.get("output_config"))
+    return CompletionCall(chat=True, prompt=template_messages(messages),
+                          sampling={"constraint": constraint} if constraint is not None else {},
                           chat_template_kwargs=template_kwargs({**body, **_thinking(body)}, template_defaults),
-                          stream=bool(optional_field(body, "stream", bool)), include_usage=True, tools=_tools(body))
+                          stream=False, include_usage=True, tools=tools)
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, keep_billing_header: bool) -> list[dict[str, Any]]:
     if system is None or system == "":
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
-    if isinstance(system, list):
-        return [{"role": "system", "content": "".join(_text_block(b, f"system[{i}]") for i, b in enumerate(system))}]
-    raise InvalidParameter("system", f"must be a string or a list of text blocks, got {json_type(system)}")
+    if not isinstance(system, list):
+        raise InvalidParameter("system", f"must be a string or a list of text blocks, got {json_type(system)}")
+    texts = [_text_block(b, f"system[{i}]") for i, b in enumerate(system)]
+    if not keep_billing_header:
+        texts = [t for t in texts if not t.startswith(VOLATILE_SYSTEM_BLOCKS)]
+    return [{"role": "system", "content": "".join(texts)}] if texts else []
 
 
-def _message(message: Any, index: int) -> list[dict[str, Any]]:
-    field = f"messages[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise InvalidParameter(f"{field}.role", "must be 'user' or 'assistant'")
-    role, content = message["role"], message.get("content")
-    if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise InvalidParameter(f"{field}.content", f"must be a string or a list of blocks, got {json_type(content)}")
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    results: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        where = f"{field}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(_text_block(block, where))
-        elif kind == "tool_use" and role == "assistant":
-            calls.append(_tool_use(block, where))
-        elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, where))
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # earlier reasoning is not shown to the model again, as chat templates drop it
-        elif kind in _UNSUPPORTED_BLOCKS:
-            raise InvalidParameter(f"{where}.type", f"'{kind}' blocks are not supported by this server")
-        else:
-            raise InvalidParameter(f"{where}.type", f"a {role} message cannot hold a block of type {kind!r:.40}")
-    if role == "assistant":
-        out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-        if calls:
-            out["tool_calls"] = calls
-        return [out]
-    # Tool results answer the previous assistant turn, so they come before this turn's text.
-    return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
+@attrs.define
+class _History:
+    """Reads the messages in order, so a tool_use must name a declared tool and a tool_result a call before it."""
+
+    tool_names: set[str]
+    call_ids: set[str] = attrs.field(factory=set)
+
+    def message(self, message: Any, index: int) -> list[dict[str, Any]]:
+        field = f"messages[{index}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidParameter(f"{field}.role", "must be 'user', 'assistant' or 'system'")
+        role, content = message["role"], message.get("content")
+        if isinstance(content, str):
+            return [{"role": role, "content": content}]
+        if not isinstance(content, list):
+            raise InvalidParameter(f"{field}.content", f"must be a string or a list of blocks, got {json_type(content)}")
+        if role == "system":
+            return [{"role": "system", "content": "".join(_text_block(b, f"{field}.content[{j}]")
+                                                          for j, b in enumerate(content))}]
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(content):
+            where = f"{field}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(_text_block(block, where))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(self._tool_use(block, where))
+            elif kind == "tool_result" and role == "user":
+                results.append(self._tool_result(block, where))
+            elif kind == "thinking" and role == "assistant":
+                if not isinstance(block.get("thinking"), str):
+                    raise InvalidParameter(f"{where}.thinking", "must be a string")
+                reasoning.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another server: nothing a local model can read
+            elif kind in _UNSUPPORTED_BLOCKS:
+                raise InvalidParameter(f"{where}.type", f"'{kind}' blocks are not supported: this server's model "
+                                                        "reads text only; send the content as text")
+            else:
+                raise InvalidParameter(f"{where}.type", f"a {role} message cannot hold a block of type {kind!r:.40}")
+        if role == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                out["reasoning_content"] = "".join(reasoning)
+            if calls:
+                out["tool_calls"] = calls
+            return [out]
+        # Tool results answer the previous assistant turn, so they come before this turn's text.
+        return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
+
+    def _tool_use(self, block: dict[str, Any], where: str) -> dict[str, Any]:
+        if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+            raise InvalidParameter(where, "a tool_use block needs a string id and name")
+        if not isinstance(block.get("input", {}), dict):
+            raise InvalidParameter(f"{where}.input", "must be an object")
+        if block["name"] not in self.tool_names:
+            raise InvalidParameter(f"{where}.name", f"names the tool {block['name']!r:.60}, which is not in tools; "
+                                                    "declare every tool the conversation uses")
+        self.call_ids.add(block["id"])
+        return {"id": block["id"], "type": "function",
+                "function": {"name": block["name"], "arguments": block.get("input", {})}}
+
+    def _tool_result(self, block: dict[str, Any], where: str) -> dict[str, Any]:
+        if not isinstance(block.get("tool_use_id"), str):
+            raise InvalidParameter(f"{where}.tool_use_id", "must be a string")
+        if block["tool_use_id"] not in self.call_ids:
+            raise InvalidParameter(f"{where}.tool_use_id", f"{block['tool_use_id']!r:.60} answers no tool_use "
+                                                           "block of an earlier assistant message")
+        content = block.get("content", "")
+        if isinstance(content, list):
+            content = "".join(_result_part(b, f"{where}.content[{k}]") for k, b in enumerate(content))
+        elif not isinstance(content, str):
+            raise InvalidParameter(f"{where}.content", "must be a string or a list of text blocks")
+        if block.get("is_error"):
+            content = f"Error: {content}"
+        return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+
+def _result_part(block: Any, where: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in _UNSUPPORTED_BLOCKS:
+        raise InvalidParameter(f"{where}.type", f"'{kind}' blocks in a tool_result are not supported: this "
+                                                "server's model reads text only; return the result as text")
+    return _text_block(block, where)
 
 
 def _text_block(block: Any, where: str) -> str:
@@ -103,38 +186,32 @@ def _text_block(block: Any, where: str) -> str:
     return block["text"]
 
 
-def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-        raise InvalidParameter(where, "a tool_use block needs a string id and name")
-    if not isinstance(block.get("input", {}), dict):
-        raise InvalidParameter(f"{where}.input", "must be an object")
-    return {"id": block["id"], "type": "function",
-            "function": {"name": block["name"], "arguments": block.get("input", {})}}
-
-
-def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(block.get("tool_use_id"), str):
-        raise InvalidParameter(f"{where}.tool_use_id", "must be a string")
-    content = block.get("content", "")
-    if isinstance(content, list):
-        content = "".join(_text_block(b, f"{where}.content[{k}]") for k, b in enumerate(content))
-    elif not isinstance(content, str):
-        raise InvalidParameter(f"{where}.content", "must be a string or a list of text blocks")
-    if block.get("is_error"):
-        content = f"Error: {content}"
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
-
-
 def _thinking(body: Mapping[str, Any]) -> dict[str, Any]:
     """Anthropic's `thinking` switch → the templates' `enable_thinking` (a budget is not enforced)."""
     thinking = body.get("thinking")
     if thinking is None:
         return {}
     kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if kind not in ("enabled", "disabled"):
-        raise InvalidParameter("thinking.type", "must be 'enabled' or 'disabled'")
+    if kind not in _THINKING:
+        raise InvalidParameter("thinking.type", "must be 'enabled', 'adaptive' or 'disabled'")
+    if kind == "enabled" and not is_int(thinking.get("budget_tokens")):
+        raise InvalidParameter("thinking.budget_tokens", "is required with type 'enabled': an integer")
     given = body.get("chat_template_kwargs") or {}
-    return {"chat_template_kwargs": {"enable_thinking": kind == "enabled", **given}}
+    return {"chat_template_kwargs": {"enable_thinking": _THINKING[kind], **given}}
+
+
+def _output_format(config: Any) -> Constraint | None:
+    """`output_config.format` (a JSON schema) → the constraint that enforces it; `effort` is not ours to use."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise InvalidParameter("output_config", f"must be an object, got {json_type(config)}")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidParameter("output_config.format", 'must be {"type": "json_schema", "schema": {...}}')
+    return Constraint("json_schema", json.dumps(fmt["schema"]))
 
 
 def _tools(body: Mapping[str, Any]) -> ToolsRequest:
@@ -145,8 +222,10 @@ def _tools(body: Mapping[str, Any]) -> ToolsRequest:
     for i, tool in enumerate(raw or []):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
             raise InvalidParameter(f"tools[{i}]", "only custom tools (name, description, input_schema) are supported")
-        checked_function(tool.get("name"), tool.get("input_schema"), field=f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        if not isinstance(tool.get("input_schema"), dict):
+            raise InvalidParameter(f"tools[{i}].input_schema", "must be a JSON Schema object")
+        checked_function(tool.get("name"), tool["input_schema"], field=f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})

@@ -4,7 +4,7 @@ The path owns everything that is the same for every wire API: `Engine.prepare`,
 the output router, keep-alive comments, the request log, disconnects and
 the drain. A renderer only says how one request's answer looks on its wire:
 
-    streamed:  opening, delta*, then finish or error, then closing
+    streamed:  opening, (keepalive | delta)*, then finish or error, then closing
     whole:     whole (a non-streamed answer, as one JSON object)
 
 Each call gets the router's pieces (content, reasoning, tool calls) and
@@ -46,6 +46,11 @@ class Renderer(Protocol):
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         """The frames before the first event (e.g. OpenAI's role chunk, Anthropic's `message_start`)."""
+        ...
+
+    def keepalive(self, processed: int, total: int) -> list[bytes]:
+        """The frames for one `PromptProgress` (`processed` of `total` prompt tokens), so that proxies and
+        idle timeouts do not close a stream during a long prefill (an SSE comment; Anthropic's `ping`)."""
         ...
 
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:

@@ -5,7 +5,7 @@
         Engine.stream, through the drain
         stream: wait for the first event (errors before any output keep their
                 status: a full queue is a 503 + Retry-After), then SSE frames:
-                keep-alive comments while the prompt prefills, text through the
+                the renderer's keep-alives while the prompt prefills, text through the
                 output router, an in-band error event after the headers
         collect: the whole text, routed once
     →  render (the wire API's `Renderer`)
@@ -33,7 +33,6 @@ from mlx_trio.http.completion.renderer import Renderer
 from mlx_trio.http.server.errors import ApiError, api_error, draining
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
-from mlx_trio.http.server.sse import comment
 from mlx_trio.http.server.state import AppState, closing
 from mlx_trio.logprobs import TokenLogprob
 from mlx_trio.output_format import PLAIN
@@ -71,9 +70,14 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
 
 
 async def prepare(state: AppState, call: CompletionCall) -> Any:
-    """`Engine.prepare_off_loop` of the call; its errors in the body's own terms."""
+    """`Engine.prepare_off_loop` of the call; its errors in the body's own terms.
+
+    A `max_tokens` over the room the prompt leaves is lowered to it, unless
+    `--strict-max-tokens` (then a 400, as a prompt that alone fills the context is).
+    """
     try:
-        return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call))
+        return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call),
+                                                   clamp_max_tokens=not state.config.strict_max_tokens)
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
 
@@ -131,7 +135,8 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
             item = first
             while not isinstance(item, Finished):
                 if isinstance(item, PromptProgress):
-                    yield comment(f"keepalive {item.processed}/{item.total}")
+                    for frame in renderer.keepalive(item.processed, item.total):
+                        yield frame
                 elif isinstance(item, TextDelta):
                     for frame in renderer.delta(router.feed(item.text), item.logprobs if logprobs else None):
                         yield frame

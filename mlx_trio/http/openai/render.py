@@ -21,7 +21,7 @@ from mlx_trio.http.completion.output_router import Content, Piece
 from mlx_trio.http.openai.logprobs import text_length
 from mlx_trio.http.openai.objects import ResponseShape, gather
 from mlx_trio.http.server.errors import ApiError
-from mlx_trio.http.server.sse import event
+from mlx_trio.http.server.sse import comment, event
 from mlx_trio.logprobs import TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -53,6 +53,9 @@ class CompletionRenderer:
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [event(self._shape.chunk("", first=True))] if self._shape.chat else []
+
+    def keepalive(self, processed: int, total: int) -> list[bytes]:
+        return [comment(f"keepalive {processed}/{total}")]  # OpenAI has no keep-alive event; clients skip comments
 
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
         shape = self._shape

@@ -40,7 +40,11 @@ class ServerConfig:
     the engine does not report it itself. `enable_fault_injection` serves
     `GET/POST /v1/admin/faults` (404 otherwise). `shutdown_timeout_s` is how
     long a graceful drain (`HttpServer.drain`, SIGTERM in `mlx-trio serve`)
-    lets running requests finish before it cuts them.
+    lets running requests finish before it cuts them. `strict_max_tokens`
+    refuses (400) a `max_tokens` over the room the prompt leaves in the
+    context instead of lowering it to that room. `keep_billing_header` keeps
+    Claude Code's per-request `x-anthropic-billing-header` system block in
+    the prompt (by default it is dropped: docs/harnesses.md, prefix hygiene).
     """
 
     host: str = "127.0.0.1"
@@ -56,3 +60,5 @@ class ServerConfig:
     graceful_timeout_s: float = 3.0
     enable_fault_injection: bool = False
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0.0))
+    strict_max_tokens: bool = False
+    keep_billing_header: bool = False

@@ -174,6 +174,16 @@ def _from_http_exception(exc: HTTPException, *, max_body_bytes: int | None, path
     return ApiError(status, message or exc.description or exc.name, type_, code, headers=headers)
 
 
+def served_endpoints(app: Quart) -> list[str]:
+    """"METHOD /path" for every route the app serves, sorted by path (OPTIONS and HEAD left out)."""
+    routes = []
+    for rule in app.url_map.iter_rules():
+        methods = sorted(set(rule.methods or ()) - {"OPTIONS", "HEAD"})
+        if methods and not rule.rule.startswith("/static"):
+            routes.append((rule.rule, f"{' '.join(methods)} {rule.rule}"))
+    return [text for _, text in sorted(routes)]
+
+
 def error_response(error: ApiError, *, anthropic: bool = False) -> Response:
     body = error.anthropic_body() if anthropic else error.body()
     response = Response(_json_bytes(body), status=error.status, mimetype="application/json")
@@ -189,6 +199,9 @@ def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
     """Route every exception a handler raises through `api_error` (the only mapping)."""
     async def handle(exc: Exception) -> Response:
         error = api_error(exc, max_body_bytes=max_body_bytes, path=request.path, method=request.method)
+        if error.status == 404 and isinstance(exc, HTTPException):  # an unserved path: say which ones are served
+            error = attrs.evolve(error, message=f"{error.message}; this server serves "
+                                                f"{', '.join(served_endpoints(app))}")
         # HttpError 503s (draining, cut by the drain) are expected during a shutdown: one info line each.
         if error.status >= 500 and not isinstance(exc, HttpError):
             if isinstance(exc, (MlxTrioError, HTTPException)):

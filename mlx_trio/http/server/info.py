@@ -1,4 +1,4 @@
-"""The read-only endpoints: /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
+"""The read-only endpoints: /, /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from quart import Quart, Response
 
-from mlx_trio.http.server.errors import model_not_found
+from mlx_trio.http.server.errors import model_not_found, served_endpoints
+from mlx_trio.errors import MlxTrioError
 from mlx_trio.http.server.state import AppState
 
 
@@ -17,6 +18,11 @@ def json_response(payload: Any, status: int = 200) -> Response:
 
 
 def register_info(app: Quart, state: AppState) -> None:
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        """200 and what is served: clients (Claude Code) send `HEAD /` to warm a connection up."""
+        return json_response({"object": "mlx-trio", "model": state.model_name(), "endpoints": served_endpoints(app)})
+
     @app.get("/health")
     async def health() -> Response:
         """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise."""
@@ -58,4 +64,11 @@ def register_info(app: Quart, state: AppState) -> None:
 
 
 def _model_object(state: AppState) -> dict[str, Any]:
-    return {"id": state.model_name(), "object": "model", "created": state.started_at, "owned_by": "mlx-trio"}
+    """OpenAI's model object, plus `context_length` (prompt plus answer tokens; null while loading or unknown)."""
+    try:
+        context_length = state.engine.context_length
+    except MlxTrioError:
+        context_length = None
+    return {"id": state.model_name(), "object": "model", "created": state.started_at, "owned_by": "mlx-trio",
+            "context_length": context_length}
+

@@ -35,6 +35,12 @@ class EngineLike(Protocol):
     @property
     def output_format(self) -> OutputFormat: ...  # the model's reasoning and tool-call markers
 
+    @property
+    def context_length(self) -> int | None: ...  # raises an MlxTrioError while the model loads
+
+    def count_tokens(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     **kwargs: Any) -> int: ...  # what prepare_off_loop would prefill; blocking (a worker thread)
+
     async def prepare_off_loop(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                                **sampling: Any) -> Any: ...  # also takes tools=[...] (only when a request has tools)
 

@@ -57,3 +57,40 @@ def test_tools_need_a_tool_calling_format() -> None:
         check_chat([{"role": "user", "content": "x"}], template_args={}, tools=[TOOL], output_format=PLAIN,
                    model_id="tiny")
     assert info.value.field == "tools" and "tiny" in str(info.value)
+
+
+def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"role": role, "content": content, **extra}
+
+
+NOTE = "<system>\nn\n</system>"
+
+
+@pytest.mark.parametrize(("chat", "placed"), [
+    ([_m("system", "a"), _m("system", "b"), _m("user", "u")], [_m("system", "a\n\nb"), _m("user", "u")]),
+    # Claude Code's shape: a system message after the first user turn, last.
+    ([_m("user", "u"), _m("system", "n")], [_m("user", f"u\n\n{NOTE}")]),
+    ([_m("user", "u"), _m("assistant", "x"), _m("system", "n"), _m("user", "v")],
+     [_m("user", "u"), _m("assistant", "x"), _m("user", f"{NOTE}\n\nv")]),
+    # Tool results stay next to the call they answer; the note waits for the next user turn.
+    ([_m("user", "u"), _m("assistant", "", tool_calls=[]), _m("system", "n"), _m("tool", "r")],
+     [_m("user", "u"), _m("assistant", "", tool_calls=[]), _m("tool", "r"), _m("user", NOTE)]),
+    ([_m("user", "u"), _m("assistant", "x"), _m("system", "n"), _m("assistant", "y")],
+     [_m("user", "u"), _m("assistant", "x"), _m("user", NOTE), _m("assistant", "y")]),
+])
+def test_system_messages_are_placed_where_every_template_takes_them(chat: list[dict[str, Any]],
+                                                                    placed: list[dict[str, Any]]) -> None:
+    """One leading system message; later ones become user-side notes, roles still alternating."""
+    assert template_messages(chat) == placed
+
+
+def test_a_template_that_takes_system_only_first_renders_a_mid_conversation_one() -> None:
+    """The Qwen2.5 / Gemma rule (a system message anywhere but first raises: calling the undefined `raise`) no longer fires."""
+    from jinja2 import Environment  # noqa: PLC0415
+
+    strict = Environment().from_string(
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise('system must be first') }}"
+        "{% endif %}{{ m.role }}:{{ m.content }}|{% endfor %}")
+    chat = [_m("system", "s"), _m("user", "u"), _m("system", "n"), _m("assistant", "x"), _m("system", "m")]
+    assert strict.render(messages=template_messages(chat)) == (
+        f"system:s|user:u\n\n{NOTE}|assistant:x|user:<system>\nm\n</system>|")

@@ -81,15 +81,13 @@ async def test_stream_event_sequence(tools_format: OutputFormat) -> None:
     assert final.usage.output_tokens > 0
 
 
-async def test_stream_bytes_start_with_message_start_ping_then_keepalives() -> None:
-    """On the wire: named events, `message_start` and `ping` first, the prefill's keep-alive comments, `message_stop` last."""
+async def test_stream_bytes_start_with_message_start_then_a_ping_per_prefill_step() -> None:
+    """On the wire: named events, `message_start` and `ping` first, a `ping` per prefill progress, `message_stop` last."""
     async with serve_fake(FakeEngine()) as (_, http):
         response = await http.post("/v1/messages", json={"max_tokens": 2, "messages": ASK, "stream": True})
     events = sse_events(response.text)
-    assert [e.split("\n")[0] for e in events[:4]] == ["event: message_start", "event: ping", ": keepalive 0/1",
-                                                       ": keepalive 1/1"]
-    assert all(e.split("\n")[0] == f"event: {json.loads(e.split('data: ', 1)[1])['type']}"
-               for e in events if not e.startswith(":"))
+    assert [e.split("\n")[0] for e in events[:4]] == ["event: message_start"] + ["event: ping"] * 3
+    assert all(e.split("\n")[0] == f"event: {json.loads(e.split('data: ', 1)[1])['type']}" for e in events)
     assert events[-1] == 'event: message_stop\ndata: {"type":"message_stop"}'
 
 
@@ -134,7 +132,7 @@ async def test_x_api_key_auth(tools_format: OutputFormat) -> None:
 
 @pytest.mark.parametrize(("body", "says"), [
     ({"messages": ASK}, "max_tokens"),
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"max_tokens": 5, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice.name"),

@@ -54,6 +54,9 @@ class FakeRenderer:
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [f"opening {prompt_tokens}".encode()]
 
+    def keepalive(self, processed: int, total: int) -> list[bytes]:
+        return [f"keepalive {processed}/{total}".encode()]
+
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
         return [f"delta {_shown(pieces)} logprobs={None if logprobs is None else len(logprobs)}".encode()]
 
@@ -89,11 +92,11 @@ async def _frames(response: Response) -> list[bytes]:
 
 
 async def test_a_stream_is_opening_keepalives_deltas_finish_closing() -> None:
-    """The path's own frames are the keep-alive comments; everything else is the renderer's, in order."""
+    """Every frame is the renderer's, in order: a keep-alive per prefill progress, then the deltas."""
     response = await serve_completion(_state(FakeEngine()), _call(stream=True), FakeRenderer())
     assert response.status_code == 200 and response.mimetype == "text/event-stream"
     assert await _frames(response) == [
-        b"opening 2", b": keepalive 0/2\n\n", b": keepalive 2/2\n\n",
+        b"opening 2", b"keepalive 0/2", b"keepalive 2/2",
         b"delta content:w0  logprobs=None", b"delta content:w1  logprobs=None", b"delta content:w2  logprobs=None",
         b"finish  length calls=0", b"closing",
     ]
@@ -104,7 +107,7 @@ async def test_an_error_after_the_headers_goes_to_the_renderer_and_the_stream_st
     engine = FakeEngine()
     engine.fail_with = ActorCrashed("boom")
     response = await serve_completion(_state(engine), _call(stream=True), FakeRenderer())
-    assert await _frames(response) == [b"opening 2", b": keepalive 0/2\n\n", b"error 500 actor_crashed", b"closing"]
+    assert await _frames(response) == [b"opening 2", b"keepalive 0/2", b"error 500 actor_crashed", b"closing"]
     assert engine.active == 0 and engine.closed_streams == 1
 
 

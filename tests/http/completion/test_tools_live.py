@@ -123,14 +123,16 @@ def test_anthropic_messages_on_the_real_engine(claude: anthropic.Anthropic, toke
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21 C"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": tool["input_schema"],
                                                "description": "Weather in a city"}}]
-    assert message.usage.input_tokens == len(tokenizer.apply_chat_template(history, tools=tools,
-                                                                           add_generation_prompt=True))
+    # Anthropic's input_tokens leave out what the prompt cache held: the prompt is their sum.
+    prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert prompt == len(tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=True))
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens >= 1
     with claude.messages.stream(model="m", max_tokens=5, messages=messages, tools=[tool],
                                 extra_body={"temperature": 0}) as stream:
         streamed = stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
-    assert streamed.usage.input_tokens == message.usage.input_tokens
+    assert streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens == prompt
+    assert streamed.usage.cache_read_input_tokens > 0  # the same prompt again: read from the cache
 
 
 def test_openai_agent_loop(client: openai.OpenAI) -> None:

@@ -103,14 +103,29 @@ async def test_bad_fields_are_400_naming_the_field(path: str, body: dict[str, An
         assert error["type"] == "invalid_request_error"
 
 
-async def test_context_too_long_is_400_saying_the_limit() -> None:
-    """Prompt plus max_tokens over the context is 400 context_length_exceeded naming the prompt key."""
-    async with serve_fake(FakeEngine(context_length=10)) as (_, client):
-        error = assert_openai_error(await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20}),
+async def test_a_prompt_that_fills_the_context_is_400_saying_the_limit() -> None:
+    """A prompt with no room left for one token is 400 context_length_exceeded naming the prompt key."""
+    async with serve_fake(FakeEngine(context_length=3)) as (_, client):
+        error = assert_openai_error(await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 1}),
                                     400, code="context_length_exceeded", param="prompt")
-        assert "10" in error["message"]
-        assert_openai_error(await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20}),
-                            400, code="context_length_exceeded", param="messages")
+        assert error["message"].startswith("prompt is too long: 3 tokens > 2 maximum")
+        assert_openai_error(await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}] * 3, "max_tokens": 1}),
+            400, code="context_length_exceeded", param="messages")
+
+
+async def test_max_tokens_over_the_room_left_is_clamped_or_with_strict_refused() -> None:
+    """max_tokens past the context ends with finish_reason "length" at the context; --strict-max-tokens: a 400."""
+    body = {"prompt": "a b c", "max_tokens": 20}
+    async with serve_fake(FakeEngine(context_length=10)) as (_, client):
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    choice, usage = response.json()["choices"][0], response.json()["usage"]
+    assert choice["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 10
+    async with serve_fake(FakeEngine(context_length=10), strict_max_tokens=True) as (_, client):
+        error = assert_openai_error(await client.post("/v1/completions", json=body), 400,
+                                    code="context_length_exceeded", param="prompt")
+    assert "10" in error["message"]
 
 
 async def test_harmless_openai_fields_are_accepted() -> None:

@@ -106,3 +106,29 @@ async def test_plain_options_without_origin_is_204_with_allow() -> None:
         response = await client.options("/v1/completions")
         assert response.status_code == 204
         assert "POST" in response.headers["allow"]
+
+
+async def test_models_report_the_context_length() -> None:
+    """/v1/models and /v1/models/<id> carry `context_length`, the engine's."""
+    async with serve_fake(FakeEngine(context_length=4096)) as (_, client):
+        assert (await client.get("/v1/models")).json()["data"][0]["context_length"] == 4096
+        assert (await client.get("/v1/models/fake-model")).json()["context_length"] == 4096
+
+
+async def test_root_answers_head_and_get() -> None:
+    """`HEAD /` (Claude Code's connection warm-up) and `GET /` are 200; GET names the served endpoints."""
+    async with serve_fake() as (_, client):
+        assert (await client.head("/")).status_code == 200
+        body = (await client.get("/")).json()
+    assert body["model"] == "fake-model"
+    assert {"POST /v1/chat/completions", "POST /v1/messages", "POST /v1/messages/count_tokens",
+            "GET /v1/models"} <= set(body["endpoints"])
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/images/generations", "/v1/audio/transcriptions"])
+async def test_unserved_endpoints_are_openai_404s_listing_the_served_ones(path: str) -> None:
+    """Embeddings, images, audio: a 404 in OpenAI's shape whose message lists what is served."""
+    async with serve_fake() as (_, client):
+        error = assert_openai_error(await client.post(path, json={}), 404, code="not_found")
+    assert error["message"].startswith(f"no endpoint POST {path}; this server serves ")
+    assert "POST /v1/chat/completions" in error["message"] and "POST /v1/messages" in error["message"]
