@@ -10,6 +10,8 @@ import attrs
 
 # OpenAI bodies are small; 4 MiB leaves room for long chats while bounding memory per request.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Stored Responses API responses (with their input items) kept in RAM, least recently used dropped first.
+DEFAULT_RESPONSES_STORE_BYTES = 64 * 1024 * 1024
 
 
 def _origins(value: Iterable[str] | str | None) -> tuple[str, ...]:
@@ -40,7 +42,8 @@ class ServerConfig:
     the engine does not report it itself. `enable_fault_injection` serves
     `GET/POST /v1/admin/faults` (404 otherwise). `shutdown_timeout_s` is how
     long a graceful drain (`HttpServer.drain`, SIGTERM in `mlx-trio serve`)
-    lets running requests finish before it cuts them.
+    lets running requests finish before it cuts them. `responses_store_bytes`
+    bounds the RAM of stored `/v1/responses` results (0: nothing is stored).
     """
 
     host: str = "127.0.0.1"
@@ -56,3 +59,4 @@ class ServerConfig:
     graceful_timeout_s: float = 3.0
     enable_fault_injection: bool = False
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0.0))
+    responses_store_bytes: int = attrs.field(default=DEFAULT_RESPONSES_STORE_BYTES, validator=attrs.validators.ge(0))
