@@ -86,7 +86,7 @@ async def _create(state: AppState, store: ResponseStore) -> Response:
     forced = parsed.tools.forced_name
     router = ForcedToolRouter(forced) if forced else chat_router(state, parsed.call, prepared)
     renderer = ResponseEvents(ResponseShape(model=state.model_name(), echo=parsed.echo),
-                              custom_tools=parsed.tools.custom)
+                              custom_tools=parsed.tools.custom, namespaces=parsed.tools.namespaces)
     request_log = RequestLog(renderer.shape.id, kind="responses", stream=parsed.call.stream, metrics=state.metrics)
     state.submitted_rows += 1
     events = state.drain.interruptible(state.engine.stream(prepared))

@@ -17,7 +17,7 @@ whole answers are the same items.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mlx_trio.events import Finished
@@ -31,13 +31,19 @@ Event = dict[str, Any]
 
 
 class ResponseEvents:
-    """One response's events and items. `custom_tools` are the names whose calls are `custom_tool_call`s."""
+    """One response's events and items.
 
-    def __init__(self, shape: ResponseShape, *, custom_tools: Collection[str] = ()) -> None:
+    `custom_tools` are the names whose calls are `custom_tool_call`s;
+    `namespaces` names the namespace of tools given in one.
+    """
+
+    def __init__(self, shape: ResponseShape, *, custom_tools: Collection[str] = (),
+                 namespaces: Mapping[str, str] | None = None) -> None:
         self.shape = shape
         self.output: list[dict[str, Any]] = []
         self.response: dict[str, Any] = shape.response("in_progress")
         self._custom = frozenset(custom_tools)
+        self._namespaces = dict(namespaces or {})
         self._sequence = 0
         # Invariant: the last output item is still open (takes more text) while this is True.
         self._open = False
@@ -168,6 +174,8 @@ class ResponseEvents:
         else:
             item = {"id": item_id("function_call"), "type": "function_call", "status": "in_progress",
                     "arguments": "", "call_id": call.id, "name": call.name}
+            if call.name in self._namespaces:
+                item["namespace"] = self._namespaces[call.name]
             events.append(self._added(item))
             events.append(self._event("response.function_call_arguments.delta", **self._ids(), delta=call.arguments))
             events.append(self._event("response.function_call_arguments.done", **self._ids(),

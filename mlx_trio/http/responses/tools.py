@@ -8,8 +8,12 @@ back as a `custom_tool_call` whose input is that string. When a custom tool
 with a grammar (`format.type` "grammar", syntax lark or regex) is forced
 (`tool_choice` names it, or "required" with only it), the whole answer is
 its input, enforced by that grammar: no tool-call syntax around it.
-Hosted tools (web search, file search, computers, MCP, …) run on OpenAI's
-side; this server has none, so they are a 400 naming the type.
+A `namespace` tool groups function and custom tools (Codex sends its
+sub-agent tools so): its tools are offered as they are, and a call of one
+names its namespace. Hosted tools (file search, computers, MCP, …) run on
+OpenAI's side; this server has none, so they are a 400 naming the type,
+except web search, which Codex CLI sends with every request: it is left
+out of what the model is offered, so the harness keeps working.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from mlx_trio.http.openai.requests import json_type
 from mlx_trio.params import Constraint
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+# Hosted tools a harness sends whether or not the server can run them: not offered to the model.
+IGNORED_HOSTED = frozenset({"web_search", "web_search_preview"})
 
 
 @attrs.frozen
@@ -33,13 +39,15 @@ class ResponsesTools:
     """The tool part of one Responses request.
 
     `request` is what the shared completion path needs; `custom` maps each
-    custom tool's name to its input grammar (None: free text); `forced`
+    custom tool's name to its input grammar (None: free text);
+    `namespaces` maps the name of each tool given in a namespace to it; `forced`
     is the constraint for the answer when a custom tool with a grammar is
     forced (then `forced_name` is that tool and `request.choice` is "auto").
     """
 
     request: ToolsRequest
     custom: Mapping[str, Constraint | None] = attrs.field(factory=dict)
+    namespaces: Mapping[str, str] = attrs.field(factory=dict)
     forced: Constraint | None = None
     forced_name: str | None = None
 
@@ -50,11 +58,20 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
         raise InvalidParameter("tools", f"must be a list of tools, got {json_type(raw)}")
     tools: list[dict[str, Any]] = []
     custom: dict[str, Constraint | None] = {}
+    namespaces: dict[str, str] = {}
     for i, tool in enumerate(raw or []):
-        template_tool, grammar, is_custom = _tool(tool, f"tools[{i}]")
-        tools.append(template_tool)
-        if is_custom:
-            custom[template_tool["function"]["name"]] = grammar
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in IGNORED_HOSTED:
+            continue
+        nested = _namespace(tool, f"tools[{i}]") if kind == "namespace" else [(tool, f"tools[{i}]")]
+        for entry, where in nested:
+            template_tool, grammar, is_custom = _tool(entry, where)
+            tools.append(template_tool)
+            name = template_tool["function"]["name"]
+            if is_custom:
+                custom[name] = grammar
+            if entry is not tool:
+                namespaces[name] = tool["name"]
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidParameter("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
@@ -64,8 +81,18 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
         forced_name = tools[0]["function"]["name"]
     if forced_name is not None and custom.get(forced_name) is not None:
         request = ToolsRequest(tuple(tools), "auto", None, parallel=False)
-        return ResponsesTools(request, custom, custom[forced_name], forced_name)
-    return ResponsesTools(ToolsRequest(tuple(tools), choice, name, parallel is not False), custom)
+        return ResponsesTools(request, custom, namespaces, custom[forced_name], forced_name)
+    return ResponsesTools(ToolsRequest(tuple(tools), choice, name, parallel is not False), custom, namespaces)
+
+
+def _namespace(tool: Mapping[str, Any], where: str) -> list[tuple[Any, str]]:
+    """A namespace's tools, each with its field name."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidParameter(f"{where}.name", "must be a non-empty string")
+    nested = tool.get("tools")
+    if not isinstance(nested, list):
+        raise InvalidParameter(f"{where}.tools", f"must be a list of tools, got {json_type(nested)}")
+    return [(entry, f"{where}.tools[{j}]") for j, entry in enumerate(nested)]
 
 
 def _tool(tool: Any, where: str) -> tuple[dict[str, Any], Constraint | None, bool]:

@@ -109,6 +109,18 @@ async def test_function_tool_round_trip(tools_format: OutputFormat) -> None:
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
 
 
+async def test_codex_tool_kinds_namespaces_and_web_search(tools_format: OutputFormat) -> None:
+    """As Codex sends them: a namespace's tools are offered flat and their calls name it; web_search is left out."""
+    engine = ScriptedEngine(tools_format, [CALL])
+    async with sdk(engine) as (_, http):
+        response = await http.post("/v1/responses", json={"input": "Weather?", "tools": [
+            {"type": "web_search", "external_web_access": False},
+            {"type": "namespace", "name": "weather_v1", "description": "Weather tools", "tools": [WEATHER]}]})
+    item = valid_response(response.json()).output[0]
+    assert item.type == "function_call" and item.name == "get_weather" and item.namespace == "weather_v1"
+    assert engine.prepared[0][1]["tools"] == [TEMPLATE_WEATHER]
+
+
 async def test_previous_response_id_continues_the_stored_conversation(tools_format: OutputFormat) -> None:
     """The second prompt is the first turn, its answer and the new input; input_items lists this turn's items."""
     engine = ScriptedEngine(tools_format, [CALL, "Sunny."])
@@ -168,7 +180,7 @@ async def test_a_zero_byte_store_keeps_nothing(tools_format: OutputFormat) -> No
      "input[0].arguments", "JSON text"),
     ({"input": "hi", "max_output_tokens": "many"}, "max_output_tokens", "integer"),
     ({"input": "hi", "temperature": "hot"}, "temperature", "number"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search' tools are not supported"),
+    ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools[0].type", "'file_search' tools are not supported"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name",
      "must name one of the tools"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "JSON schema"),
