@@ -1,14 +1,11 @@
 """The Responses API routes: create (streamed or not), retrieve, delete, input items, compact.
 
-`POST /v1/responses` runs the shared completion path: parse the body into
-a `CompletionCall` (`requests.py`), `Engine.prepare` (400 naming the
-field), then stream the engine's events through the output router and the
-`ResponseEvents` renderer; a call that is not streamed drains the same
-renderer and returns its last response object, so both are the same items.
-A finished response is kept in the `ResponseStore` when `store` is true
-(the default) for `previous_response_id` and the GET routes. Leaving early
-(a client disconnect, a drain that times out) closes `Engine.stream`,
-which cancels the request in the engine and frees its KV cache.
+`POST /v1/responses` parses the body into a `CompletionCall` (`requests.py`)
+and runs the shared completion path (`completion/serve.py`) with the
+Responses renderer (`render.py`). A finished response is kept in the
+`ResponseStore` when `store` is true (the default), for
+`previous_response_id` and the GET routes. The store belongs to one
+incarnation of the app: a restart of the HTTP child empties it.
 """
 
 from __future__ import annotations
@@ -16,34 +13,36 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from typing import Any
 
 from quart import Quart, Response, request
 
-from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
-from mlx_trio.events import GenerationEvent, PromptProgress, TextDelta, Usage
-from mlx_trio.http.openai.endpoints import chat_router, first_event, prepare
-from mlx_trio.http.openai.requests import decode_json_object
-from mlx_trio.http.responses.events import Event, ResponseEvents
-from mlx_trio.http.responses.forced_tool import ForcedToolRouter
+from mlx_trio.errors import InvalidParameter
+from mlx_trio.events import Usage
+from mlx_trio.http.completion.serve import serve_completion
+from mlx_trio.http.responses.events import ResponseEvents
 from mlx_trio.http.responses.items import chat_messages, normalized_input, with_id
 from mlx_trio.http.responses.objects import ResponseShape, usage_object
+from mlx_trio.http.responses.render import ResponsesRenderer
 from mlx_trio.http.responses.requests import ResponsesCall, parse_responses
 from mlx_trio.http.responses.store import ResponseStore, StoredResponse
-from mlx_trio.http.server.errors import HttpError, draining
-from mlx_trio.http.server.metrics import RequestLog
-from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
-from mlx_trio.http.server.sse import comment, stream_failure
-from mlx_trio.http.server.state import AppState, closing
+from mlx_trio.http.server.body import decode_json_object
+from mlx_trio.http.server.errors import HttpError
+from mlx_trio.http.server.state import AppState
 
 
 def register_responses(app: Quart, state: AppState) -> None:
     store = ResponseStore(state.config.responses_store_bytes)
 
     async def create() -> Response:
-        return await _create(state, store)
+        body = decode_json_object(await request.get_data())
+        parsed = parse_responses(body, template_defaults=state.config.chat_template_args,
+                                 previous=_previous(store, body.get("previous_response_id")))
+        events = ResponseEvents(ResponseShape(model=state.model_name(), echo=parsed.echo),
+                                custom_tools=parsed.tools.custom, namespaces=parsed.tools.namespaces)
+        renderer = ResponsesRenderer(events, forced_tool=parsed.tools.forced_name,
+                                     on_done=lambda done: _keep(store, parsed, done))
+        return await serve_completion(state, parsed.call, renderer)
 
     async def retrieve(response_id: str) -> Response:
         return _json(_stored(store, response_id).response)
@@ -68,99 +67,19 @@ def register_responses(app: Quart, state: AppState) -> None:
                      methods=["GET"])
 
 
-async def _create(state: AppState, store: ResponseStore) -> Response:
-    body = decode_json_object(await request.get_data())
-    previous_id = body.get("previous_response_id")
-    previous = None
-    if isinstance(previous_id, str):
-        previous = store.get(previous_id)
-        if previous is None:
-            raise _not_found(previous_id, param="previous_response_id")
-    parsed = parse_responses(body, template_defaults=state.config.chat_template_args, previous=previous)
-    if state.draining:
-        raise draining()
-    try:
-        prepared = await prepare(state, parsed.call)
-    except RequestError as exc:
-        raise parsed.in_wire_terms(exc) from None
-    forced = parsed.tools.forced_name
-    router = ForcedToolRouter(forced) if forced else chat_router(state, parsed.call, prepared)
-    renderer = ResponseEvents(ResponseShape(model=state.model_name(), echo=parsed.echo),
-                              custom_tools=parsed.tools.custom, namespaces=parsed.tools.namespaces)
-    request_log = RequestLog(renderer.shape.id, kind="responses", stream=parsed.call.stream, metrics=state.metrics)
-    state.submitted_rows += 1
-    events = state.drain.interruptible(state.engine.stream(prepared))
-    # The first event before the headers: errors before any output keep their status (a full queue: 503).
-    first = await first_event(events, request_log)
-    frames = _frames(first, events, renderer, router, request_log, logprobs=parsed.call.wants_logprobs,
-                     on_finish=lambda: _keep(store, parsed, renderer))
-    if parsed.call.stream:
-        response = Response(_sse(frames, renderer, request_log), status=200, headers=SSE_HEADERS,
-                            mimetype="text/event-stream")
-        response.timeout = None  # a stream may outlive quart's response timeout
-        return response
-    async with aclosing(frames):
-        async for _ in frames:
-            pass
-    return _json(renderer.response)
+def _previous(store: ResponseStore, previous_id: Any) -> StoredResponse | None:
+    """The stored response `previous_response_id` names (a 404 when there is none); None without one."""
+    if not isinstance(previous_id, str):
+        return None  # absent, or a wrong type the parser names
+    found = store.get(previous_id)
+    if found is None:
+        raise _not_found(previous_id, param="previous_response_id")
+    return found
 
 
-async def _frames(first: GenerationEvent, events: AsyncIterator[GenerationEvent], renderer: ResponseEvents,
-                  router: Any, request_log: RequestLog, *, logprobs: bool,
-                  on_finish: Callable[[], None]) -> AsyncIterator[Event | bytes]:
-    """The events of one response (SSE comments as bytes); engine errors propagate; logs the outcome."""
-    outcome = "cancelled"
-    try:
-        async with closing(events):
-            for event in renderer.start():
-                yield event
-            item = first
-            while True:
-                if isinstance(item, PromptProgress):
-                    yield comment(f"keepalive {item.processed}/{item.total}")
-                elif isinstance(item, TextDelta):
-                    for event in renderer.pieces(router.feed(item.text), tokens=len(item.token_ids),
-                                                 logprobs=item.logprobs if logprobs else ()):
-                        yield event
-                else:
-                    outcome = item.finish_reason
-                    closing_events = [*renderer.pieces(router.finish()), *renderer.finish(item)]
-                    on_finish()
-                    for event in closing_events:
-                        yield event
-                    return
-                item = await anext(events)
-                request_log.saw(item)
-    except StopAsyncIteration:
-        outcome = "error"
-        raise ActorCrashed("the generation ended without a finish event") from None
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        request_log.done(outcome)
-
-
-async def _sse(frames: AsyncIterator[Event | bytes], renderer: ResponseEvents,
-               request_log: RequestLog) -> AsyncIterator[bytes]:
-    """SSE framing: `event: <type>` and `data: <json>` per event; a failure after the headers goes in-band."""
-    try:
-        async with aclosing(frames):  # closed however this ends: a client that leaves cancels the request
-            async for frame in frames:
-                yield frame if isinstance(frame, bytes) else _sse_event(frame)
-    except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
-        for event in renderer.fail(stream_failure(exc, renderer.shape.id)):
-            yield _sse_event(event)
-
-
-def _sse_event(event: Event) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
-def _keep(store: ResponseStore, parsed: ResponsesCall, renderer: ResponseEvents) -> None:
+def _keep(store: ResponseStore, parsed: ResponsesCall, events: ResponseEvents) -> None:
     if parsed.store:
-        store.put(StoredResponse(renderer.response, parsed.input_items, (*parsed.context, *renderer.output)))
+        store.put(StoredResponse(events.response, parsed.input_items, (*parsed.context, *events.output)))
 
 
 def _stored(store: ResponseStore, response_id: str) -> StoredResponse:

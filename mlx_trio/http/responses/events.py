@@ -48,19 +48,13 @@ class ResponseEvents:
         # Invariant: the last output item is still open (takes more text) while this is True.
         self._open = False
         self._logprobs: list[TokenLogprob] = []  # of text not yet sent as content
-        self._reasoning_tokens = 0
 
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]
 
-    def pieces(self, pieces: Sequence[Piece], *, tokens: int = 0,
-               logprobs: Sequence[TokenLogprob] = ()) -> list[Event]:
-        """Events for the pieces of one text delta (`tokens` ids, with their `logprobs` when asked for).
-
-        The delta's tokens count as reasoning when its text ends inside a
-        reasoning item (the router holds text back, so this is close, not exact).
-        """
+    def pieces(self, pieces: Sequence[Piece], *, logprobs: Sequence[TokenLogprob] = ()) -> list[Event]:
+        """Events for the pieces of one text delta (with its tokens' `logprobs`, when asked for)."""
         self._logprobs.extend(logprobs)
         events: list[Event] = []
         for piece in pieces:
@@ -69,14 +63,12 @@ class ResponseEvents:
                 events.extend(self._call(piece))
             else:
                 events.extend(self._text(piece))
-        if self._open and self.output[-1]["type"] == "reasoning":
-            self._reasoning_tokens += tokens
         return events
 
     def finish(self, finished: Finished) -> list[Event]:
         """Close what is open; `response.completed`, or `response.incomplete` when max_output_tokens cut it."""
         events = self._close()
-        usage = usage_object(finished.usage, reasoning_tokens=self._reasoning_tokens)
+        usage = usage_object(finished.usage)
         if finished.finish_reason == "length":
             self.response = self.shape.response("incomplete", self.output, usage=usage,
                                                 incomplete_reason="max_output_tokens")

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.openai.requests import json_type
+from mlx_trio.http.server.body import json_type
 
 # Content parts that carry text, by the role that may send them.
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal"})

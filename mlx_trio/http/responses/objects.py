@@ -15,22 +15,25 @@ from typing import Any
 import attrs
 
 from mlx_trio.events import Usage
-from mlx_trio.http.openai.logprobs import chat_logprobs
 from mlx_trio.http.server.errors import ApiError
 from mlx_trio.logprobs import TokenLogprob
 
 
-def usage_object(usage: Usage, *, reasoning_tokens: int = 0) -> dict[str, Any]:
+def usage_object(usage: Usage) -> dict[str, Any]:
+    """Responses usage. Reasoning tokens are not counted apart (the engine counts tokens, the router text): 0."""
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 
 
 def logprobs_object(items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """Responses' `logprobs`: chat completions' per-token entries ({token, logprob, bytes, top_logprobs})."""
-    return chat_logprobs(items)["content"] if items else []
+    """Responses' `logprobs`: per token `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`."""
+    return [{"token": item.token, "logprob": item.logprob, "bytes": list(item.bytes),
+             "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)}
+                              for top in item.top_logprobs]}
+            for item in items]
 
 
 def error_object(error: ApiError) -> dict[str, Any]:

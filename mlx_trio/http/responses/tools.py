@@ -25,13 +25,14 @@ from typing import Any
 import attrs
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.completion.tools import CHOICES, ToolsRequest, checked_function
-from mlx_trio.http.openai.requests import json_type
+from mlx_trio.http.completion.tools import ToolsRequest, checked_function
+from mlx_trio.http.server.body import json_type
 from mlx_trio.params import Constraint
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 # Hosted tools a harness sends whether or not the server can run them: not offered to the model.
 IGNORED_HOSTED = frozenset({"web_search", "web_search_preview"})
+CHOICES = ("auto", "none", "required")
 
 
 @attrs.frozen
