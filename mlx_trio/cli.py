@@ -27,7 +27,7 @@ from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.http import HttpServer, ServerConfig
-from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES
+from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_BYTES
 from mlx_trio.params import SamplingParams
 
 log = logging.getLogger("mlx_trio.cli")
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
     arg("--shutdown-timeout", type=non_negative_float, default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut (default: %(default)s)")
+    arg("--responses-store-bytes", type=size, default=DEFAULT_RESPONSES_STORE_BYTES,
+        help="RAM for stored /v1/responses results (previous_response_id, GET); 0 stores nothing (default: 64MiB)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -113,7 +115,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
                           batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
                           enable_fault_injection=args.enable_fault_injection,
-                          strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header)
+                          strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
+                          responses_store_bytes=args.responses_store_bytes)
     return engine, server
 
 

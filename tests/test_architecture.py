@@ -46,9 +46,10 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/model": frozenset({"engine/kv", "engine/sampling"}),  # load measures the KV layout, builds the grammar
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling"}),
     "http": frozenset({"http/server", "http/server/app"}),
-    "http/server/app": frozenset({"http/server", "http/openai", "http/anthropic"}),
+    "http/server/app": frozenset({"http/server", "http/openai", "http/anthropic", "http/responses"}),
     "http/openai": frozenset({"http/server", "http/completion"}),
     "http/anthropic": frozenset({"http/server", "http/completion"}),
+    "http/responses": frozenset({"http/server", "http/completion"}),
     "http/server": frozenset(),  # the plumbing: every other http room builds on it
     "http/completion": frozenset({"http/server"}),  # the shared path frames SSE, maps errors, logs requests
 }

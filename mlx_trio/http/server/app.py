@@ -18,6 +18,7 @@ from mlx_trio.http.server.guards import install_guards
 from mlx_trio.http.server.info import register_info
 from mlx_trio.http.anthropic.endpoint import register_messages
 from mlx_trio.http.server.prometheus import Metrics, register_metrics
+from mlx_trio.http.responses.endpoint import register_responses
 from mlx_trio.http.server.state import AppState, EngineLike
 
 
@@ -44,6 +45,7 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     register_info(app, state)
     register_completions(app, state)
     register_messages(app, state)
+    register_responses(app, state)
     register_admin(app, state)
     return app
 

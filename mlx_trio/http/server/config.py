@@ -10,6 +10,8 @@ import attrs
 
 # OpenAI bodies are small; 4 MiB leaves room for long chats while bounding memory per request.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Stored Responses API responses (with their input items) kept in RAM, least recently used dropped first.
+DEFAULT_RESPONSES_STORE_BYTES = 64 * 1024 * 1024
 
 
 def _origins(value: Iterable[str] | str | None) -> tuple[str, ...]:
@@ -45,6 +47,8 @@ class ServerConfig:
     context instead of lowering it to that room. `keep_billing_header` keeps
     Claude Code's per-request `x-anthropic-billing-header` system block in
     the prompt (by default it is dropped: docs/harnesses.md, prefix hygiene).
+    `responses_store_bytes` bounds the RAM of stored `/v1/responses` results
+    (0: nothing is stored).
     """
 
     host: str = "127.0.0.1"
@@ -62,3 +66,4 @@ class ServerConfig:
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0.0))
     strict_max_tokens: bool = False
     keep_billing_header: bool = False
+    responses_store_bytes: int = attrs.field(default=DEFAULT_RESPONSES_STORE_BYTES, validator=attrs.validators.ge(0))
