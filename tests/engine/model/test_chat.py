@@ -8,7 +8,7 @@ import pytest
 
 from mlx_trio.engine.model.chat import RESERVED_TEMPLATE_ARGS, check_chat, template_messages
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.output_format import PLAIN
+from mlx_trio.output_format import GENERIC, PLAIN
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -52,8 +52,21 @@ def test_template_variables_of_the_models_own_are_accepted() -> None:
 
 
 def test_tools_need_a_tool_calling_format() -> None:
-    """A model mlx-lm finds no tool format for refuses tools, naming `tools` and the model."""
+    """A format with no tool syntax at all (neither native nor generic) refuses tools, naming `tools` and the model."""
     with pytest.raises(InvalidParameter) as info:
         check_chat([{"role": "user", "content": "x"}], template_args={}, tools=[TOOL], output_format=PLAIN,
                    model_id="tiny")
     assert info.value.field == "tools" and "tiny" in str(info.value)
+
+
+def test_the_generic_format_takes_tools_and_history_calls_must_name_one() -> None:
+    """A model with the generic format accepts tools; a history call to a tool not in them names its field."""
+    ask = {"role": "user", "content": "x"}
+    assert check_chat([ask], template_args={}, tools=[TOOL], output_format=GENERIC, model_id="m") == [ask]
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "nope", "arguments": {}}}]}
+    with pytest.raises(InvalidParameter) as info:
+        check_chat([ask, call], template_args={}, tools=[TOOL], output_format=GENERIC, model_id="m")
+    assert info.value.field == "messages[1].tool_calls[0].function.name" and "'nope'" in info.value.message
+    # Without tools (tool_choice none) the history is not checked against them.
+    assert len(check_chat([ask, call], template_args={}, tools=None, output_format=GENERIC, model_id="m")) == 2
