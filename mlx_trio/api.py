@@ -122,8 +122,8 @@ class Engine:
                 **sampling: Any) -> Request:
         """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field.
 
-        `tools` (OpenAI function tools) go to the chat template; a model
-        without a tool-calling format refuses them. Chat roles, message
+        `tools` (OpenAI function tools) go to the chat template, or, where it
+        has no tool format, into the chat in the generic one. Chat roles, message
         contents and template arguments are checked once, by `LoadedModel.encode`
         (`engine/model/chat.py`), whoever the caller.
 

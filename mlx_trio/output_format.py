@@ -7,11 +7,19 @@ without importing mlx-lm. Its callables are mlx-lm's own: the tool parser
 (`mlx_lm.tool_parsers.<kind>.parse_tool_call`) and the text state machine
 (`mlx_lm.generate.TextStateMachine`) whose states are "normal", "reasoning"
 and "tool" (plus any a response format adds).
+
+A model whose chat template has no tool format gets our generic one
+(`GENERIC_TOOLS`, after llama.cpp's "generic" handler): the tools and an
+instruction go into the system prompt (engine/model/generic_tools.py), and
+the answer is either plain text or one JSON object, compact as the grammar
+writes it (`generic_calls_text`), that the output router reads back
+(http/completion/generic_calls.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -19,6 +27,11 @@ import attrs
 NORMAL = "normal"
 REASONING = "reasoning"
 TOOL = "tool"
+
+# `tool_parser_kind` of a model that calls tools in our generic format.
+GENERIC_TOOLS = "generic"
+# The generic format's call object: {"tool_calls": [{"name": ..., "arguments": {...}}, ...]}.
+GENERIC_CALLS_KEY = "tool_calls"
 
 
 @attrs.frozen
@@ -36,7 +49,8 @@ class OutputFormat:
     think_end_ids: tuple[int, ...] = ()
     tool_call_start: str | None = None
     tool_call_end: str | None = None
-    # The mlx_lm.tool_parsers module name ("json_tools" for Hermes/Qwen `<tool_call>` JSON).
+    # The mlx_lm.tool_parsers module name ("json_tools" for Hermes/Qwen `<tool_call>` JSON),
+    # or GENERIC_TOOLS when the template has no tool format and ours is used.
     tool_parser_kind: str | None = None
     parse_tool_call: Callable[[str, Any], Any] | None = None
     splitter: Any = None
@@ -45,7 +59,17 @@ class OutputFormat:
 
     @property
     def has_tool_calling(self) -> bool:
+        """The model has a native tool-call syntax (markers and mlx-lm's parser for it)."""
         return self.parse_tool_call is not None and self.tool_call_start is not None
+
+    @property
+    def generic_tools(self) -> bool:
+        """Tools are rendered and parsed in our generic format (the template has none of its own)."""
+        return self.tool_parser_kind == GENERIC_TOOLS and not self.has_tool_calling
+
+    @property
+    def accepts_tools(self) -> bool:
+        return self.has_tool_calling or self.generic_tools
 
     @property
     def has_thinking(self) -> bool:
@@ -66,6 +90,18 @@ class OutputFormat:
 
 
 PLAIN = OutputFormat()
+# No markers, tools in the generic format: what a plain chat model reads as.
+GENERIC = OutputFormat(tool_parser_kind=GENERIC_TOOLS)
+
+
+def generic_calls_text(calls: Sequence[Mapping[str, Any]]) -> str:
+    """`calls` ({"name", "arguments"} each, arguments a dict) as the model writes them in the generic format.
+
+    Compact JSON (no blanks after `,` or `:`), exactly what the call grammar
+    allows, so a model's history shows it the syntax it is held to.
+    """
+    items = [{"name": call["name"], "arguments": call.get("arguments") or {}} for call in calls]
+    return json.dumps({GENERIC_CALLS_KEY: items}, ensure_ascii=False, separators=(",", ":"))
 
 
 def _rfind(ids: Sequence[int], sequence: tuple[int, ...]) -> int:

@@ -31,10 +31,17 @@ class Constraint:
     `source` is an llguidance Lark grammar (which may embed `%json {...}`).
     The grammar is compiled and checked in `Engine.prepare`, so a bad one is
     an `InvalidParameter` naming the field "constraint".
+
+    `schemas` label the JSON schemas a lark grammar embeds with the request
+    field each came from, as (field, schema JSON text) pairs (a tool call
+    grammar embeds every tool's parameters). When the grammar does not
+    compile, each is checked on its own and the error names the field of the
+    first bad one; the grammar itself, which the caller never wrote, is not shown.
     """
 
     kind: Literal["json_schema", "lark"]
     source: str
+    schemas: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen

@@ -1,6 +1,6 @@
 """Semantic checks run once, in the engine: the same bad input is the same error over HTTP and from `Engine.prepare`.
 
-A tiny Llama (ChatML, no tool-calling format) behind the real HTTP stack;
+A tiny Llama (ChatML: tools in the generic format) behind the real HTTP stack;
 each case is sent as an OpenAI chat body, as an Anthropic Messages body
 where that wire API can say it, and straight to the server's own
 `Engine.prepare`. The field and message must agree everywhere.
@@ -22,6 +22,8 @@ from mlx_trio.errors import InvalidParameter
 ASK = [{"role": "user", "content": "hi"}]
 OPENAI_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+CALL_G = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "g", "arguments": {}}}]}
 
 # (case, what Engine.prepare gets, the OpenAI body's extra fields, the Anthropic body's or None, the field)
 CASES = [
@@ -31,8 +33,10 @@ CASES = [
     ("a template argument the engine sets", {"prompt": ASK, "chat_template_kwargs": {"add_generation_prompt": False}},
      {"chat_template_kwargs": {"add_generation_prompt": False}},
      {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
-    ("tools on a model without a tool format", {"prompt": ASK, "tools": [OPENAI_TOOL]},
-     {"tools": [OPENAI_TOOL]}, {"tools": [ANTHROPIC_TOOL]}, "tools"),
+    ("a history call to a tool not in tools", {"prompt": [*ASK, CALL_G], "tools": [OPENAI_TOOL]},
+     # Anthropic checks its own tool_use blocks against its tools while converting them, naming its
+     # own field (tests/http/anthropic): the engine's message would index converted messages.
+     {"messages": [*ASK, CALL_G], "tools": [OPENAI_TOOL]}, None, "messages[1].tool_calls[0].function.name"),
     ("a role that is not a string", {"prompt": [{"role": 7, "content": "hi"}]},
      {"messages": [{"role": 7, "content": "hi"}]}, None, "messages[0].role"),
     ("content of the wrong type", {"prompt": [{"role": "user", "content": 5}]},

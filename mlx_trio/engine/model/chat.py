@@ -32,13 +32,30 @@ def check_chat(messages: Sequence[Mapping[str, Any]], *, template_args: Mapping[
     """Raise `InvalidParameter` naming the field unless the chat can go to the template; return its messages.
 
     The messages come back as the template takes them (`template_messages`).
-    `tools` need a model with a tool-calling format mlx-lm recognises.
+    `tools` need a model with a tool format: its template's, or the generic
+    one (every model mlx-lm loads has one of the two). With `tools`, every
+    call in the history must name one of them.
     """
-    if tools and not output_format.has_tool_calling:
-        raise InvalidParameter("tools", f"model {model_id} has no tool-calling format mlx-lm recognises "
-                                        "in its chat template; remove tools (or send tool_choice 'none')")
+    if tools and not output_format.accepts_tools:
+        raise InvalidParameter("tools", f"model {model_id} has no tool-calling format; "
+                                        "remove tools (or send tool_choice 'none')")
     check_template_args(template_args)
+    if tools:
+        check_history_calls(messages, tools)
     return template_messages(messages)
+
+
+def check_history_calls(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse an assistant call to a tool that is not in `tools`: the model would learn to call what it cannot."""
+    names = {tool["function"]["name"] for tool in tools}
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            name = function.get("name") if isinstance(function, Mapping) else None
+            if name not in names:
+                raise InvalidParameter(f"messages[{i}].tool_calls[{j}].function.name",
+                                       f"calls {name!r:.60}, which is not in tools ({', '.join(sorted(names))}); "
+                                       "add that tool to tools or drop the call from the history")
 
 
 def check_template_args(template_args: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_trio.errors import InvalidParameter, ModelLoadError
 from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
+from mlx_trio.engine.model.generic_tools import generic_chat
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer, compile_constraint
 from mlx_trio.engine.kv.layout import KvLayout, measure_layout, weights_bytes
 from mlx_trio.engine.model.output_format import read_output_format
@@ -67,7 +68,9 @@ class LoadedModel:
         A string is tokenized as mlx-lm's stream_generate does (special tokens
         added unless it already starts with BOS); messages go through the
         model's chat template with the generation prompt appended, and
-        `tools` (OpenAI function tools) are given to the template as mlx_lm.server does.
+        `tools` (OpenAI function tools) are given to the template as mlx_lm.server does,
+        or, for a template without a tool format, written into the chat in the
+        generic format (`engine/model/generic_tools.py`).
         """
         if isinstance(prompt, str):
             if not prompt:
@@ -102,10 +105,8 @@ class LoadedModel:
         if isinstance(prompt, str) or len(prompt) < 2 or not all(isinstance(m, Mapping) for m in prompt):
             return None
         try:
-            head = self.tokenizer.apply_chat_template(
-                template_messages(prompt[:-1]), add_generation_prompt=False,
-                **dict(chat_template_kwargs or {}), **({"tools": [dict(t) for t in tools]} if tools else {}),
-            )
+            head = self._apply_template(template_messages(prompt[:-1]), tools, add_generation_prompt=False,
+                                        **dict(chat_template_kwargs or {}))
         except Exception:  # a template may refuse a chat ending on a non-user turn: no boundary then
             return None
         shared = 0
@@ -134,17 +135,26 @@ class LoadedModel:
         checked = check_chat(messages, template_args=template_kwargs, tools=tools, output_format=self.output_format,
                              model_id=self.model_id)
         try:
-            ids = self.tokenizer.apply_chat_template(
-                checked,
-                add_generation_prompt=True,
-                **({"tools": [dict(t) for t in tools]} if tools else {}),
-                **template_kwargs,
-            )
+            ids = self._apply_template(checked, tools, add_generation_prompt=True, **template_kwargs)
         except Exception as exc:  # jinja raises arbitrary errors for bad chats
             raise InvalidParameter("messages", f"the chat template rejected these messages: {exc}") from exc
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise InvalidParameter("chat_template_kwargs", "the chat template did not produce token ids")
         return ids
+
+    def _apply_template(self, messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                        **kwargs: Any) -> Any:
+        """The template applied to a chat, with its tools: the template's own format, or the generic one."""
+        if not self.output_format.generic_tools:
+            tool_kwargs = {"tools": [dict(t) for t in tools]} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, **tool_kwargs, **kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(generic_chat(messages, tools), **kwargs)
+        except Exception:
+            if not tools:
+                raise
+            # Some templates refuse a system role: the tools go to the first user message instead.
+            return self.tokenizer.apply_chat_template(generic_chat(messages, tools, system_role=False), **kwargs)
 
 
 def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> LoadedModel:

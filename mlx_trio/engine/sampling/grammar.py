@@ -56,27 +56,42 @@ def build_grammar_tokenizer(tokenizer: Any, eos_token_ids: Collection[int]) -> l
 
 
 def compile_constraint(constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = None) -> str:
-    """The llguidance grammar for `constraint`; raises `InvalidParameter("constraint", ...)` if it cannot be enforced."""
+    """The llguidance grammar for `constraint`; raises `InvalidParameter` if it cannot be enforced.
+
+    The error names "constraint", or the field of the first bad schema among
+    `constraint.schemas` (a grammar built from labelled schemas never shows its own text).
+    """
     if constraint.kind == "json_schema":
-        try:
-            schema = json.loads(constraint.source)
-        except ValueError as exc:
-            raise InvalidParameter("constraint", f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidParameter("constraint", f"the JSON schema must be an object, got {type(schema).__name__}")
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        except ValueError as exc:
-            raise InvalidParameter("constraint", f"invalid JSON schema: {exc}") from None
-        what = "JSON schema"
-    elif constraint.kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
-        what = "grammar"
-    else:
+        return _schema_grammar(constraint.source, tokenizer, field="constraint")
+    if constraint.kind != "lark":
         raise InvalidParameter("constraint", f"unknown constraint kind {constraint.kind!r}")
+    grammar = llguidance.LLMatcher.grammar_from_lark(constraint.source)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if not is_error:
+        return grammar
+    for field, schema in constraint.schemas:
+        _schema_grammar(schema, tokenizer, field=field)
+    if constraint.schemas:
+        fields = ", ".join(field for field, _ in constraint.schemas[:3]) + (", …" if len(constraint.schemas) > 3 else "")
+        raise InvalidParameter("constraint", f"the schemas of {fields} cannot be enforced together; simplify them")
+    raise InvalidParameter("constraint", f"unsupported or invalid grammar: {messages[0].strip()}")
+
+
+def _schema_grammar(source: str, tokenizer: llguidance.LLTokenizer | None, *, field: str) -> str:
+    """The grammar of one JSON schema's text; raises `InvalidParameter(field, ...)` if it cannot be enforced."""
+    try:
+        schema = json.loads(source)
+    except ValueError as exc:
+        raise InvalidParameter(field, f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidParameter(field, f"the JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    except ValueError as exc:
+        raise InvalidParameter(field, f"invalid JSON schema: {exc}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
-        raise InvalidParameter("constraint", f"unsupported or invalid {what}: {messages[0].strip()}")
+        raise InvalidParameter(field, f"unsupported or invalid JSON schema: {messages[0].strip()}")
     return grammar
 
 

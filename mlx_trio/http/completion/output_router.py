@@ -13,6 +13,10 @@ built from the same `Piece`s.
 A call that does not parse (truncated by max_tokens, or malformed) is given
 back as content, markers included, so no generated text is lost; so is
 every call when the request did not ask for tool parsing.
+
+A model in the generic tool format (no markers: its answer is text or one
+JSON call object) has its content read by a `GenericCallReader`, which
+gives out each call as soon as its object closes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from mlx_trio.http.completion.generic_calls import GenericCallReader, Item
 from mlx_trio.output_format import NORMAL, REASONING, TOOL, OutputFormat
 
 log = logging.getLogger("mlx_trio.http")
@@ -67,6 +72,7 @@ class OutputRouter:
                  tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_") -> None:
         self._fmt = fmt
         self._parse = parse_tool_calls and fmt.has_tool_calling
+        self._generic = GenericCallReader() if parse_tool_calls and fmt.generic_tools else None
         self._tools = [dict(t) for t in tools] if tools else None
         self._id_prefix = id_prefix
         self._current = fmt.initial_state(prompt_ids)
@@ -80,7 +86,7 @@ class OutputRouter:
 
     def feed(self, text: str) -> list[Piece]:
         if self._sm_state is None:
-            return [Content(text)] if text else []
+            return self._content(text) if text else []
         self._sm_state, segments = self._fmt.splitter.split(self._sm_state, text)
         return self._route(segments)
 
@@ -90,13 +96,37 @@ class OutputRouter:
         Flushed, not dropped: the engine never puts EOS or a stop string into
         the text, so what is held back here is the model's own output.
         """
-        if self._sm_state is None:
-            return []
-        self._sm_state, held, state = self._fmt.splitter.flush(self._sm_state)
-        pieces = self._route([(state, held)])
-        if self._current == TOOL:
-            pieces.extend(self._end_call(closed=False))
-        self._after_call = None
+        pieces: list[Piece] = []
+        if self._sm_state is not None:
+            self._sm_state, held, state = self._fmt.splitter.flush(self._sm_state)
+            pieces = self._route([(state, held)])
+            if self._current == TOOL:
+                pieces.extend(self._end_call(closed=False))
+            self._after_call = None
+        if self._generic is not None:
+            pieces.extend(self._pieces(self._generic.finish()))
+        return pieces
+
+    def _content(self, text: str) -> list[Piece]:
+        """Content text as pieces: in the generic tool format, read for calls first."""
+        if self._generic is None:
+            return [Content(text)]
+        return self._pieces(self._generic.feed(text))
+
+    def _pieces(self, items: list[Item]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for item in items:
+            if isinstance(item, str):
+                pieces.append(Content(item))
+                continue
+            try:
+                call = self._call(item)
+            except ValueError as exc:
+                log.warning("a tool call did not parse (%s); returned as content", exc)
+                pieces.append(Content(json.dumps(item, ensure_ascii=False)))
+                continue
+            pieces.append(ToolCallMade(self.num_tool_calls, call))
+            self.num_tool_calls += 1
         return pieces
 
     def _route(self, segments: list[tuple[str | None, str]]) -> list[Piece]:
@@ -118,7 +148,7 @@ class OutputRouter:
                         self._after_call += text
                         continue
                     text, self._after_call = self._after_call + text, None
-                pieces.append(Content(text))
+                pieces.extend(self._content(text))
             # Other states belong to a response format's framing (headers): not shown, as in mlx_lm.server.
         return pieces
 

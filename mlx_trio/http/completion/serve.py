@@ -85,19 +85,22 @@ async def prepare(state: AppState, call: CompletionCall) -> Any:
 def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
     """`tools` and the `tool_choice` constraint for `Engine.prepare`; none when the request uses no tools.
 
-    A model without a tool-calling format gets the tools all the same:
-    `Engine.prepare` refuses them, naming `tools` (there is no call syntax
-    to write a constraint for).
+    A model without any tool format gets the tools all the same:
+    `Engine.prepare` refuses them, naming `tools`. The generic format's
+    grammar for "auto" yields to a `response_format` (the answer is held to
+    that schema instead); a forced call cannot be combined with one.
     """
     if not call.tools.active:
         return {}
     kwargs: dict[str, Any] = {"tools": call.tools.template_tools()}
     fmt = state.engine.output_format
-    constraint = call.tools.constraint(fmt.tool_parser_kind) if fmt.has_tool_calling else None
+    constraint = call.tools.constraint(fmt.tool_parser_kind) if fmt.accepts_tools else None
+    if constraint is not None and "constraint" in call.sampling:
+        if call.tools.choice == "auto":
+            return kwargs
+        raise InvalidParameter("tool_choice", "a required or named tool_choice cannot be combined with "
+                                              "response_format; drop one of them")
     if constraint is not None:
-        if "constraint" in call.sampling:
-            raise InvalidParameter("tool_choice", "a required or named tool_choice cannot be combined with "
-                                                  "response_format; drop one of them")
         kwargs["constraint"] = constraint
     return kwargs
 

@@ -8,7 +8,7 @@ import pytest
 
 from mlx_trio.engine.model.chat import RESERVED_TEMPLATE_ARGS, check_chat, template_messages
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.output_format import PLAIN
+from mlx_trio.output_format import GENERIC, PLAIN
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -52,7 +52,7 @@ def test_template_variables_of_the_models_own_are_accepted() -> None:
 
 
 def test_tools_need_a_tool_calling_format() -> None:
-    """A model mlx-lm finds no tool format for refuses tools, naming `tools` and the model."""
+    """A format with no tool syntax at all (neither native nor generic) refuses tools, naming `tools` and the model."""
     with pytest.raises(InvalidParameter) as info:
         check_chat([{"role": "user", "content": "x"}], template_args={}, tools=[TOOL], output_format=PLAIN,
                    model_id="tiny")
@@ -94,3 +94,16 @@ def test_a_template_that_takes_system_only_first_renders_a_mid_conversation_one(
     chat = [_m("system", "s"), _m("user", "u"), _m("system", "n"), _m("assistant", "x"), _m("system", "m")]
     assert strict.render(messages=template_messages(chat)) == (
         f"system:s|user:u\n\n{NOTE}|assistant:x|user:<system>\nm\n</system>|")
+
+
+def test_the_generic_format_takes_tools_and_history_calls_must_name_one() -> None:
+    """A model with the generic format accepts tools; a history call to a tool not in them names its field."""
+    ask = {"role": "user", "content": "x"}
+    assert check_chat([ask], template_args={}, tools=[TOOL], output_format=GENERIC, model_id="m") == [ask]
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "nope", "arguments": {}}}]}
+    with pytest.raises(InvalidParameter) as info:
+        check_chat([ask, call], template_args={}, tools=[TOOL], output_format=GENERIC, model_id="m")
+    assert info.value.field == "messages[1].tool_calls[0].function.name" and "'nope'" in info.value.message
+    # Without tools (tool_choice none) the history is not checked against them.
+    assert len(check_chat([ask, call], template_args={}, tools=None, output_format=GENERIC, model_id="m")) == 2

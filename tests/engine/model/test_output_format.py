@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from mlx_lm.tokenizer_utils import load
 
+from mlx_trio.engine.model.generic_tools import generic_chat
 from mlx_trio.engine.model.load import load_model
 from mlx_trio.engine.model.output_format import read_output_format
 from mlx_trio.engine.model.text import TextStream
-from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.completion.output_router import Content, OutputRouter, Reasoning, ToolCallMade
 from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
 
@@ -31,10 +30,11 @@ def test_tool_model_format_is_read_from_its_tokenizer_and_template() -> None:
     assert fmt.parse_tool_call('\n{"name": "f", "arguments": {"a": 1}}\n', None) == {"name": "f", "arguments": {"a": 1}}
 
 
-def test_chatml_model_has_no_markers() -> None:
-    """The plain ChatML tiny Llama: no thinking, no tool calling."""
+def test_chatml_model_has_no_markers_and_calls_tools_in_the_generic_format() -> None:
+    """The plain ChatML tiny Llama: no thinking, no native tool calling, so the generic tool format."""
     fmt = read_output_format(load(Path(tiny_model(LLAMA))))
-    assert not fmt.has_tool_calling and not fmt.has_thinking and fmt.tool_parser_kind is None
+    assert not fmt.has_tool_calling and not fmt.has_thinking and fmt.tool_parser_kind == "generic"
+    assert fmt.generic_tools and fmt.accepts_tools
     assert fmt.initial_state([1, 2, 3]) == "normal"
 
 
@@ -53,13 +53,13 @@ def test_real_detokenizer_token_by_token_feeds_the_router() -> None:
     assert call.call.name == "get_weather" and json.loads(call.call.arguments) == {"city": "Paris"}
 
 
-def test_tools_for_a_model_without_tool_calling_are_refused() -> None:
-    """LoadedModel.encode refuses tools for a template mlx-lm finds no tool format in, naming `tools`."""
-    model = load_model(str(tiny_model(LLAMA)))
+def test_tools_take_the_generic_format_only_where_the_template_has_none() -> None:
+    """LoadedModel.encode: the plain ChatML model gets the generic chat; the Qwen one keeps its template's tools."""
+    chat = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    with pytest.raises(InvalidParameter) as info:
-        model.encode([{"role": "user", "content": "hi"}], tools=tools)
-    assert info.value.field == "tools"
+    model = load_model(str(tiny_model(LLAMA)))
+    assert model.encode(chat, tools=tools) == model.tokenizer.apply_chat_template(
+        generic_chat(chat, tools), add_generation_prompt=True)
     tool_model = load_model(str(tiny_model(QWEN3_TOOLS)))
-    with_tools = tool_model.encode([{"role": "user", "content": "hi"}], tools=tools)
-    assert len(with_tools) > len(tool_model.encode([{"role": "user", "content": "hi"}]))
+    assert tool_model.encode(chat, tools=tools) == tool_model.tokenizer.apply_chat_template(
+        chat, tools=tools, add_generation_prompt=True)

@@ -88,3 +88,20 @@ def test_a_resumed_matcher_continues_where_the_request_stood() -> None:
         fresh.consume((token,))
     assert np.array_equal(np.array(resumed.allowed(512)), np.array(fresh.allowed(512)))
     assert GrammarMatcher.for_row(None, grammar_tokenizer) is None
+
+
+def test_a_bad_labelled_schema_is_named_by_its_field_and_the_grammar_is_not_shown() -> None:
+    """A lark grammar built from labelled schemas that fails names the first bad schema's field, not the grammar."""
+    _, grammar_tokenizer = _tokenizers()
+    good, bad = {"type": "object"}, {"type": "array", "uniqueItems": True}
+    source = f"%llguidance {{}}\nstart: a | b\na: %json {json.dumps(good)}\nb: %json {json.dumps(bad)}\n"
+    constraint = Constraint("lark", source, schemas=(("tools[0].function.parameters", json.dumps(good)),
+                                                     ("tools[1].function.parameters", json.dumps(bad))))
+    with pytest.raises(InvalidParameter) as info:
+        compile_constraint(constraint, grammar_tokenizer)
+    assert info.value.field == "tools[1].function.parameters"
+    assert "uniqueItems" in info.value.message and "%json" not in info.value.message
+    unlabelled = Constraint("lark", source)
+    with pytest.raises(InvalidParameter) as info:
+        compile_constraint(unlabelled, grammar_tokenizer)
+    assert info.value.field == "constraint"

@@ -1,6 +1,9 @@
-"""tool_choice_constraint: the lark grammar that forces Hermes/Qwen tool calls, checked with llguidance."""
+"""tool_choice_constraint: the lark grammars for Hermes/Qwen and the generic tool format, checked with llguidance."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -10,7 +13,7 @@ from transformers import AutoTokenizer
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.completion.tool_choice import tool_choice_constraint
 from mlx_trio.params import Constraint
-from mlx_trio.testing import QWEN3_TOOLS, tiny_model
+from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
@@ -35,9 +38,10 @@ def _accepts(tokenizer: llguidance.LLTokenizer, constraint: Constraint, text: st
 
 
 def test_auto_and_none_need_no_constraint() -> None:
-    """Nothing to enforce for "auto" and "none", whatever the format."""
+    """Nothing to enforce for "none", nor for "auto" in a native format."""
     assert tool_choice_constraint(TOOLS, "auto", "json_tools") is None
     assert tool_choice_constraint(TOOLS, "none", None) is None
+    assert tool_choice_constraint(TOOLS, "none", "generic") is None
 
 
 def test_required_grammar_is_exact_and_valid() -> None:
@@ -88,3 +92,61 @@ def test_formats_without_a_grammar_are_refused(kind: str | None) -> None:
         tool_choice_constraint(TOOLS, "required", kind)
     assert info.value.field == "tool_choice"
     assert "use tool_choice 'auto'" in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer() -> tuple[llguidance.LLTokenizer, Any]:
+    """The tiny Llama (no tool format of its own: the generic one) as llguidance and HF see it."""
+    hf = AutoTokenizer.from_pretrained(str(tiny_model(LLAMA)))
+    return llguidance.hf.from_tokenizer(hf), hf
+
+
+def _generic_accepts(tokenizers: tuple[llguidance.LLTokenizer, Any], constraint: Constraint, text: str) -> bool:
+    ll, hf = tokenizers
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(constraint.source))
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in hf.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+GENERIC_CALL = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}'
+TWO_CALLS = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"get_time","arguments":{}}]}'
+
+
+def test_generic_auto_allows_text_or_a_valid_call_object(llama_tokenizer: Any) -> None:
+    """The generic format's "auto": any text not starting with `{`, an empty answer, or calls on the schemas."""
+    constraint = tool_choice_constraint(TOOLS, "auto", "generic")
+    assert constraint is not None and constraint.kind == "lark"
+    for text in ("", "Hello there.", "  It is {sunny}.", GENERIC_CALL, TWO_CALLS):
+        assert _generic_accepts(llama_tokenizer, constraint, text), text
+    for text in ('{"answer": 1}', ' {"tool_calls":[]}', GENERIC_CALL.replace("get_weather", "get_rain"),
+                 GENERIC_CALL.replace('"city"', '"town"'), GENERIC_CALL + " and more",
+                 GENERIC_CALL.replace('":', '": ')):
+        assert not _generic_accepts(llama_tokenizer, constraint, text), text
+
+
+def test_generic_required_named_and_single(llama_tokenizer: Any) -> None:
+    """"required": calls only; a named function or parallel false: exactly one call (of that function)."""
+    required = tool_choice_constraint(TOOLS, "required", "generic")
+    assert required is not None
+    assert _generic_accepts(llama_tokenizer, required, TWO_CALLS)
+    assert not _generic_accepts(llama_tokenizer, required, "Hello")
+    assert not _generic_accepts(llama_tokenizer, required, "")
+    single = tool_choice_constraint(TOOLS, "required", "generic", parallel=False)
+    assert single is not None and _generic_accepts(llama_tokenizer, single, GENERIC_CALL)
+    assert not _generic_accepts(llama_tokenizer, single, TWO_CALLS)
+    named = tool_choice_constraint(TOOLS, "function", "generic", function_name="get_time")
+    assert named is not None and "get_weather" not in named.source
+    assert _generic_accepts(llama_tokenizer, named, '{"tool_calls":[{"name":"get_time","arguments":{}}]}')
+    assert not _generic_accepts(llama_tokenizer, named, GENERIC_CALL)
+
+
+def test_every_grammar_labels_its_tool_schemas_by_field() -> None:
+    """Each tool's parameters travel with the grammar under its own field (a named function: only its own)."""
+    for kind in ("generic", "json_tools"):
+        constraint = tool_choice_constraint(TOOLS, "required", kind)
+        assert constraint is not None
+        assert [field for field, _ in constraint.schemas] == ["tools[0].function.parameters",
+                                                              "tools[1].function.parameters"]
+        assert json.loads(constraint.schemas[1][1]) == {"type": "object"}
+    named = tool_choice_constraint(TOOLS, "function", "generic", function_name="get_time")
+    assert named is not None and [field for field, _ in named.schemas] == ["tools[1].function.parameters"]

@@ -12,7 +12,7 @@ import pytest
 from tests.http.fakes import ScriptedEngine
 from tests.http.http_helpers import serve_fake
 
-from mlx_trio.output_format import PLAIN, OutputFormat
+from mlx_trio.output_format import GENERIC, PLAIN, OutputFormat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -132,7 +132,7 @@ async def test_tool_choice_sends_the_constraint(tools_format: OutputFormat, choi
 
 
 async def test_tools_on_a_model_without_tool_calling_is_a_400() -> None:
-    """A model mlx-lm finds no tool format for refuses tools with a 400 naming `tools`."""
+    """A format with no tool syntax at all (not even the generic one) refuses tools with a 400 naming `tools`."""
     async with sdk(PLAIN, "x") as (client, _):
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
@@ -160,3 +160,32 @@ async def test_bad_tool_fields_are_400s_naming_the_field(tools_format: OutputFor
         response = await http.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+GENERIC_CALL = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"get_time","arguments":{}}]}'
+
+
+async def test_the_generic_format_is_read_into_tool_calls() -> None:
+    """A model without a tool format: its call object becomes tool_calls; "auto" sends the text-or-call grammar."""
+    async with sdk(GENERIC, GENERIC_CALL, "Sunny.") as (client, engine):
+        done = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME])
+        text = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME])
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert text.choices[0].message.content == "Sunny." and text.choices[0].finish_reason == "stop"
+    constraint = engine.prepared[0][1]["constraint"]
+    assert constraint.kind == "lark" and "start: (TEXT | calls)?" in constraint.source
+
+
+async def test_generic_auto_yields_to_response_format_and_a_forced_call_refuses_it() -> None:
+    """response_format with "auto": its schema holds the answer; with "required": a 400 on tool_choice."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    async with sdk(GENERIC, "{}") as (client, engine):
+        await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], response_format=response_format)
+        assert engine.prepared[0][1]["constraint"].kind == "json_schema"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                 response_format=response_format)
+    assert info.value.param == "tool_choice"
