@@ -34,8 +34,9 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed $(VENV)/.default-model
 	MLX_TRIO_CLIENTS=$(abspath $(CLIENTS)) $(BIN)/python -m pytest -m slow $(ARGS)
 
-goldens: $(VENV)/.installed
+goldens: $(VENV)/.installed $(VENV)/.default-model
 	$(BIN)/python scripts/make_goldens.py
+	$(BIN)/python scripts/make_goldens.py --default-model
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/lease_overhead.py

@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 
 from mlx_trio import open_engine
-from mlx_trio.events import Finished, TextDelta
 from mlx_trio.testing.tiny_models import TinyModelSpec, tiny_model
 
-from tests.goldens import GOLDENS
+from tests.goldens import GOLDENS, replay
 
 
 
@@ -42,23 +41,4 @@ async def test_engine_matches_mlx_lm_token_for_token(case: dict[str, Any], batch
     """
     path = tiny_model(_spec(case["model"]))
     async with open_engine(str(path), batch=batch, prefill_step_size=case.get("prefill_step_size", 2048)) as engine:
-        request = engine.prepare(case["prompt"], **case["params"])
-        assert list(request.prompt_ids) == case["prompt_ids"]
-        ids: list[int] = []
-        text = ""
-        finished = None
-        async for event in engine.stream(request):
-            if isinstance(event, TextDelta):
-                ids.extend(event.token_ids)
-                text += event.text
-            elif isinstance(event, Finished):
-                finished = event
-    assert finished is not None
-    golden = case["tokens"]
-    eos = set(engine.model.eos_token_ids)
-    # Our token_ids leave the EOS out (decode(ids) == text); usage counts it, as mlx_lm.server does.
-    assert ids == [t for t in golden if t not in eos]
-    assert finished.usage.completion_tokens == len(golden)
-    assert finished.usage.prompt_tokens == len(case["prompt_ids"])
-    assert finished.finish_reason == case["finish_reason"]
-    assert text == case["text"]
+        await replay(engine, case)
