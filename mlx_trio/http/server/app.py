@@ -19,6 +19,7 @@ from mlx_trio.http.server.info import register_info
 from mlx_trio.http.anthropic.endpoint import register_messages
 from mlx_trio.http.server.prometheus import Metrics, register_metrics
 from mlx_trio.http.server.state import AppState, EngineLike
+from mlx_trio.http.server.status_page import register_root, register_status_page
 
 
 def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None = None,
@@ -45,6 +46,8 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     register_completions(app, state)
     register_messages(app, state)
     register_admin(app, state)
+    register_status_page(app, state)
+    register_root(app)
     return app
 
 

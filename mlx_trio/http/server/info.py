@@ -10,10 +10,20 @@ from quart import Quart, Response
 from mlx_trio.http.server.errors import model_not_found
 from mlx_trio.http.server.state import AppState
 
+# The name every client may use for the one served model.
+DEFAULT_MODEL_ALIAS = "default"
+
 
 def json_response(payload: Any, status: int = 200) -> Response:
     # default=str: status values (enums, paths) must never turn a probe into a 500.
     return Response(json.dumps(payload, default=str), status=status, mimetype="application/json")
+
+
+def status_payload(state: AppState) -> dict[str, Any]:
+    """What `GET /v1/status` answers: `Engine.status()` plus the HTTP layer's counters."""
+    return {**state.engine.status(), "http": {
+        "submitted_rows": state.submitted_rows, "draining": state.draining,
+        "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}}
 
 
 def register_info(app: Quart, state: AppState) -> None:
@@ -33,16 +43,15 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name():
+        # "default" too: the docs tell clients to send model="default", and some look the model up first.
+        if model_id not in (state.model_name(), DEFAULT_MODEL_ALIAS):
             raise model_not_found(model_id, state.model_name())
         return json_response(_model_object(state))
 
     @app.get("/v1/status")
     async def status() -> Response:
         """The live supervision tree and engine counters (`Engine.status()`), plus HTTP counters."""
-        return json_response({**state.engine.status(), "http": {
-            "submitted_rows": state.submitted_rows, "draining": state.draining,
-            "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}})
+        return json_response(status_payload(state))
 
     @app.get("/stats")
     async def stats() -> Response:
