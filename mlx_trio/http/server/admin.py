@@ -2,7 +2,7 @@
 
 `GET/POST /v1/admin/faults` exist only with `ServerConfig.enable_fault_injection`
 (`mlx-trio serve --enable-fault-injection`); otherwise they are 404 like any
-unknown path. They need the API key like every endpoint but `/health`.
+unknown path. They need the API key like every endpoint that serves data.
 
 The HTTP child is an actor like the others: at each request it checks
 `engine.faults.check("http")`. An armed fault crashes the whole server task

@@ -1,6 +1,6 @@
 """The status page in a real headless Chromium, against a tiny real model: the tree, rows, KV bytes, a live restart.
 
-Needs Playwright's Python API (`pip install 'mlx-trio[browser]'`) and a
+Needs Playwright's Python API (`pip install 'mlx-trio[test]'`) and a
 Chromium: Playwright's own (`python -m playwright install chromium`, what
 `make test` runs) or the system's (Debian: `apt-get install chromium`).
 Skipped where either is missing.
@@ -20,7 +20,7 @@ from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, tiny_engine_
 
 from mlx_trio.http import ServerConfig
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install 'mlx-trio[browser]')")
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install 'mlx-trio[test]')")
 
 SYSTEM_CHROMIUMS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Generous: a loaded 2-core CI box. The page itself hears of a restart WATCH_EVERY_S after it.
@@ -28,14 +28,18 @@ WAIT_MS = 20_000
 
 
 def _launch(playwright: sync_api.Playwright) -> sync_api.Browser:
-    """Playwright's bundled Chromium if it was installed, else the system's; skip when there is neither."""
-    bundled = Path(playwright.chromium.executable_path)
-    if bundled.is_file():
-        return playwright.chromium.launch()
-    for name in SYSTEM_CHROMIUMS:
-        if (path := shutil.which(name)) is not None:
+    """Playwright's own Chromium if it was installed and starts, else the system's; skip when none starts."""
+    candidates = [None] if Path(playwright.chromium.executable_path).is_file() else []
+    candidates += [path for name in SYSTEM_CHROMIUMS if (path := shutil.which(name)) is not None]
+    failures = []
+    for path in candidates:
+        try:
+            # --no-sandbox: CI containers run as root, where Chromium's sandbox refuses to start.
             return playwright.chromium.launch(executable_path=path, args=["--no-sandbox"])
-    pytest.skip("no Chromium: `python -m playwright install chromium` or `apt-get install chromium`")
+        except sync_api.Error as exc:  # e.g. a downloaded Chromium without its system libraries
+            failures.append(f"{path or 'bundled'}: {str(exc).splitlines()[0]}")
+    pytest.skip("no Chromium starts (`python -m playwright install chromium` or `apt-get install chromium`)"
+                + (f": {'; '.join(failures)}" if failures else ""))
 
 
 @pytest.fixture(scope="module")
