@@ -93,7 +93,8 @@ def test_the_page_shows_the_tree_rows_kv_and_a_restart(browser: sync_api.Browser
             page.wait_for_selector(f'li[data-actor="{actor}"][data-state="running"]', timeout=WAIT_MS)
         row = page.wait_for_selector('#rows tr[data-request]', timeout=WAIT_MS)
         assert row is not None and row.get_attribute("data-request").startswith("req-")
-        page.wait_for_function("Number(document.getElementById('kv-label').dataset.kvBytes) > 0", timeout=WAIT_MS)
+        # Selectors, not wait_for_function: the page's CSP forbids the eval that would need.
+        page.wait_for_selector('#kv-label[data-kv-bytes]:not([data-kv-bytes="0"])', timeout=WAIT_MS)
         assert page.get_attribute('li[data-actor="decode-step"]', "data-restarts") == "0"
 
         armed = httpx.post(f"{server.url}/v1/admin/faults", json={"actor": "decode-step", "kind": "raise"},
@@ -116,7 +117,7 @@ def test_behind_a_key_the_page_asks_for_it(browser: sync_api.Browser) -> None:
         page.wait_for_selector("#key-form:not([hidden])", timeout=WAIT_MS)
         page.fill("#key-input", "wrong")
         page.click("#key-form button")
-        page.wait_for_function("document.getElementById('key-error').textContent.includes('refused')", timeout=WAIT_MS)
+        page.wait_for_selector("#key-error:has-text('refused')", timeout=WAIT_MS)
         page.fill("#key-input", key)
         page.click("#key-form button")
         page.wait_for_selector('li[data-actor="decode-step"]', timeout=WAIT_MS)
