@@ -3,6 +3,10 @@
 Flags keep mlx_lm.server's names where they mean the same thing. The server
 process is one `trio.run`: the engine's supervision tree with the HTTP server
 as an extra child, so `/health` answers (503) while the model loads.
+
+MLX, mlx-lm and quart are imported only once the flags are read and the
+port is known to be free (`check_port`): a typo or a busy port is reported
+in a fraction of a second, not after seconds of imports and a model load.
 """
 
 from __future__ import annotations
@@ -13,22 +17,26 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from mlx_trio.api import Engine
+from mlx_trio import __version__
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
-from mlx_trio.http import HttpServer, ServerConfig
-from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_BYTES
+from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_BYTES, ServerConfig
 from mlx_trio.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mlx_trio.api import Engine
+    from mlx_trio.http.server.http_server import HttpServer
 
 log = logging.getLogger("mlx_trio.cli")
 
@@ -39,10 +47,23 @@ LOAD_PROGRESS_EVERY_S = 5.0
 SWITCH_INTERVAL_S = 0.001
 
 
+EXAMPLES = """examples:
+  mlx-trio serve                                  the bundled SmolLM2-135M-Instruct on http://127.0.0.1:8080
+  mlx-trio serve --model mlx-community/Qwen3-4B-4bit --api-key sekret
+  mlx-trio bench --serve ours --concurrency 1,8   load-test it (pip install 'mlx-trio[bench]')
+
+Once it serves, open http://127.0.0.1:8080/status for the live supervision tree."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-trio", description="An LLM serving engine on MLX and Trio.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    parser = argparse.ArgumentParser(prog="mlx-trio", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="An LLM serving engine on MLX built as supervised Trio actors: "
+                                                 "an OpenAI- and Anthropic-compatible HTTP server on one model.")
+    parser.add_argument("--version", action="version", version=f"mlx-trio {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve an OpenAI- and Anthropic-compatible HTTP API",
+                                description="Serve one model over HTTP: /v1/chat/completions, /v1/completions, "
+                                            "/v1/messages, /health, /metrics and a live status page at /status.")
     arg = serve.add_argument
     arg("--model", default=None,
         help="mlx-lm model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
@@ -59,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--top-k", type=int, default=0, help="default top-k; 0 is off (default: %(default)s)")
     arg("--min-p", type=float, default=0.0, help="default min-p; 0 is off (default: %(default)s)")
     arg("--chat-template-args", type=_template_args, default={},
-        help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+        help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\' (default: none)')
     arg("--strict-max-tokens", action="store_true",
         help="refuse (400) a max_tokens over the room the prompt leaves in the context "
              "(default: lower it to that room)")
@@ -86,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--prompt-cache-ssd-bytes", type=size, default=16 * 2**30,
         help="most bytes the SSD tier keeps on disk (default: 16GiB)")
     arg("--cache-dir", type=Path, default=None,
-        help="where the default model is converted to (default: $MLX_TRIO_CACHE_DIR or ~/.cache/mlx-trio)")
+        help="where the default model is converted to "
+             "(default: $MLX_TRIO_CACHE_DIR, else $XDG_CACHE_HOME/mlx-trio/models, else ~/.cache/mlx-trio/models)")
     arg("--shutdown-timeout", type=non_negative_float, default=30.0,
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut (default: %(default)s)")
     arg("--responses-store-bytes", type=size, default=DEFAULT_RESPONSES_STORE_BYTES,
@@ -94,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="(default: %(default)s)")
+        help="log verbosity (default: %(default)s)")
     bench_cli.add_parser(commands)
     return parser
 
@@ -120,6 +142,21 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return engine, server
 
 
+def check_port(host: str, port: int) -> None:
+    """Raise `OSError` if `host:port` cannot be bound now (in use, or not an address of this machine).
+
+    Binds and closes a probe socket with SO_REUSEADDR, as hypercorn binds, so a
+    port still in TIME_WAIT from a previous run counts as free. Port 0 always is.
+    """
+    if port == 0:
+        return
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+
+
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
                 task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the engine with the HTTP server as its child until cancelled.
@@ -127,6 +164,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
     `started(server)` once the model is loaded and the server listens. Raises
     `ModelLoadError` if the model cannot be loaded (after stopping the tree).
     """
+    # Here, not at the top: these load MLX, mlx-lm and quart (seconds), which `main` checks the port before.
+    from mlx_trio.api import Engine  # noqa: PLC0415
+    from mlx_trio.http.server.http_server import HttpServer  # noqa: PLC0415
+
     server = HttpServer(server_config)
     engine = Engine(engine_config, extra_children=[server.child_spec])
     server.attach(engine)
@@ -138,7 +179,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
         except ModelLoadError:
             nursery.cancel_scope.cancel()
             raise
-        print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 (health: {server.url}/health)", flush=True)
+        print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
+              f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
         task_status.started(server)
 
 
@@ -209,7 +251,11 @@ async def _drain_unless_signalled(server: HttpServer, signals: AsyncIterator[int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
         return bench_cli.run(args)
@@ -218,6 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidParameter, ValueError, TypeError) as exc:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_port(server_config.host, server_config.port)
+    except OSError as exc:
+        print(f"mlx-trio: {_cannot_listen(server_config, exc)}", file=sys.stderr)
+        return 1
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         trio.run(serve_until_signalled, engine_config, server_config)
@@ -239,11 +290,15 @@ def _describe(exc: BaseException, config: ServerConfig) -> str:
             return f"the model failed to load: {leaf}"
     for leaf in leaves:
         if isinstance(leaf, OSError):
-            return f"cannot listen on {config.host}:{config.port}: {leaf.strerror or leaf}"
+            return _cannot_listen(config, leaf)
     for leaf in leaves:
         if isinstance(leaf, MlxTrioError):
             return str(leaf)
     return "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(exc)
+
+
+def _cannot_listen(config: ServerConfig, error: OSError) -> str:
+    return f"cannot listen on {config.host}:{config.port}: {error.strerror or error}"
 
 
 def _leaves(exc: BaseException) -> Any:

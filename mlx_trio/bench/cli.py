@@ -26,10 +26,29 @@ STACKS = ("ours", "ours-nocache", "mlx_lm")
 AGENTS_DEFAULT_RATE_PER_S = 4.0
 
 
+DESCRIPTION = """\
+Load-test OpenAI-compatible servers and compare them: each --url (a running server) or --serve
+(one this command starts on a free port and stops afterwards) gets the same requests at each
+--concurrency, in alternating rounds (A B A B). The table has one row per server and concurrency
+(TTFT, inter-token latency and tok/s) and a ratio row, first server over each other one: above 1
+is better for the first on tok/s, below 1 on latencies. Needs: pip install 'mlx-trio[bench]'."""
+
+EPILOG = """\
+examples:
+  mlx-trio bench --serve ours --serve mlx_lm              ours against mlx_lm.server, same model
+  mlx-trio bench --url http://127.0.0.1:8080 --concurrency 1,8 --workload uniform
+  mlx-trio bench --serve ours --serve ours-nocache --out run.json --plot run.png
+
+Workloads: agents (multi-turn sessions sharing a system prompt, Poisson arrivals), uniform
+(independent prompts), long-prompt (one long prefill while other streams decode).
+More in docs/benchmarks.md ("mlx-trio bench")."""
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to `mlx-trio`'s subparsers; returns it."""
     parser = subparsers.add_parser("bench", help="load-test OpenAI-compatible servers, stack against stack",
-                                   description=__doc__.splitlines()[0])
+                                   description=DESCRIPTION, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
 
@@ -54,24 +73,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "repeatable. The first server is A in the A/B ratios")
     arg("--model", default=None, help="model directory for --serve (default: our SmolLM2, converted once); "
                                       "also read for EOS ids")
-    arg("--workload", choices=workloads.WORKLOADS, default="agents", help="(default: %(default)s)")
-    arg("--concurrency", type=_int_list, default=[1, 4, 8, 32], help="comma list (default: 1,4,8,32)")
+    arg("--workload", choices=workloads.WORKLOADS, default="agents", help="what to send (see below; default: %(default)s)")
+    arg("--concurrency", type=_int_list, default=[1, 4, 8, 32], help="concurrent streams, a comma list; one run each (default: 1,4,8,32)")
     arg("--requests", type=positive_int, default=32, help="requests per run (default: %(default)s)")
     arg("--requests-per-stream", type=non_negative_int, default=0,
         help="raise a run's requests to this many per concurrent stream (default: off)")
     arg("--rounds", type=positive_int, default=2, help="runs per server per concurrency, alternated A B A B "
                                                           "(default: %(default)s)")
-    arg("--seed", type=non_negative_int, default=0, help="(default: %(default)s)")
+    arg("--seed", type=non_negative_int, default=0, help="seed of the workload's prompts and arrivals (default: %(default)s)")
     arg("--rate", type=float, default=None,
         help=f"session arrivals per second, Poisson; inf: all at once (default: agents {AGENTS_DEFAULT_RATE_PER_S}, "
              "others all at once)")
-    arg("--output-tokens", type=positive_int, default=d.output_tokens, help="(default: %(default)s)")
-    arg("--system-words", type=non_negative_int, default=d.system_words, help="agents (default: %(default)s)")
-    arg("--task-words", type=positive_int, default=d.task_words, help="agents (default: %(default)s)")
-    arg("--followup-words", type=positive_int, default=d.followup_words, help="agents (default: %(default)s)")
-    arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform (default: %(default)s)")
+    arg("--output-tokens", type=positive_int, default=d.output_tokens, help="max_tokens of each request (default: %(default)s)")
+    arg("--system-words", type=non_negative_int, default=d.system_words,
+        help="agents: words in the shared system prompt (default: %(default)s)")
+    arg("--task-words", type=positive_int, default=d.task_words, help="agents: words in each task (default: %(default)s)")
+    arg("--followup-words", type=positive_int, default=d.followup_words,
+        help="agents: words in the second turn (default: %(default)s)")
+    arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform: words per prompt (default: %(default)s)")
     arg("--long-prompt-words", type=positive_int, default=d.long_prompt_words,
-        help="long-prompt (default: %(default)s)")
+        help="long-prompt: words in the long prompt (default: %(default)s)")
     arg("--long-output-tokens", type=positive_int, default=d.long_output_tokens,
         help="long-prompt: the background streams' length (default: %(default)s)")
     arg("--eos-id", type=non_negative_int, action="append", default=None,
@@ -82,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--ours-args", type=shlex.split, default=[], help="extra flags for ours, e.g. --ours-args='--batch 32'")
     arg("--mlx-lm-args", type=shlex.split, default=[], help="extra flags for mlx_lm.server")
     arg("--python", default=sys.executable, help="interpreter that runs --serve servers (default: this one)")
-    arg("--timeout-s", type=float, default=600.0, help="per-request read timeout (default: %(default)s)")
-    arg("--startup-timeout-s", type=float, default=600.0, help="(default: %(default)s)")
+    arg("--timeout-s", type=float, default=600.0, help="per-request read timeout, seconds (default: %(default)s)")
+    arg("--startup-timeout-s", type=float, default=600.0,
+        help="seconds a --serve server gets to start and answer a warm-up request (default: %(default)s)")
     arg("--log-dir", type=Path, default=None, help="server logs (default: a new temporary directory)")
     arg("--out", type=Path, default=None, help="write the JSON document here")
     arg("--from-json", type=Path, default=None, metavar="PATH",
@@ -91,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--plot", type=Path, default=None, help="write a PNG of TTFT and throughput vs concurrency (matplotlib)")
     arg("--no-progress", action="store_true", help="no progress bar")
     arg("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="(default: %(default)s)")
+        help="log verbosity (default: %(default)s)")
 
 
 def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:

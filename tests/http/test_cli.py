@@ -119,3 +119,53 @@ def test_serve_prints_the_url_and_stops_cleanly_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bare_mlx_trio_prints_help_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """No command: the help (both commands, examples, the status page), not a usage error."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "serve" in out and "bench" in out and "/status" in out
+
+
+def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`mlx-trio --version` prints the version pyproject.toml declares."""
+    import tomllib  # noqa: PLC0415
+
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mlx-trio {declared}"
+
+
+def test_help_states_the_defaults_the_code_uses(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cache-dir names where default_cache_dir() looks; bench --help is for users, not a module docstring."""
+    monkeypatch.setenv("COLUMNS", "500")  # argparse wraps at hyphens too
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    serve_help = capsys.readouterr().out
+    assert "$MLX_TRIO_CACHE_DIR, else $XDG_CACHE_HOME/mlx-trio/models, else ~/.cache/mlx-trio/models" in serve_help
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    bench_help = capsys.readouterr().out
+    assert "examples:" in bench_help and "run(args)" not in bench_help and "orchestrate" not in bench_help
+
+
+def test_a_busy_port_fails_before_anything_heavy_loads(tmp_path: Path) -> None:
+    """The port is checked right after the flags: no model load, not even MLX or quart imported."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        runner = ("import sys; from mlx_trio.cli import main; rc = main(sys.argv[1:]); "
+                  "print(sorted(m for m in ('mlx', 'mlx_lm', 'quart', 'mlx_trio.api') if m in sys.modules)); "
+                  "sys.exit(rc)")
+        # A model directory that does not exist: reaching the load would say so instead.
+        proc = subprocess.run([sys.executable, "-c", runner, "serve", "--model", str(tmp_path / "absent"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parents[2])
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "failed to load" not in proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -2,7 +2,7 @@
 
 `GET/POST /v1/admin/faults` exist only with `ServerConfig.enable_fault_injection`
 (`mlx-trio serve --enable-fault-injection`); otherwise they are 404 like any
-unknown path. They need the API key like every endpoint but `/health`.
+unknown path. They need the API key like every endpoint that serves data.
 
 The HTTP child is an actor like the others: at each request it checks
 `engine.faults.check("http")`. An armed fault crashes the whole server task
@@ -54,8 +54,8 @@ def register_admin(app: Quart, state: AppState) -> None:
     @app.get("/v1/admin/faults")
     async def list_faults() -> Response:
         faults = state.engine.faults
-        return json_response({"armed": [_fault(f) for f in faults.armed()],
-                              "fired": [_fault(f) for f in faults.fired]})
+        return json_response({"armed": [fault_object(f) for f in faults.armed()],
+                              "fired": [fault_object(f) for f in faults.fired]})
 
     @app.post("/v1/admin/faults")
     async def arm_fault() -> Response:
@@ -71,7 +71,7 @@ def register_admin(app: Quart, state: AppState) -> None:
             raise invalid_value("actor", f"no actor {actor!r} in the status tree; ids present: {_listing(present)}")
         armed = state.engine.faults.arm(actor, kind)
         log.warning("fault armed over HTTP: %s %s", armed.kind.value, armed.actor)
-        return json_response({"armed": _fault(armed)})
+        return json_response({"armed": fault_object(armed)})
 
 
 def actor_ids(node: dict[str, Any]) -> Iterator[str]:
@@ -92,5 +92,6 @@ def _listing(ids: set[str]) -> str:
     return ", ".join(names)
 
 
-def _fault(fault: ArmedFault) -> dict[str, str]:
+def fault_object(fault: ArmedFault) -> dict[str, str]:
+    """An armed or fired fault as JSON-able data."""
     return {"actor": fault.actor, "kind": fault.kind.value}

@@ -20,6 +20,7 @@ from mlx_trio.http.anthropic.endpoint import register_messages
 from mlx_trio.http.server.prometheus import Metrics, register_metrics
 from mlx_trio.http.responses.endpoint import register_responses
 from mlx_trio.http.server.state import AppState, EngineLike
+from mlx_trio.http.server.status_page import register_root, register_status_page
 
 
 def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None = None,
@@ -47,6 +48,8 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     register_messages(app, state)
     register_responses(app, state)
     register_admin(app, state)
+    register_status_page(app, state)
+    register_root(app, state)
     return app
 
 

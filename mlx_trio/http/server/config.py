@@ -32,7 +32,8 @@ class ServerConfig:
 
     `port` 0 binds a free port (read it back from `HttpServer.port`).
     `api_key` None means no authentication; otherwise every endpoint but
-    `/health` (and CORS preflights) needs `Authorization: Bearer <api_key>`.
+    `/health`, `/status` and `/` (`guards.PUBLIC_PATHS`; and CORS preflights)
+    needs `Authorization: Bearer <api_key>`.
     `allowed_origins` are the browser origins given CORS headers; `"*"` allows
     any; empty means same-origin only. `model_name` is the id reported in
     `/v1/models` and responses (None: the engine's model id).

@@ -9,8 +9,9 @@ from quart import Quart, Response, request
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.errors import origin_not_allowed, unauthorized
 
-# Reachable without a key: orchestrators probe health without credentials.
-PUBLIC_PATHS = frozenset({"/health"})
+# Reachable without a key: orchestrators probe health without credentials; the status page
+# holds no data (it asks for the key, and its event stream needs it) and `/` only points there.
+PUBLIC_PATHS = frozenset({"/health", "/status", "/"})
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
 PREFLIGHT_MAX_AGE_S = 600

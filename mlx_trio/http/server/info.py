@@ -1,4 +1,4 @@
-"""The read-only endpoints: /, /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
+"""The read-only endpoints: /health, /v1/models, /v1/status, /stats (and /metrics, in prometheus.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ from typing import Any
 
 from quart import Quart, Response
 
-from mlx_trio.http.server.errors import model_not_found, served_endpoints
+from mlx_trio.http.server.errors import model_not_found
 from mlx_trio.errors import MlxTrioError
 from mlx_trio.http.server.state import AppState
+
+# The name every client may use for the one served model.
+DEFAULT_MODEL_ALIAS = "default"
 
 
 def json_response(payload: Any, status: int = 200) -> Response:
@@ -17,12 +20,14 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(json.dumps(payload, default=str), status=status, mimetype="application/json")
 
 
-def register_info(app: Quart, state: AppState) -> None:
-    @app.route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        """200 and what is served: clients (Claude Code) send `HEAD /` to warm a connection up."""
-        return json_response({"object": "mlx-trio", "model": state.model_name(), "endpoints": served_endpoints(app)})
+def status_payload(state: AppState) -> dict[str, Any]:
+    """What `GET /v1/status` answers: `Engine.status()` plus the HTTP layer's counters."""
+    return {**state.engine.status(), "http": {
+        "submitted_rows": state.submitted_rows, "draining": state.draining,
+        "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}}
 
+
+def register_info(app: Quart, state: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
         """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise."""
@@ -39,16 +44,15 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name():
+        # "default" too: the docs tell clients to send model="default", and some look the model up first.
+        if model_id not in (state.model_name(), DEFAULT_MODEL_ALIAS):
             raise model_not_found(model_id, state.model_name())
         return json_response(_model_object(state))
 
     @app.get("/v1/status")
     async def status() -> Response:
         """The live supervision tree and engine counters (`Engine.status()`), plus HTTP counters."""
-        return json_response({**state.engine.status(), "http": {
-            "submitted_rows": state.submitted_rows, "draining": state.draining,
-            "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}})
+        return json_response(status_payload(state))
 
     @app.get("/stats")
     async def stats() -> Response:
