@@ -169,8 +169,8 @@ class BatchSampler:
         grows across steps) and the logprobs of the rows that ask (None if none).
         """
         if self._plan is None or self._plan.dtype != logits.dtype:
-            self._plan = _Plan.build(self._rows, logits.dtype, logits.shape[-1],
-                                     0 if self._history is None else self._history.shape[1])
+            width = 0 if self._history is None else self._history.shape[1]
+            self._plan = _Plan.build(self._rows, logits.dtype, width)
         plan = self._plan
         state: list[mx.array] = []
         if plan.plain_greedy:
@@ -241,7 +241,7 @@ class _Plan:
     logprob_groups: tuple[tuple[int, tuple[int, ...]], ...]
 
     @classmethod
-    def build(cls, rows: Sequence[_Row], dtype: Any, vocab_size: int, width: int) -> _Plan:
+    def build(cls, rows: Sequence[_Row], dtype: Any, width: int) -> _Plan:
         params = [row.params for row in rows]
         n = len(rows)
         bias = None
