@@ -9,7 +9,8 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   extends per layer (engine/kv/batch_caches.py); from then on mlx-lm's batch
   caches supply the left padding, per-row masks and per-row RoPE offsets.
 - **Step** is `GenerationBatch._step`'s pipeline: forward every row from the
-  unread token register, sample per row, `async_eval` the new register, and
+  unread token register, sample every row at once (engine/sampling/batch_sampler.py:
+  each option a per-row array, each feature one batched op), `async_eval` the new register, and
   only then read the previous one. The device computes step n+1 while the
   caller handles step n's tokens.
 - **Constrained rows** (a grammar) need their previous token on the host
@@ -40,9 +41,9 @@ import mlx.nn as nn
 
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
-from mlx_trio.engine.sampling.row_sampler import RowSampler
+from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
+from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
@@ -54,10 +55,10 @@ DEVICE_BOUND_WAIT_S = 1e-4
 
 @attrs.define
 class BatchRow:
-    """One request's state in the batch; the list of them is aligned with the cache's batch axis."""
+    """One request's state in the batch; the list of them is aligned with the cache's batch axis (its sampling
+    state lives in the batch's `BatchSampler`, aligned the same way)."""
 
     request_id: str
-    sampler: RowSampler
     # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
     num_fed: int
 
@@ -95,8 +96,10 @@ class DecodeBatch:
         self._inputs: mx.array | None = None
         # Invariant: _unread iff _inputs came from a step and were not yet returned.
         self._unread = False
-        # While _unread: per row, the logprob arrays of the unread tokens (None: not asked).
-        self._unread_logprobs: list[LogprobArrays | None] = []
+        # Every row's sampling options and state, aligned with _rows.
+        self._sampler = BatchSampler()
+        # While _unread: the logprobs of the unread tokens (None: no row asked).
+        self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
         # Whether the last read of the register waited for the device (see step_decoded).
         self._device_bound = False
@@ -163,8 +166,9 @@ class DecodeBatch:
             self._solo = False
         tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
         self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
+        self._sampler.join([row.sampler for row in rows], [row.num_prompt_tokens for row in rows])
         for row in rows:
-            self._rows.append(BatchRow(row.request_id, row.sampler, row.num_prompt_tokens))
+            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
             row.caches = []  # owned by the batch now (adopted or copied by merge)
         # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join.
@@ -213,18 +217,18 @@ class DecodeBatch:
         if not self._rows:
             raise RuntimeError("step_decoded() on an empty batch")
         previous: Decoded | None = None
-        if self._unread and any(row.sampler.is_constrained for row in self._rows):
+        if self._unread and self._sampler.is_constrained:
             # A grammar's mask for this step needs the previous token consumed: read it first.
             previous = self._read()
         inputs = self._inputs
         logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
-        sampled, contexts, logprobs = self._sample(logits, inputs)
+        sampled, state, logprobs = self._sampler.sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
         # Start the next step on the device before reading the current one (pipelining).
-        mx.async_eval(sampled, contexts, *(a for arrays in logprobs for a in arrays_of(arrays)))
+        mx.async_eval(sampled, state, *(logprobs.arrays() if logprobs is not None else ()))
         previous = self._hand_on(previous, report)
         self._inputs = sampled
         self._unread_logprobs = logprobs
@@ -255,12 +259,12 @@ class DecodeBatch:
         start = time.perf_counter()
         tokens = self._inputs.tolist()
         self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
-        for row, token in zip(self._rows, tokens):
-            row.sampler.accept(token)
-        records = tuple(to_record(arrays) if arrays is not None else None for arrays in self._unread_logprobs)
+        self._sampler.accept(tokens)
+        logprobs = self._unread_logprobs
+        records = logprobs.records() if logprobs is not None else (None,) * len(tokens)
         self._unread = False
-        self._unread_logprobs = []
-        return Decoded(tuple(tokens), records or (None,) * len(tokens))
+        self._unread_logprobs = None
+        return Decoded(tuple(tokens), records)
 
     def leave(self, request_ids: Collection[str]) -> None:
         """Drop these rows (unknown ids raise KeyError, leaving the batch unchanged).
@@ -295,9 +299,10 @@ class DecodeBatch:
                     batch_caches.filter_layer(cache, keep)
                 batch_kv.share_offsets(self._caches)
         self._rows = [self._rows[i] for i in keep]
+        self._sampler.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
-        if self._unread_logprobs:
-            self._unread_logprobs = [self._unread_logprobs[i] for i in keep]
+        if self._unread_logprobs is not None:
+            self._unread_logprobs = self._unread_logprobs.keep(keep)
         mx.eval(self._caches_state())
         mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
@@ -335,36 +340,11 @@ class DecodeBatch:
         self._solo = False
         self._inputs = None
         self._unread = False
-        self._unread_logprobs = []
+        self._unread_logprobs = None
+        self._sampler.close()
 
     def _index(self, request_id: str) -> int:
         for i, row in enumerate(self._rows):
             if row.request_id == request_id:
                 return i
         raise KeyError(request_id)
-
-    def _sample(self, logits: mx.array,
-                inputs: mx.array) -> tuple[mx.array, list[mx.array], list[LogprobArrays | None]]:
-        """The next token of every row `[B]`, the processor contexts to evaluate with it, per-row logprob arrays."""
-        rows = self._rows
-        greedy: mx.array | None = None
-        if any(row.sampler.is_plain_greedy for row in rows):
-            # One argmax over [B, V] for every plain-greedy row: per-row identical math.
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            greedy = mx.argmax(logprobs, axis=-1)
-            if all(row.sampler.is_plain_greedy for row in rows):
-                return greedy, [], [None] * len(rows)
-        pieces: list[mx.array] = []
-        contexts: list[mx.array] = []
-        row_logprobs: list[LogprobArrays | None] = []
-        for i, row in enumerate(rows):
-            if row.sampler.is_plain_greedy:
-                assert greedy is not None
-                pieces.append(greedy[i : i + 1])
-                row_logprobs.append(None)
-            else:
-                pieces.append(row.sampler.sample(logits[i : i + 1], inputs[i : i + 1]))
-                row_logprobs.append(row.sampler.last_logprobs if row.sampler.wants_logprobs else None)
-                if row.sampler.context is not None:
-                    contexts.append(row.sampler.context)
-        return mx.concatenate(pieces), contexts, row_logprobs

@@ -146,7 +146,15 @@ class GrammarMatcher:
 
     def allowed(self, vocab_size: int) -> mx.array:
         """`[vocab_size]` bool: the tokens the grammar allows next (host-computed, then uploaded)."""
-        allowed = np.zeros(vocab_size, dtype=np.bool_)
+        return mx.array(self.allowed_on_host(vocab_size))
+
+    def allowed_on_host(self, vocab_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`allowed` as a host array, written into `out` (`[vocab_size]` bool) when given.
+
+        A batch fills one row of its `[B, V]` mask per constrained row and uploads it once.
+        """
+        allowed = np.zeros(vocab_size, dtype=np.bool_) if out is None else out
+        allowed[:] = False
         if not self._matcher.is_error():
             fill_next_token_bitmask(self._matcher, self._bitmask)
             # Bit i of 32-bit word w is token 32*w + i; words are little-endian.
@@ -155,7 +163,7 @@ class GrammarMatcher:
             allowed[:n] = bits[:n].astype(np.bool_)
         if not allowed.any():
             allowed[[t for t in self._eos if t < vocab_size]] = True
-        return mx.array(allowed)
+        return allowed
 
     def apply(self, logits: mx.array) -> mx.array:
         """`logits` `[1, V]` with every token the grammar forbids set to -inf."""

@@ -13,6 +13,10 @@ A row may also be constrained (a `GrammarMatcher` masks its logits before
 sampling; `accept()` advances it once the token is read) and may ask for
 logprobs (`last_logprobs` holds the lazy arrays of the latest draw).
 
+A row samples its token 0 here; in the decode batch, `BatchSampler`
+(engine/sampling/batch_sampler.py) takes over its key, context and grammar and
+draws the same tokens for all rows at once.
+
 Runs on the lease thread: the arrays it returns are lazy.
 """
 
@@ -46,6 +50,7 @@ class RowSampler:
         # `rng_draws`: samples a resumed request already drew; skipping them continues its key sequence.
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        self.params = params
         self._matcher = matcher
         self._num_top: int | None = params.top_logprobs if params.wants_logprobs else None
         # The logprob arrays of the latest `sample()` (lazy), when the row asks for logprobs.
@@ -83,6 +88,15 @@ class RowSampler:
         """`token`, drawn by the latest `sample()`, was read on the host: advance the grammar past it."""
         if self._matcher is not None:
             self._matcher.consume((token,))
+
+    @property
+    def matcher(self) -> GrammarMatcher | None:
+        return self._matcher
+
+    @property
+    def key(self) -> mx.array | None:
+        """The key the next draw splits (None for a greedy row); a batch takes it over at join."""
+        return self._key
 
     @property
     def context(self) -> mx.array | None:
