@@ -401,4 +401,6 @@ def _categorical_rows(logits: mx.array, keys: mx.array) -> mx.array:
     cdf = mx.cumsum(w, axis=-1, inclusive=False)
     u = _uniform_rows(keys) * mx.sum(w, axis=-1, keepdims=True)
     # searchsorted(cdf, u, "right") - 1 on a non-decreasing cdf: how many entries are <= u, less one.
-    return ((cdf <= u).sum(axis=-1) - 1).astype(mx.uint32)
+    # Clipped: a row whose weights are NaN (a huge temperature times a filtered -inf) counts no entry,
+    # and -1 as a token id would index past the embedding (MLX does not bounds-check: a segfault).
+    return mx.clip((cdf <= u).sum(axis=-1) - 1, 0, x.shape[-1] - 1).astype(mx.uint32)

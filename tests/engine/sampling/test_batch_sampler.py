@@ -152,3 +152,13 @@ def test_penalties_bias_and_seeds_change_the_draws() -> None:
     got = _batched([plain, busy, attrs.evolve(busy, params=attrs.evolve(busy.params, seed=4))], mx.float32)
     assert got[0][0] != got[1][0] != got[2][0]
     assert got[1] == _solo(busy, 1, mx.float32)
+
+
+def test_a_row_whose_weights_are_nan_still_draws_a_token_in_the_vocabulary() -> None:
+    """A huge temperature scales a filtered -inf to NaN: the draw must stay a valid id, never -1 (an OOB gather)."""
+    from mlx_trio.engine.sampling.batch_sampler import _categorical_rows  # noqa: PLC0415
+
+    logits = mx.array([[float("nan")] * 7, [0.0, 1.0, 2.0, float("-inf"), 0.0, 0.0, 0.0]])
+    keys = mx.stack([mx.random.key(1), mx.random.key(2)])
+    drawn = _categorical_rows(logits, keys).tolist()
+    assert all(0 <= token < 7 for token in drawn)
