@@ -61,7 +61,8 @@ class FakePersistence:
         self.offers.append((list(caches), tuple(tokens)))
         return not self.full
 
-    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None:
+    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None,
+                      wait_s: float = 0.0) -> tuple[list[Any], int] | None:
         self.restores.append((tuple(tokens), max_len))
         stored, self.stored = self.stored, None
         return stored
