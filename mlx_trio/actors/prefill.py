@@ -157,7 +157,7 @@ class PrefillActor:
                 if len(self._jobs) < self._concurrency and self._startable():
                     await self._start_next()
                 elif self._jobs:
-                    await self._run_chunk(self._next_job())
+                    await self._run_chunk(next_job(self._jobs))
         finally:
             self.inbox_send.close()
             for job in self._jobs:
@@ -192,12 +192,16 @@ class PrefillActor:
             self._cancelled += 1
             self._lane.end_request(cmd)
         for job in [job for job in self._jobs if _left(job.cmd)]:
-            self._jobs.remove(job)
-            self._cancelled += 1
-            try:
-                await self._keep_prefix(job.cmd, job.row)
-            finally:
-                self._lane.end_request(job.cmd, row=job.row)
+            await self._drop(job)
+
+    async def _drop(self, job: _Job) -> None:
+        """End a started prompt whose session left; keep its prefix in the prompt cache when long enough."""
+        self._jobs.remove(job)
+        self._cancelled += 1
+        try:
+            await self._keep_prefix(job.cmd, job.row)
+        finally:
+            self._lane.end_request(job.cmd, row=job.row)
 
     async def _keep_prefix(self, cmd: Generate, row: SoloRow) -> None:
         caching = self._lane.caching
@@ -229,13 +233,6 @@ class PrefillActor:
         else:
             await self._start_job(self._backlog.popleft(), first_hit)
 
-    def _next_job(self) -> _Job:
-        """The job whose chunk runs next: one passed over `AGING_CHUNKS` times, else the fewest tokens left."""
-        aged = [job for job in self._jobs if job.passed_over >= AGING_CHUNKS]
-        chosen = aged[0] if aged else min(self._jobs, key=lambda job: job.row.prefill_remaining)
-        for job in self._jobs:
-            job.passed_over = 0 if job is chosen else job.passed_over + 1
-        return chosen
     def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
         """Where this prefill stores a snapshot (docs/design.md §2.6), or None.
 
@@ -441,7 +438,8 @@ class PrefillActor:
             self._faults.check("prefill")
             await self._lease.run(row.first_token)
         except trio.BrokenResourceError:
-            self._cancelled += 1  # the session left
+            await self._drop(job)  # the session left
+            return
         except (LeaseClosed, InjectedFault):
             # Not this request's fault: crash, and let the session resume on the restarted actor
             # (`run`'s finally ends the job).
@@ -449,12 +447,27 @@ class PrefillActor:
         except Exception as exc:
             ended = self._failed(cmd, exc)
         if row.token0 is None:
-            # The row never got to token 0 (its session left, or it failed): it ends here.
+            # The row failed before token 0: it ends here.
             self._jobs.remove(job)
             self._lane.end_request(cmd, ended, row=row)
             return
         self._jobs.remove(job)
         await self._hand_on(cmd, row)
+
+
+def next_job(jobs: list[_Job]) -> _Job:
+    """The job whose chunk runs next: one passed over `AGING_CHUNKS` times, else the fewest tokens left.
+
+    Shortest remaining first, so a short prompt behind a long one gets its
+    token 0 within a chunk or two; aging, so a stream of short prompts never
+    starves the long one (it runs at least one chunk in `AGING_CHUNKS + 1`).
+    Updates every job's aging count.
+    """
+    aged = [job for job in jobs if job.passed_over >= AGING_CHUNKS]
+    chosen = aged[0] if aged else min(jobs, key=lambda job: job.row.prefill_remaining)
+    for job in jobs:
+        job.passed_over = 0 if job is chosen else job.passed_over + 1
+    return chosen
 
 
 def _awaits_snapshot(cmd: Generate, job: _Job) -> bool:
