@@ -21,7 +21,7 @@ def test_a_chunk_fits_the_target_at_its_measured_cost() -> None:
 
 def test_chunks_shrink_as_the_context_grows_and_never_exceed_the_step_or_undercut_the_quantum() -> None:
     sizer = ChunkSizer(0.030, 2048)
-    sizer.record(512, 0, 0.010)  # cheap at a short context: capped at the step size
+    sizer.record(512, 0, 0.005)  # cheap at a short context: capped at the step size
     sizer.record(512, 8192, 0.200)  # dearer at 8k: attention spans the context
     sizer.record(512, 70_000, 100.0)  # absurdly dear: still one quantum
     assert sizer.tokens(0) == 2048
