@@ -66,14 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"session arrivals per second, Poisson; inf: all at once (default: agents {AGENTS_DEFAULT_RATE_PER_S}, "
              "others all at once)")
     arg("--output-tokens", type=positive_int, default=d.output_tokens, help="(default: %(default)s)")
-    arg("--system-words", type=non_negative_int, default=d.system_words, help="agents (default: %(default)s)")
-    arg("--task-words", type=positive_int, default=d.task_words, help="agents (default: %(default)s)")
+    arg("--system-words", type=non_negative_int, default=d.system_words,
+        help="agents, agent-loop (default: %(default)s)")
+    arg("--task-words", type=positive_int, default=d.task_words, help="agents, agent-loop (default: %(default)s)")
     arg("--followup-words", type=positive_int, default=d.followup_words, help="agents (default: %(default)s)")
     arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform (default: %(default)s)")
     arg("--long-prompt-words", type=positive_int, default=d.long_prompt_words,
         help="long-prompt (default: %(default)s)")
     arg("--long-output-tokens", type=positive_int, default=d.long_output_tokens,
         help="long-prompt: the background streams' length (default: %(default)s)")
+    arg("--tool-result-words", type=positive_int, default=d.tool_result_words,
+        help="agent-loop: words of each turn's tool result (default: %(default)s)")
     arg("--eos-id", type=non_negative_int, action="append", default=None,
         help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
     arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
@@ -102,7 +105,7 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
         num_requests=args.requests, seed=args.seed, rate_per_s=rate, output_tokens=args.output_tokens,
         system_words=args.system_words, task_words=args.task_words, followup_words=args.followup_words,
         prompt_words=args.prompt_words, long_prompt_words=args.long_prompt_words,
-        long_output_tokens=args.long_output_tokens,
+        long_output_tokens=args.long_output_tokens, tool_result_words=args.tool_result_words,
     )
 
 
