@@ -9,6 +9,7 @@ batched one, through the embeddable API and through the openai SDK.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,12 +34,7 @@ WORDS = {263: 50.0, 354: 50.0, 272: 50.0}
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 async def _turn(engine: Any, prompt: Any, *, streamed: bool) -> tuple[str, tuple[int, ...], Finished]:
