@@ -6,6 +6,8 @@
 #           that B=1 reaches (weights read once per step);
 #   http:   `python -m mlx_trio.bench --serve ours --serve mlx_lm --workload agents` (the same table as on CPU);
 #   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
+#   agentloop: --workload agent-loop: 8 agents, zero think time, 300-word tool results: per-turn cached
+#           fraction, TTFT, prefill stall (issue #19). Run it with PARTS="agentloop long".
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -270,6 +272,16 @@ for m in $MODELS; do
       --ours-args "--batch $max_c" --mlx-lm-args "--decode-concurrency $max_c" \
       --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --log-dir "/tmp/bench-logs-$m" \
       || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" agentloop "*)
+    lim=$(budget "$HTTP_LIMIT_S")
+    echo; echo "### http, $m: agent-loop workload, 8 agents, zero think time (limit ${lim}s)"
+    enough "agentloop $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
+      --model "$dir" --workload agent-loop --concurrency 8 --requests 48 --rounds 1 --system-words "$SYSTEM_WORDS" \
+      --task-words 48 --tool-result-words 300 --output-tokens 64 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
+      --out "$RESULTS/agentloop-$m.json" --log-dir "/tmp/bench-logs-agentloop-$m" \
+      || { echo "gpu.sh: agentloop part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-agentloop-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

@@ -215,12 +215,17 @@ class Engine:
             except RuntimeError as exc:  # the sessions supervisor is not running: the tree is stopped
                 raise EngineFailure("the engine is not running") from exc
             async with recv:
-                async for item in recv:
-                    if isinstance(item, MlxTrioError):
-                        raise item
-                    yield item
-                    if isinstance(item, Finished):
-                        return
+                try:
+                    async for item in recv:
+                        if isinstance(item, MlxTrioError):
+                            raise item
+                        yield item
+                        if isinstance(item, Finished):
+                            return
+                finally:
+                    # The caller left (or the request ended): the session stops now, so the lane
+                    # frees the request at its next chunk or step.
+                    actor.cancel()
             if len(actor.generated) > actor.generated_at_start:
                 stalled, queued = 1, 0
             elif actor.left_queue:

@@ -27,6 +27,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses NaN

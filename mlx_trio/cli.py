@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from mlx_trio import __version__
-from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_int, size
+from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 from mlx_trio.bench import cli as bench_cli
-from mlx_trio.config import EngineConfig
+from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_BYTES, ServerConfig
@@ -94,7 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted; larger gets 413 (default: %(default)s)")
     arg("--prefill-step-size", type=positive_int, default=2048,
-        help="prompt tokens per prefill chunk (default: %(default)s)")
+        help="most prompt tokens per prefill chunk; a lone request with nothing else running uses "
+             "exactly this (mlx-lm's chunks) (default: %(default)s)")
+    arg("--prefill-chunk-ms", type=positive_float, default=DEFAULT_PREFILL_CHUNK_MS,
+        help="while other requests decode or wait, size each prefill chunk from its measured cost so it "
+             "takes about this long: the longest stall a prefill adds to the running streams "
+             "(default: %(default)s)")
+    arg("--prompt-concurrency", type=positive_int, default=DEFAULT_PROMPT_CONCURRENCY,
+        help="prompts prefilled at once, their chunks interleaved shortest first, so a short prompt "
+             "never waits for a long one (default: %(default)s)")
     arg("--max-queue", type=positive_int, default=256,
         help="requests waiting for the decoder before new ones get 503 + Retry-After (default: %(default)s)")
     arg("--prompt-cache-bytes", type=size, default=None,
@@ -128,6 +136,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         "top_k": args.top_k, "min_p": args.min_p,
     })
     engine = EngineConfig(model=args.model, cache_dir=args.cache_dir, prefill_step_size=args.prefill_step_size,
+                          prefill_chunk_ms=args.prefill_chunk_ms, prompt_concurrency=args.prompt_concurrency,
                           max_queue=args.max_queue, defaults=defaults, batch=args.batch,
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,

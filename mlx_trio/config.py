@@ -8,6 +8,12 @@ import attrs
 
 from mlx_trio.params import SamplingParams
 
+# The target time of one prefill chunk while other requests decode or wait (--prefill-chunk-ms):
+# chosen from CPU and H200 measurements (docs/design.md §2.2).
+DEFAULT_PREFILL_CHUNK_MS = 30.0
+# Prompts prefilled at once, chunks interleaved (--prompt-concurrency; mlx_lm.server's default).
+DEFAULT_PROMPT_CONCURRENCY = 8
+
 
 @attrs.frozen
 class EngineConfig:
@@ -33,6 +39,11 @@ class EngineConfig:
     prompt_cache_dir: Path | None = None
     prompt_cache_ssd_bytes: int = 16 * 2**30
     prefill_step_size: int = 2048
+    # While others decode or wait, a prefill chunk is sized to take about this long (never more
+    # than prefill_step_size tokens); a lone request with nothing else running uses full chunks.
+    prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
+    # At most this many prompts prefill at once, their chunks interleaved (shortest first, with aging).
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     max_queue: int = 256
     defaults: SamplingParams = SamplingParams()
     # Restart intensity of the engine subtree (lease → decoder): more than

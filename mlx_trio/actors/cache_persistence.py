@@ -68,6 +68,7 @@ class _PendingWrite:
 
     caches: list[Any] | None
     tokens: tuple[int, ...]
+    written: trio.Event = attrs.field(factory=trio.Event)  # set once written or given up
 
     def release(self) -> None:
         self.caches = None  # run on the lease thread (free_nowait), so the arrays die there
@@ -109,6 +110,8 @@ class CachePersistenceActor:
         self._reads = self._writes = self._errors = self._dropped = 0
         # Invariant: _unfinished counts offered entries not yet written or released; _idle is set iff it is 0.
         self._unfinished = 0
+        # Offered and not finished yet, in offer order: a restore waits for those that would serve it.
+        self._queued: list[_PendingWrite] = []
         self._idle = trio.Event()
         self._opened = trio.Event()  # set once the directory was scanned (or found unusable)
         self._idle.set()
@@ -122,8 +125,9 @@ class CachePersistenceActor:
         """
         if self._open_store is None or self._degraded:
             return False
+        pending = _PendingWrite(list(caches), tuple(tokens))
         try:
-            self.inbox_send.send_nowait(_PendingWrite(list(caches), tuple(tokens)))
+            self.inbox_send.send_nowait(pending)
         except trio.WouldBlock:
             self._dropped += 1
             return False
@@ -132,12 +136,16 @@ class CachePersistenceActor:
         if self._unfinished == 0:
             self._idle = trio.Event()
         self._unfinished += 1
+        self._queued.append(pending)
         return True
 
-    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None:
+    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None,
+                      wait_s: float = 0.0) -> tuple[list[Any], int] | None:
         """Caches rebuilt from the longest stored prefix of `tokens` (at most `max_len` long), and its length.
 
-        Waits for the directory's scan. None on a miss, or when the stored
+        Waits for the directory's scan, and up to `wait_s` for queued writes
+        of longer prefixes (a finished turn offered just before its follow-up
+        asks). None on a miss, or when the stored
         files are unusable (they are removed): a bad file never raises here.
         The caller owns the returned caches (arrays of the lease thread).
 
@@ -151,6 +159,9 @@ class CachePersistenceActor:
         store = self._store
         if store is None:
             return None
+        with trio.move_on_after(wait_s):
+            for pending in self._serving(store, tokens, max_len):
+                await pending.written.wait()
         for _ in range(_RESTORE_ATTEMPTS):
             info = store.longest_prefix(tokens, max_len=max_len)
             if info is None:
@@ -170,6 +181,15 @@ class CachePersistenceActor:
             self._reads += 1
             return caches, len(entry.tokens)
         return None
+
+    def _serving(self, store: CacheFileStore, tokens: Sequence[int], max_len: int | None) -> list[_PendingWrite]:
+        """Queued writes whose tokens are a prefix of `tokens` longer than the longest stored one."""
+        tokens = tuple(tokens)
+        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
+        stored = store.longest_prefix(tokens, max_len=max_len)
+        have = len(stored.tokens) if stored is not None else 0
+        return [p for p in self._queued
+                if have < len(p.tokens) <= limit and tokens[: len(p.tokens)] == p.tokens]
 
     async def drain(self) -> None:
         """Return once every entry offered so far is written or given up (graceful shutdown)."""
@@ -258,6 +278,8 @@ class CachePersistenceActor:
     def _finish(self, pending: _PendingWrite) -> None:
         if pending.caches is not None:
             self._lease.free_nowait(pending.release)
+        self._queued.remove(pending)
+        pending.written.set()
         self._unfinished -= 1
         if self._unfinished == 0:
             self._idle.set()

@@ -110,8 +110,9 @@ class Lane:
         Sends `ended` if given and the session still listens (without it, the
         closed reply tells the session the lane failed under it: it resumes),
         closes the reply channel (its only closer), releases the request's
-        admission reservation, and frees `row` (a `SoloRow` not in the batch)
-        on the lease thread, which owns its arrays.
+        admission reservation, settles its pending prompt-cache put (made by
+        now, if it ever will be), and frees `row` (a `SoloRow` not in the
+        batch) on the lease thread, which owns its arrays.
         """
         if ended is not None:
             try:
@@ -121,5 +122,7 @@ class Lane:
         request.reply.close()
         if self.admission is not None:
             self.admission.release(request.request_id)
+        if self.caching is not None:
+            self.caching.settle_put(request.request_id)
         if row is not None and self.lease is not None:
             self.lease.free_nowait(row.close)  # type: ignore[attr-defined]

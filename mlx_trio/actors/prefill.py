@@ -1,16 +1,28 @@
-"""The prefill actor: joiners prefill alone, one chunk per lease job (docs/design.md §2).
+"""The prefill actor: joiners prefill on their own caches, one chunk per lease job (docs/design.md §2).
 
-Each chunk of a long prompt is one GPU-lease job, queued behind the decode
-jobs already waiting, so running rows stall at most one chunk while it
-prefills (chunks are a quarter as long while rows decode). Short prompts
-that wait together prefill as a cohort: one batch of equal real-token
-chunks (engine/batch/cohort_prefill.py) in one lease job bounded by one chunk of
-tokens (each row weighted by its context while rows decode). The last prompt token is fed as an L=1 step that samples token 0
-on the row's own caches (mlx-lm's convention); a row that is already
-finished at token 0 never joins the batch. Prompt-cache hits start a
-prefill part-way; boundary snapshots are stored on the way. A request
-that ends here (an error, a left session, EOS or max_tokens at token 0)
-ends through `Lane.end_request`.
+Each chunk of a prompt is one GPU-lease job, queued behind the decode jobs
+already waiting, so running rows stall at most one chunk. While rows decode
+or other prompts wait, a chunk is sized from its measured cost to take about
+`--prefill-chunk-ms` (actors/chunk_sizer.py), never more than
+`--prefill-step-size` tokens, so it shrinks as the context grows; a lone
+request with nothing else running uses full `--prefill-step-size` chunks,
+exactly mlx-lm's (the goldens).
+
+Up to `--prompt-concurrency` prompts prefill at once, their chunks
+interleaved: the one with the fewest tokens left runs next, and one passed
+over `AGING_CHUNKS` times in a row runs before it, so a short prompt never
+waits for a long one and the long one still progresses. Each row joins the
+batch as soon as its own prefill ends. Short prompts that wait together
+prefill as a cohort: one batch of equal real-token chunks
+(engine/batch/cohort_prefill.py) in one lease job bounded like one chunk.
+The last prompt token is fed as an L=1 step that samples token 0 on the
+row's own caches (mlx-lm's convention); a row that is already finished at
+token 0 never joins the batch. Prompt-cache hits start a prefill part-way;
+boundary snapshots are stored on the way. A prompt whose session left stops
+at the next chunk boundary: its KV is freed (its prefix, when long enough,
+kept in the prompt cache) and the next prompt runs. A request that ends here
+(an error, a left session, EOS or max_tokens at token 0) ends through
+`Lane.end_request`.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from functools import partial
 import attrs
 import trio
 
+from mlx_trio.actors.chunk_sizer import ChunkSizer, timed
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
@@ -38,10 +51,12 @@ log = logging.getLogger("mlx_trio.prefill")
 
 # A prefill this long (uncached tokens) stores a boundary snapshot (docs/design.md §2.6).
 SNAPSHOT_MIN_TOKENS = 256
-# While rows decode, a joiner prefills chunks of prefill_step_size / this: a chunk's cost (and so
-# the decode stall) grows with its length times the prefix (H200, 1B shape, 8.5k prompt: 666 ms
-# per 2048-token chunk; docs/benchmarks.md).
+# Until a chunk was measured (the sizer knows no cost yet), a busy prefill uses chunks of
+# prefill_step_size / this: a chunk's cost grows with its length times the prefix (H200, 1B
+# shape, 8.5k prompt: 666 ms per 2048-token chunk; docs/benchmarks.md).
 DECODING_CHUNK_DIVISOR = 4
+# A prefill passed over this many chunks in a row (shorter ones ran) runs the next one.
+AGING_CHUNKS = 4
 
 
 def cohort_weight(uncached: int, context: int, chunk: int) -> float:
@@ -62,8 +77,8 @@ def cohort_weight(uncached: int, context: int, chunk: int) -> float:
 @attrs.frozen
 class PrefillStatistics:
     mailbox_depth: int
-    active_request: str | None
-    active_kv_bytes: int
+    active_request: str | None  # the prefill whose chunk runs now (or ran last)
+    active_kv_bytes: int  # KV bytes of every prompt prefilling now
     prefilled: int
     cancelled: int
     failed: int
@@ -71,6 +86,19 @@ class PrefillStatistics:
     cached_tokens: int  # prompt tokens served from the prompt cache
     snapshots: int
     cohort_rows: int  # requests prefilled in one lease job with others (engine/batch/cohort_prefill.py)
+    prefilling: int = 0  # prompts prefilling now, their chunks interleaved (at most --prompt-concurrency)
+    chunks: int = 0  # solo prefill chunks run (one lease job each)
+    sized_chunks: int = 0  # of those, sized to --prefill-chunk-ms (others decoded or waited)
+    partial_puts: int = 0  # prefixes of left prompts kept in the prompt cache
+
+
+@attrs.define(eq=False)
+class _Job:
+    """A prompt prefilling on its own row, chunk by chunk, between the chunks of others."""
+
+    cmd: Generate
+    row: SoloRow
+    passed_over: int = 0  # chunks of other jobs run since this one last ran (aging)
 
 
 class PrefillActor:
@@ -82,33 +110,37 @@ class PrefillActor:
         self._lease = lease
         self._faults = lane.faults
         self._join = join
-        self._prefill_step_size = prefill_step_size = lane.config.prefill_step_size
-        self._decoding_chunk = max(prefill_step_size // DECODING_CHUNK_DIVISOR, 1)
+        config = lane.config
+        self._prefill_step_size = prefill_step_size = config.prefill_step_size
+        self._default_chunk = max(prefill_step_size // DECODING_CHUNK_DIVISOR, 1)
+        self._concurrency = config.prompt_concurrency
+        # Kept across requests (not across restarts: a restart re-measures in a chunk or two).
+        self.sizer = ChunkSizer(config.prefill_chunk_ms / 1000, prefill_step_size)
         # At most --batch requests are admitted at once, so this never fills.
-        self.inbox_send, self._inbox = trio.open_memory_channel[Generate](lane.config.batch)
-        self._active: SoloRow | None = None
-        self._active_request: Generate | None = None
-        # Requests taken from the inbox ahead of their turn (FIFO), and the cohort
-        # being prefilled together (see _prefill_cohort).
+        self.inbox_send, self._inbox = trio.open_memory_channel[Generate](config.batch)
+        # Requests taken from the inbox and not started (FIFO), the prompts prefilling
+        # (at most --prompt-concurrency, in start order), and a cohort being prefilled together.
         self._backlog: collections.deque[Generate] = collections.deque()
+        self._jobs: list[_Job] = []
         self._cohort_requests: list[Generate] = []
+        self._last_request: str | None = None
         self._prefilled = self._cancelled = self._failed_count = 0
         self._prefill_tokens = self._cached_tokens = self._snapshots = self._cohort_rows = 0
+        self._chunks = self._sized_chunks = self._partial_puts = 0
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
-        active = [self._active_request] if self._active_request is not None else []
-        return [*active, *self._cohort_requests, *self._backlog]
+        return [*(job.cmd for job in self._jobs), *self._cohort_requests, *self._backlog]
 
     def statistics(self) -> PrefillStatistics:
-        row = self._active
         return PrefillStatistics(
             mailbox_depth=self._inbox.statistics().current_buffer_used,
-            active_request=row.request_id if row is not None else None,
-            active_kv_bytes=row.nbytes if row is not None else 0,
+            active_request=self._last_request if self._jobs else None,
+            active_kv_bytes=sum(job.row.nbytes for job in self._jobs),
             prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed_count,
             prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
-            cohort_rows=self._cohort_rows,
+            cohort_rows=self._cohort_rows, prefilling=len(self._jobs), chunks=self._chunks,
+            sized_chunks=self._sized_chunks, partial_puts=self._partial_puts,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -116,21 +148,90 @@ class PrefillActor:
         try:
             self._model = await self._lane.wait_model()
             while True:
-                # Requests stay in the backlog (where a crash or restart ends them) until taken
-                # below, with no checkpoint between taking and owning them.
-                if not self._backlog:
+                # Requests stay in the backlog or the jobs (where a crash or restart ends them)
+                # until handed on, with no checkpoint between taking and owning them.
+                if not self._backlog and not self._jobs:
                     self._backlog.append(await self._inbox.receive())
                 self._backlog.extend(drain_nowait(self._inbox))
-                hits, first_hit = await self._cohort()
-                if hits:
-                    await self._prefill_cohort([(self._backlog.popleft(), hit) for hit in hits])
-                else:
-                    await self._prefill(self._backlog.popleft(), first_hit)
+                await self._drop_left()
+                if len(self._jobs) < self._concurrency and self._startable():
+                    await self._start_next()
+                elif self._jobs:
+                    await self._run_chunk(next_job(self._jobs))
         finally:
             self.inbox_send.close()
+            for job in self._jobs:
+                self._lane.end_request(job.cmd, row=job.row)  # no last word: its session resumes
+            self._jobs.clear()
             for cmd in [*self._backlog, *drain_nowait(self._inbox)]:
-                self._lane.end_request(cmd)  # no last word: its session resumes
+                self._lane.end_request(cmd)
             self._backlog.clear()
+
+    @property
+    def _busy(self) -> bool:
+        """Whether a chunk now makes others wait: rows decode, or another prompt prefills or waits.
+
+        Only then are chunks sized to the target; a lone request uses full ones.
+        """
+        waiting = len(self._jobs) + len(self._backlog) + self._inbox.statistics().current_buffer_used
+        return self._lane.decoding or waiting > 1
+
+    def _chunk_tokens(self, context: int) -> int:
+        """A busy chunk's tokens after `context` cached ones: measured to fit the target, or the static default."""
+        sized = self.sizer.tokens(context)
+        return sized if sized is not None else self._default_chunk
+
+    async def _drop_left(self) -> None:
+        """End the prompts whose session left, before their next chunk: free their KV, let the next run.
+
+        A started prompt's prefix (at least `SNAPSHOT_MIN_TOKENS` prefilled
+        here) stays in the prompt cache for a retry; its row is freed.
+        """
+        for cmd in [cmd for cmd in self._backlog if _left(cmd)]:
+            self._backlog.remove(cmd)
+            self._cancelled += 1
+            self._lane.end_request(cmd)
+        for job in [job for job in self._jobs if _left(job.cmd)]:
+            await self._drop(job)
+
+    async def _drop(self, job: _Job) -> None:
+        """End a started prompt whose session left; keep its prefix in the prompt cache when long enough."""
+        self._jobs.remove(job)
+        self._cancelled += 1
+        try:
+            await self._keep_prefix(job.cmd, job.row)
+        finally:
+            self._lane.end_request(job.cmd, row=job.row)
+
+    async def _keep_prefix(self, cmd: Generate, row: SoloRow) -> None:
+        caching = self._lane.caching
+        if caching is None or row.fed - row.cached_tokens < SNAPSHOT_MIN_TOKENS or caching.has(cmd.prompt_ids[:row.fed]):
+            return
+        caching.store(await self._lease.run(row.snapshot))  # a lazy clone: shares the row's buffers
+        self._partial_puts += 1
+
+    def _startable(self) -> bool:
+        """Whether a backlog request may start; the first that may is moved to the head.
+
+        A request whose prompt extends a snapshot a running job is about to
+        store waits for it (its chunks run meanwhile), then starts from the
+        cache: N agents sharing a system prompt prefill it once.
+        """
+        for i, cmd in enumerate(self._backlog):
+            if not any(_awaits_snapshot(cmd, job) for job in self._jobs):
+                if i:
+                    del self._backlog[i]
+                    self._backlog.appendleft(cmd)
+                return True
+        return False
+
+    async def _start_next(self) -> None:
+        """Start the backlog's head: as a cohort with the short ones behind it, or as a job of its own."""
+        hits, first_hit = await self._cohort()
+        if hits:
+            await self._prefill_cohort([(self._backlog.popleft(), hit) for hit in hits])
+        else:
+            await self._start_job(self._backlog.popleft(), first_hit)
 
     def _snapshot_point(self, cmd: Generate, hit: CacheHit | None, caching: PromptCaching | None) -> int | None:
         """Where this prefill stores a snapshot (docs/design.md §2.6), or None.
@@ -164,27 +265,30 @@ class PrefillActor:
 
         Empty when the first itself is not short (it then prefills chunk by
         chunk). A request is short when its uncached prompt fits one chunk
-        (the smaller one while rows decode) and it stores no snapshot. The
-        cohort's tokens fit one chunk (`prefill_step_size`, the reference
-        design's cohort budget); while rows decode, each row counts by
+        (while busy, the sized chunk at its context) and it stores no
+        snapshot. The cohort's tokens fit one chunk (`prefill_step_size`, the
+        reference design's cohort budget, or while busy the sized chunk of a
+        fresh prompt once measured); while busy, each row counts by
         `cohort_weight`, so rows attending over a long cached context make
         smaller cohorts and the running rows' stall stays about that of one
-        decoding-size chunk of a long prompt. Takes nothing from the backlog;
+        sized chunk of a long prompt. Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
-        decoding = self._lane.decoding
+        busy = self._busy
         caching = self._lane.caching
+        budget = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
         hits: list[CacheHit | None] = []
         used = 0.0
         first_hit: CacheHit | None = None
         for i, cmd in enumerate(list(self._backlog)):
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
-            uncached = len(cmd.prompt_ids) - 1 - (hit.usable if hit is not None else 0)
-            if uncached > (self._decoding_chunk if decoding else self._prefill_step_size):
+            cached = hit.usable if hit is not None else 0
+            uncached = len(cmd.prompt_ids) - 1 - cached
+            if uncached > (self._chunk_tokens(cached) if busy else self._prefill_step_size):
                 break  # not short: it prefills alone, chunk by chunk
-            weight = cohort_weight(uncached, len(cmd.prompt_ids), self._prefill_step_size) if decoding else uncached
-            if used + weight > self._prefill_step_size or self._snapshot_point(cmd, hit, caching) is not None:
+            weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
+            if used + weight > budget or self._snapshot_point(cmd, hit, caching) is not None:
                 break
             hits.append(hit)
             used += weight
@@ -202,8 +306,13 @@ class PrefillActor:
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
-            outcomes = await self._lease.run(prefill_rows, self._model.model, specs)
+            outcomes, seconds = await self._lease.run(timed, prefill_rows, self._model.model, specs)
             self._cohort_rows += len(specs) if len(specs) > 1 else 0
+            made = [row for row in outcomes if isinstance(row, SoloRow)]
+            if len(made) == 1:
+                # A lone short prompt: a chunk and token 0's step, as a chunk's cost. A batched
+                # cohort is not a measure of one prompt's chunk.
+                self.sizer.record(made[0].fed - made[0].cached_tokens, made[0].cached_tokens, seconds)
             for (cmd, _), outcome in zip(cohort, outcomes, strict=True):
                 self._cohort_requests.remove(cmd)
                 if isinstance(outcome, Exception):
@@ -261,6 +370,9 @@ class PrefillActor:
                     # The row never joins: its prompt-only caches go back to the prompt cache.
                     caching.store(await self._lease.run(row.snapshot))
                 return
+            if caching is not None:
+                # Visible to lookups before any final event: the next turn waits for this row's put.
+                caching.expect_put(rid, cmd.prompt_ids)
             await self._join.send(JoinRow(cmd, row, token0))
             joined = True
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -269,47 +381,102 @@ class PrefillActor:
             if not joined:
                 self._lane.end_request(cmd, ended, row=row)
 
-    async def _prefill(self, cmd: Generate, hit: CacheHit | None) -> None:
-        """Prefill one request chunk by chunk (one lease job each, decode steps in between), then hand it on.
-
-        `hit` is its prompt-cache lookup (made by `_cohort`).
-        """
-        self._active_request = cmd
-        rid, total = cmd.request_id, len(cmd.prompt_ids)
-        row: SoloRow | None = None
-        ended: GenerationEnded | None = None
+    async def _start_job(self, cmd: Generate, hit: CacheHit | None) -> None:
+        """Make the request's row (from its prompt-cache hit, made by `_cohort`); its chunks then interleave."""
         caching = self._lane.caching
+        row: SoloRow | None = None
         try:
             row = await self._lease.run(self._row_maker(cmd, hit, self._snapshot_point(cmd, hit, caching)))
-            self._active = row
             self._cached_tokens += row.cached_tokens
-            cmd.reply.send_nowait(PrefillProgressed(rid, row.cached_tokens, total, cached_tokens=row.cached_tokens))
-            while row.prefill_remaining:
+            cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, row.cached_tokens, len(cmd.prompt_ids),
+                                                    cached_tokens=row.cached_tokens))
+            self._jobs.append(_Job(cmd, row))
+            self._last_request = cmd.request_id
+        except trio.BrokenResourceError:
+            self._cancelled += 1  # the session left
+            self._lane.end_request(cmd, row=row)
+        except (LeaseClosed, InjectedFault):
+            self._lane.end_request(cmd, row=row)  # no last word: its session resumes on the restarted actor
+            raise
+        except Exception as exc:
+            self._lane.end_request(cmd, self._failed(cmd, exc), row=row)
+        except BaseException:
+            self._lane.end_request(cmd, row=row)
+            raise
+
+    async def _run_chunk(self, job: _Job) -> None:
+        """One chunk of `job` (one lease job, decode steps and other prompts' chunks in between).
+
+        When busy (`_busy`) the chunk is sized to `--prefill-chunk-ms` at the
+        row's context; otherwise it is a full `prefill_step_size` chunk, as
+        mlx-lm's. Its time is measured for the next ones. After the prompt's
+        last chunk, token 0's step runs and the row is handed on.
+        """
+        cmd, row = job.cmd, job.row
+        rid, total = cmd.request_id, len(cmd.prompt_ids)
+        caching = self._lane.caching
+        ended: GenerationEnded | None = None
+        self._last_request = rid
+        try:
+            if row.prefill_remaining:
                 self._faults.check("prefill")
                 before = row.fed
-                # Rows decoding wait for each chunk: give them smaller ones.
-                limit = self._decoding_chunk if self._lane.decoding else None
-                remaining = await self._lease.run(row.prefill_chunk, limit)
+                busy = self._busy
+                limit = self._chunk_tokens(before) if busy else None
+                remaining, seconds = await self._lease.run(timed, row.prefill_chunk, limit)
+                self.sizer.record(row.fed - before, before, seconds)
+                self._chunks += 1
+                self._sized_chunks += busy
                 self._prefill_tokens += row.fed - before
                 if caching is not None and row.fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))
                     self._snapshots += 1
                 cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total,
                                                         cached_tokens=row.cached_tokens))
+                if remaining:
+                    return
             self._faults.check("prefill")
             await self._lease.run(row.first_token)
         except trio.BrokenResourceError:
-            self._cancelled += 1  # the session left
+            await self._drop(job)  # the session left
+            return
         except (LeaseClosed, InjectedFault):
-            # Not this request's fault: crash, and let the session resume on the restarted actor.
+            # Not this request's fault: crash, and let the session resume on the restarted actor
+            # (`run`'s finally ends the job).
             raise
         except Exception as exc:
             ended = self._failed(cmd, exc)
-        finally:
-            self._active = None
-            self._active_request = None
-            if row is None or row.token0 is None:
-                # The row never got to token 0: it ends here.
-                self._lane.end_request(cmd, ended, row=row)
-        if row is not None and row.token0 is not None:
-            await self._hand_on(cmd, row)
+        if row.token0 is None:
+            # The row failed before token 0: it ends here.
+            self._jobs.remove(job)
+            self._lane.end_request(cmd, ended, row=row)
+            return
+        self._jobs.remove(job)
+        await self._hand_on(cmd, row)
+
+
+def next_job(jobs: list[_Job]) -> _Job:
+    """The job whose chunk runs next: one passed over `AGING_CHUNKS` times, else the fewest tokens left.
+
+    Shortest remaining first, so a short prompt behind a long one gets its
+    token 0 within a chunk or two; aging, so a stream of short prompts never
+    starves the long one (it runs at least one chunk in `AGING_CHUNKS + 1`).
+    Updates every job's aging count.
+    """
+    aged = [job for job in jobs if job.passed_over >= AGING_CHUNKS]
+    chosen = aged[0] if aged else min(jobs, key=lambda job: job.row.prefill_remaining)
+    for job in jobs:
+        job.passed_over = 0 if job is chosen else job.passed_over + 1
+    return chosen
+
+
+def _awaits_snapshot(cmd: Generate, job: _Job) -> bool:
+    """Whether `job` will store a snapshot of a prefix of `cmd`'s prompt that it has not stored yet."""
+    at = job.row.snapshot_at
+    return (at is not None and job.row.fed < at < len(cmd.prompt_ids)
+            and cmd.prompt_ids[:at] == job.cmd.prompt_ids[:at])
+
+
+def _left(cmd: Generate) -> bool:
+    """Whether the request's session went away (it closed its end of the reply channel)."""
+    return cmd.reply.statistics().open_receive_channels == 0

@@ -5,8 +5,15 @@ actor restarts (its entries are evaluated arrays that no restart corrupts).
 The prefill actor looks prompts up and stores boundary snapshots; the
 decode-step actor stores finished rows; admission trims it when live rows
 need its bytes. Every call is synchronous between awaits (so no two actors
-interleave inside one), except `lookup`, which may wait on an SSD restore.
-Dropped entries are freed on the lease thread, which owns their arrays.
+interleave inside one), except `lookup`, which may wait on an SSD restore
+or on a pending put. Dropped entries are freed on the lease thread, which
+owns their arrays.
+
+Pending puts close the race of an agent loop (docs/prompt-cache.md): a row
+is expected (`expect_put`) from the moment it joins the decode batch, and
+settled (`settle_put`, by `Lane.end_request`) after its finish-time put, so
+a follow-up turn sent as soon as the final event arrived finds the put on
+its way and waits for it (at most `PENDING_PUT_WAIT_S`) instead of missing.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
+import trio
+
 from mlx_trio.engine.kv import cache_clone
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
@@ -23,6 +32,10 @@ if TYPE_CHECKING:
     from mlx_trio.actors.lane import Lane
 
 log = logging.getLogger("mlx_trio.prompt_cache")
+
+# How long a lookup waits for pending puts that would serve it: a finished row's put comes one
+# decode step after its final event, so this bound only matters when something went wrong.
+PENDING_PUT_WAIT_S = 1.0
 
 
 class PromptCaching:
@@ -35,6 +48,9 @@ class PromptCaching:
     def __init__(self, lane: Lane, *, max_bytes: int, max_entries: int) -> None:
         self._lane = lane
         self.cache = PromptCache(max_bytes=max_bytes, max_entries=max_entries, on_evict=self._free)
+        # Set when the pending put of that key (a request id) is settled.
+        self._settled: dict[str, trio.Event] = {}
+        self.put_waits = 0  # lookups that waited for a pending put
 
     @property
     def nbytes(self) -> int:
@@ -43,8 +59,34 @@ class PromptCaching:
     def statistics(self) -> PromptCacheStatistics:
         return self.cache.statistics()
 
+    def expect_put(self, key: str, prefix: Sequence[int]) -> None:
+        """A finish-time put of an entry starting with `prefix` may come under `key` until `settle_put(key)`."""
+        self.cache.expect(key, prefix)
+        self._settled.setdefault(key, trio.Event())
+
+    def settle_put(self, key: str) -> None:
+        """The put expected under `key` was made or never will be (idempotent): wake its waiters."""
+        self.cache.settle(key)
+        event = self._settled.pop(key, None)
+        if event is not None:
+            event.set()
+
     async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
-        """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore."""
+        """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore.
+
+        Waits first (at most `PENDING_PUT_WAIT_S` in all) for pending puts
+        that would serve it better than the cache does now, then for queued
+        SSD writes that would.
+        """
+        deadline = trio.current_time() + PENDING_PUT_WAIT_S
+        awaited = self.cache.awaited_by(prompt)
+        if awaited:
+            self.put_waits += 1
+            with trio.move_on_at(deadline):
+                for key in awaited:
+                    event = self._settled.get(key)
+                    if event is not None:
+                        await event.wait()
         hit = self.cache.lookup(prompt)
         if hit is not None:
             return hit
@@ -52,7 +94,8 @@ class PromptCaching:
         if persistence is None or lease is None:
             return None
         # At most all but the last token: a lookup must leave that one to compute.
-        restored = await persistence.restore(prompt, max_len=len(prompt) - 1)
+        restored = await persistence.restore(prompt, max_len=len(prompt) - 1,
+                                             wait_s=max(deadline - trio.current_time(), 0.0))
         if restored is None:
             return None
         caches, length = restored

@@ -88,6 +88,7 @@ class SessionActor:
         # Whether the lane took this attempt past admission's queue (prefill sent an event): an
         # attempt that only waited in the queue cannot be the request that makes the lane fail.
         self.left_queue = False
+        self._scope = trio.CancelScope()
 
     def statistics(self) -> SessionStatistics:
         replies = self._replies
@@ -103,13 +104,23 @@ class SessionActor:
         """Relay the attempt to the caller; closing `out` without `Finished` or an error asks for a resume."""
         async with self._out:
             task_status.started(self)
-            try:
-                await trio.sleep(self._delay_s)
-                self.failure = await self._attempt(self._text)
-            except MlxTrioError as exc:
-                await self._out.send(exc)
-            except trio.BrokenResourceError:
-                log.debug("request %s: caller went away", self._request.request_id)
+            with self._scope:
+                try:
+                    await trio.sleep(self._delay_s)
+                    self.failure = await self._attempt(self._text)
+                except MlxTrioError as exc:
+                    await self._out.send(exc)
+                except trio.BrokenResourceError:
+                    log.debug("request %s: caller went away", self._request.request_id)
+
+    def cancel(self) -> None:
+        """The caller went away: end now, closing the reply channel, not at the next event.
+
+        The lane actor holding the request sees the closed channel before its
+        next prefill chunk or decode step, and frees the row (issue #19: a
+        dropped request stops at the next chunk). Idempotent; harmless once ended.
+        """
+        self._scope.cancel()
 
     async def _attempt(self, text: TextStream) -> BaseException | None:
         """Submit what remains of the request and relay it to the end; returns why the lane failed, if it did."""

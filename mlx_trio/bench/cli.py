@@ -86,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "others all at once)")
     arg("--output-tokens", type=positive_int, default=d.output_tokens, help="max_tokens of each request (default: %(default)s)")
     arg("--system-words", type=non_negative_int, default=d.system_words,
-        help="agents: words in the shared system prompt (default: %(default)s)")
-    arg("--task-words", type=positive_int, default=d.task_words, help="agents: words in each task (default: %(default)s)")
+        help="agents, agent-loop: words in the shared system prompt (default: %(default)s)")
+    arg("--task-words", type=positive_int, default=d.task_words, help="agents, agent-loop: words in each task (default: %(default)s)")
     arg("--followup-words", type=positive_int, default=d.followup_words,
         help="agents: words in the second turn (default: %(default)s)")
     arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform: words per prompt (default: %(default)s)")
@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-prompt: words in the long prompt (default: %(default)s)")
     arg("--long-output-tokens", type=positive_int, default=d.long_output_tokens,
         help="long-prompt: the background streams' length (default: %(default)s)")
+    arg("--tool-result-words", type=positive_int, default=d.tool_result_words,
+        help="agent-loop: words of each turn's tool result (default: %(default)s)")
     arg("--eos-id", type=non_negative_int, action="append", default=None,
         help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
     arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
@@ -124,7 +126,7 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
         num_requests=args.requests, seed=args.seed, rate_per_s=rate, output_tokens=args.output_tokens,
         system_words=args.system_words, task_words=args.task_words, followup_words=args.followup_words,
         prompt_words=args.prompt_words, long_prompt_words=args.long_prompt_words,
-        long_output_tokens=args.long_output_tokens,
+        long_output_tokens=args.long_output_tokens, tool_result_words=args.tool_result_words,
     )
 
 

@@ -87,6 +87,33 @@ def decode_stall_s(results: Sequence[RequestResult]) -> float | None:
     return max(gaps) if gaps else None
 
 
+def prefill_stall_s(results: Sequence[RequestResult]) -> float | None:
+    """agent-loop: the longest gap between two chunks of a stream while another request's prompt prefilled.
+
+    A request's prefill window runs from its send to its first chunk; a gap
+    counts when it overlaps the window of a request other than its own. None
+    when no gap overlapped any other prefill.
+    """
+    ok = [r for r in results if r.ok and r.ttft_s is not None]
+    windows = [(r, r.start_s, r.start_s + (r.ttft_s or 0.0)) for r in ok]
+    gaps = [b - a for r in ok for a, b in itertools.pairwise(chunk_times_s(r))
+            if any(other is not r and a < end and b > start for other, start, end in windows)]
+    return max(gaps) if gaps else None
+
+
+def cached_fraction_by_turn(results: Sequence[RequestResult]) -> tuple[float | None, ...]:
+    """For each turn index, the completed requests' cached prompt tokens over their prompt tokens."""
+    ok = [r for r in results if r.ok and r.prompt_tokens]
+    if not ok:
+        return ()
+    fractions: list[float | None] = []
+    for turn in range(max(r.turn for r in ok) + 1):
+        at = [r for r in ok if r.turn == turn]
+        prompt = sum(r.prompt_tokens or 0 for r in at)
+        fractions.append(sum(r.cached_tokens or 0 for r in at) / prompt if prompt else None)
+    return tuple(fractions)
+
+
 @attrs.frozen
 class Summary:
     """One server at one concurrency, pooled over its rounds; latencies in seconds."""
@@ -114,6 +141,10 @@ class Summary:
     # long-prompt only: the background streams' largest gap during the long prefill, and the long prompt's TTFT.
     decode_stall_s: float | None = None
     long_ttft_s: float | None = None
+    # agent-loop only: the largest gap of a running stream while another prompt prefilled, and
+    # each turn's cached fraction of its prompt tokens (turn 0 first).
+    prefill_stall_s: float | None = None
+    cached_fraction_by_turn: tuple[float | None, ...] = ()
     errors: tuple[tuple[str, int], ...] = ()
     # Set when a managed server process exited during this concurrency's rounds.
     server_died: bool = False
@@ -133,6 +164,8 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
     total_wall_s = sum(wall_s(run) for run in rounds)
     stalls = [s for run in rounds if (s := decode_stall_s(run)) is not None]
     long_ttft = [r.ttft_s for r in ok if r.tag == "long" and r.ttft_s is not None]
+    agent_loop = any(r.tag == "agent" for r in results)
+    prefill_stalls = [s for run in rounds if (s := prefill_stall_s(run)) is not None] if agent_loop else []
     errors = Counter(r.error or "unknown" for r in failed).most_common(MAX_ERROR_KINDS)
     return Summary(
         server=server, concurrency=concurrency, rounds=len(rounds), num_ok=len(ok), num_failed=len(failed),
@@ -144,6 +177,8 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
         num_stopped_early=sum(1 for r in ok if r.finish_reason == "stop"),
         decode_stall_s=max(stalls) if stalls else None,
         long_ttft_s=max(long_ttft) if long_ttft else None,
+        prefill_stall_s=max(prefill_stalls) if prefill_stalls else None,
+        cached_fraction_by_turn=cached_fraction_by_turn(results) if agent_loop else (),
         errors=tuple(errors), server_died=server_died,
     )
 
@@ -153,7 +188,7 @@ RATIO_FIELDS: tuple[tuple[str, bool], ...] = (
     ("output_tok_s", True), ("ttft_p50_s", False), ("ttft_p95_s", False), ("ttft_p99_s", False),
     ("itl_p50_s", False), ("itl_p95_s", False), ("tpot_p50_s", False), ("e2e_p50_s", False),
     ("e2e_p95_s", False),
-    ("decode_stall_s", False), ("long_ttft_s", False),
+    ("decode_stall_s", False), ("long_ttft_s", False), ("prefill_stall_s", False),
 )
 
 

@@ -28,6 +28,7 @@ _LATENCY_COLUMNS = (("TTFT p50", "ttft_p50_s"), ("TTFT p95", "ttft_p95_s"), ("TT
 # Latencies below this (shown as 0 ms) get no ratio in the table.
 MIN_RATIO_DENOMINATOR_S = 0.0005
 _LONG_PROMPT_COLUMNS = (("stall max", "decode_stall_s"), ("long TTFT", "long_ttft_s"))
+_AGENT_LOOP_COLUMNS = (("prefill stall", "prefill_stall_s"),)
 
 
 def _ms(value: float | None) -> str:
@@ -42,7 +43,9 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     """One row per (concurrency, server) in run order, plus first/other ratio rows per concurrency."""
     servers = list(dict.fromkeys(s.server for s in summaries))
     long_prompt = any(s.decode_stall_s is not None or s.long_ttft_s is not None for s in summaries)
-    latency = _LATENCY_COLUMNS + (_LONG_PROMPT_COLUMNS if long_prompt else ())
+    agent_loop = any(s.cached_fraction_by_turn for s in summaries)
+    latency = (_LATENCY_COLUMNS + (_LONG_PROMPT_COLUMNS if long_prompt else ())
+               + (_AGENT_LOOP_COLUMNS if agent_loop else ()))
     header = ["conc", "server", "ok/failed", *(f"{name} ms" for name, _ in latency), "out tok/s",
               "cached/prompt tok"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -80,6 +83,9 @@ def notes(summaries: Sequence[Summary]) -> str:
             out.append(f"- {s.server} c={s.concurrency}: {count} × {message}")
         if s.server_died:
             out.append(f"- {s.server} c={s.concurrency}: the server process died during a run")
+        if s.cached_fraction_by_turn:
+            shown = " ".join("–" if f is None else f"{f:.2f}" for f in s.cached_fraction_by_turn)
+            out.append(f"- {s.server} c={s.concurrency}: cached fraction by turn: {shown}")
         if s.num_stopped_early:
             out.append(f"- {s.server} c={s.concurrency}: {s.num_stopped_early} outputs ended before max_tokens "
                        "(EOS not suppressed? pass --eos-id)")

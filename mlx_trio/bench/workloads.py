@@ -12,6 +12,11 @@ the servers' `usage.prompt_tokens` gives the exact counts.
 * **uniform**: single-turn requests with fixed prompt and output lengths.
 * **long-prompt**: `concurrency` streams decode while one very long prompt
   arrives; the streams' largest inter-token gap is the decode stall.
+* **agent-loop**: `concurrency` agents share one system prompt; each sends
+  its next turn the moment the last one ends (zero think time), each turn a
+  tool result of a few hundred tokens: per-turn cached fraction, TTFT, and
+  the prefill stall (the running streams' largest gap while another prompt
+  prefills) (issue #19).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import random
 
 import attrs
 
-WORKLOADS = ("agents", "uniform", "long-prompt")
+WORKLOADS = ("agents", "uniform", "long-prompt", "agent-loop")
 
 # Roughly one token each (with the leading space) on Llama/SmolLM-style BPE vocabularies.
 _WORDS = tuple("""
@@ -104,6 +109,8 @@ class WorkloadParams:
     long_prompt_words: int = 7500
     # Long enough that the background streams still decode while the long prompt is prefilled.
     long_output_tokens: int = 512
+    # agent-loop: each turn after the first adds a tool result this long.
+    tool_result_words: int = 300
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -176,11 +183,31 @@ def long_prompt(params: WorkloadParams, concurrency: int) -> Workload:
     return Workload("long-prompt", (*background, late), max_in_flight=concurrency + 1)
 
 
+def agent_loop(params: WorkloadParams, concurrency: int) -> Workload:
+    """K = `concurrency` agents at once, ceil(N/K) turns each (at least 2), zero think time.
+
+    Every agent shares one system prompt; its first turn is a task, each later
+    one a tool result of `tool_result_words` words. The runner sends a
+    session's next turn as soon as the last one ended, so each turn races the
+    server's finish-time prompt-cache put of the previous one.
+    """
+    rng = random.Random(params.seed)
+    shared = system_prompt(rng, params.system_words)
+    turns_each = max(2, math.ceil(params.num_requests / concurrency))
+    sessions = []
+    for i in range(concurrency):
+        task = Turn(f"Task {i}: {words(rng, params.task_words)}.", params.output_tokens)
+        results = tuple(Turn(f"Tool result {t} for agent {i}: {words(rng, params.tool_result_words)}.",
+                             params.output_tokens) for t in range(1, turns_each))
+        sessions.append(Session(f"agent-{i}", shared, (task, *results), tag="agent"))
+    return Workload("agent-loop", tuple(sessions), max_in_flight=concurrency)
+
+
 def build(name: str, params: WorkloadParams, concurrency: int) -> Workload:
     """The named workload (one of `WORKLOADS`) for one run at `concurrency`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt}
+    generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt, "agent-loop": agent_loop}
     if name not in generators:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     return generators[name](params, concurrency)

@@ -236,3 +236,30 @@ async def test_without_a_directory_the_actor_runs_disabled(lease: GpuLease, mode
         stats = actor.statistics()
         assert (stats.enabled, stats.degraded, stats.dropped, stats.ssd_writes) == (False, False, 0, 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_restore_waits_for_a_queued_write_of_a_longer_prefix(
+        lease: GpuLease, model: LoadedModel, tmp_path: Path) -> None:
+    """A turn offered just before its follow-up asks: the restore waits for that write and serves it."""
+    async with trio.open_nursery() as nursery:
+        actor = await _started(nursery, _actor(lease, model, tmp_path))
+        await actor.restore(PROMPT)  # the directory is scanned
+        assert actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:20]), PROMPT[:20])
+        assert actor.statistics().ssd_writes == 0  # queued, not written yet
+        restored = await actor.restore(PROMPT, max_len=len(PROMPT) - 1, wait_s=WAIT_S)
+        assert restored is not None and restored[1] == 20
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_restore_waits_for_a_queued_write_at_most_its_bound(
+        lease: GpuLease, model: LoadedModel, tmp_path: Path) -> None:
+    """The writer hangs: the restore gives up on the write after `wait_s` and misses."""
+    faults = Faults()
+    faults.arm("cache-persistence", FaultKind.HANG)
+    async with trio.open_nursery() as nursery:
+        actor = await _started(nursery, _actor(lease, model, tmp_path, faults=faults))
+        assert actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:20]), PROMPT[:20])
+        await _wait_for(lambda: len(faults.fired) == 1)
+        with trio.fail_after(WAIT_S):
+            assert await actor.restore(PROMPT, wait_s=0.05) is None
+        nursery.cancel_scope.cancel()

@@ -16,10 +16,12 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import pytest
+import trio
+import trio.testing
 from mlx_lm.models.cache import KVCache
 
 from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
-from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.actors.prompt_caching import PENDING_PUT_WAIT_S, PromptCaching
 from mlx_trio.engine.lease_thread import release_thread_streams, thread_default_stream
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 
@@ -61,7 +63,8 @@ class FakePersistence:
         self.offers.append((list(caches), tuple(tokens)))
         return not self.full
 
-    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None) -> tuple[list[Any], int] | None:
+    async def restore(self, tokens: Sequence[int], *, max_len: int | None = None,
+                      wait_s: float = 0.0) -> tuple[list[Any], int] | None:
         self.restores.append((tuple(tokens), max_len))
         stored, self.stored = self.stored, None
         return stored
@@ -254,3 +257,48 @@ async def test_a_restored_hit_outlives_the_room_that_evicts_it(lease: GpuLease) 
     assert caching.nbytes == 0 and restored == []  # evicted and freed
     assert hit is not None and hit.usable == 6 and len(hit.caches) == 2
     assert await lease.run(_nbytes, hit.caches) > 0
+
+
+# -- pending puts (a finished turn's put, awaited by its follow-up) ----------------------------------
+
+async def test_a_follow_up_waits_for_the_pending_put_of_the_turn_it_continues() -> None:
+    caching = _caching(FakeLease(), FakePersistence(), max_bytes=10**6)
+    caching.store(_entry([1, 2, 3]))  # the snapshot at the last message boundary
+    caching.expect_put("turn-1", [1, 2, 3, 4, 5])  # the turn's row joined the batch
+    got: list[Any] = []
+
+    async def follow_up() -> None:
+        got.append(await caching.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow_up)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # waiting for the put, not served the shorter snapshot
+        caching.store(_entry([1, 2, 3, 4, 5, 6, 7]))  # the finish-time put: prompt + completion
+        caching.settle_put("turn-1")
+    assert got[0] is not None and got[0].usable == 7
+    assert caching.put_waits == 1 and caching.cache.pending == 0
+
+
+async def test_only_a_prompt_that_extends_the_pending_prompt_waits() -> None:
+    """A sibling sharing the system prompt, a repeat of the same prompt, a prompt the cache already
+    serves as well: none waits (no checkpoint, nothing awaited)."""
+    caching = _caching(FakeLease(), FakePersistence(), max_bytes=10**6)
+    caching.store(_entry([1, 2, 3, 4, 5, 6]))
+    caching.expect_put("a", [1, 2, 9, 9])
+    caching.expect_put("b", [1, 2, 3, 4])
+    assert caching.cache.awaited_by([1, 2, 9, 8, 8]) == []  # a sibling of "a"
+    assert caching.cache.awaited_by([1, 2, 9, 9]) == []  # a's own prompt again (its last token is computed)
+    assert caching.cache.awaited_by([1, 2, 3, 4, 5, 6, 7]) == []  # the cache serves more than b's prompt
+    assert caching.cache.awaited_by([1, 2, 9, 9, 5, 6]) == ["a"]
+    caching.settle_put("a")
+    caching.settle_put("a")  # idempotent
+    assert caching.cache.awaited_by([1, 2, 9, 9, 5, 6]) == []
+
+
+async def test_a_pending_put_that_never_comes_delays_a_lookup_at_most_its_bound(autojump_clock: Any) -> None:
+    caching = _caching(FakeLease(), FakePersistence(), max_bytes=10**6)
+    caching.expect_put("stuck", [1, 2, 3])
+    start = trio.current_time()
+    assert await caching.lookup([1, 2, 3, 4, 5]) is None
+    assert trio.current_time() - start == pytest.approx(PENDING_PUT_WAIT_S)  # the mock clock's time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -120,3 +121,16 @@ def test_time_per_output_token_is_decode_time_over_tokens_after_the_first() -> N
     assert time_per_output_token_s(_result(0.0, 2.0, tokens=5, ttft_s=None)) is None
     s = summarize("x", 1, [[_result(0.0, 2.0, tokens=11, ttft_s=1.0), _result(0.0, 3.0, tokens=11, ttft_s=1.0)]])
     assert s.tpot_p50_s == pytest.approx(0.15)
+
+
+def test_agent_loop_prefill_stall_is_a_streams_longest_gap_over_another_requests_prefill() -> None:
+    """A gap counts only while some other request's prompt prefilled (its send to its first chunk)."""
+    running = attrs.evolve(_result(0.0, 5.0, tag="agent", ttft_s=0.5, itl_s=(0.1, 1.2, 0.1, 3.0)), turn=1)
+    # Chunks at 0.5, 0.6, 1.8, 1.9, 4.9: the 1.2 s gap overlaps the next turn's prefill (1.0 .. 1.5),
+    # the 3.0 s gap overlaps nothing.
+    arriving = attrs.evolve(_result(1.0, 2.0, tag="agent", ttft_s=0.5, cached=80, prompt=100), turn=2)
+    first = _result(0.0, 0.4, tag="agent", ttft_s=0.2, cached=0, prompt=100)
+    s = summarize("ours", 2, [[running, arriving, first]])
+    assert s.prefill_stall_s == pytest.approx(1.2)
+    assert s.cached_fraction_by_turn == (0.0, 0.0, 0.8)
+    assert summarize("ours", 1, [[_result(0.0, 1.0)]]).cached_fraction_by_turn == ()  # not agent-loop

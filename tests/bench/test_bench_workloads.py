@@ -87,3 +87,13 @@ def test_unknown_workload_or_bad_concurrency_is_refused() -> None:
         build("nope", WorkloadParams(), 1)
     with pytest.raises(ValueError):
         build("agents", WorkloadParams(), 0)
+
+
+def test_agent_loop_agents_share_a_system_prompt_and_send_tool_results_with_no_think_time() -> None:
+    w = build("agent-loop", WorkloadParams(num_requests=12, system_words=100, tool_result_words=300), 4)
+    assert w.max_in_flight == 4 and len(w.sessions) == 4 and w.num_requests == 12
+    assert len({s.system for s in w.sessions}) == 1
+    assert all(s.arrival_s == 0.0 and s.tag == "agent" and len(s.turns) == 3 for s in w.sessions)
+    for session in w.sessions:
+        assert session.turns[0].user.startswith("Task ")
+        assert all(t.user.startswith("Tool result ") and len(t.user.split()) > 300 for t in session.turns[1:])

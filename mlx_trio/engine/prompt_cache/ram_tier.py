@@ -19,6 +19,13 @@ same VM, more per such entry), on the Trio thread: a stall of every stream.
 Plain Python and numpy, no MLX calls: the actors own the one instance and
 call it between awaits; dropped caches are handed to `on_evict` (which frees
 them on the lease thread).
+
+Pending puts (docs/prompt-cache.md): a row that joins the decode batch is
+recorded (`expect`) with its prompt until its finish-time put is made or
+given up (`settle`). A lookup can then tell that a better entry is on its way
+(`awaited_by`): an agent's next turn, sent the moment the last one's final
+event arrived, extends that prompt, and its caller waits for the put instead
+of missing.
 """
 
 from __future__ import annotations
@@ -108,6 +115,8 @@ class PromptCache:
         # and _nbytes is the sum of their nbytes.
         self._lru: collections.OrderedDict[tuple[int, ...], CacheEntry] = collections.OrderedDict()
         self._nbytes = 0
+        # Puts on their way (see `expect`): a key (the request id) to the prompt its entry will start with.
+        self._pending: dict[str, np.ndarray] = {}
         self._hits = self._misses = self._hit_tokens = self._puts = self._evictions = 0
 
     @property
@@ -141,6 +150,36 @@ class PromptCache:
             if usable and (best is None or (usable, -len(entry.tokens)) > (best.usable, -len(best.entry.tokens))):
                 best = CacheHit(entry, usable)
         return best
+
+    def expect(self, key: str, prefix: Sequence[int]) -> None:
+        """A put of an entry that starts with `prefix` may come under `key` (until `settle(key)`)."""
+        self._pending[key] = np.asarray(prefix, dtype=np.int64)
+
+    def settle(self, key: str) -> None:
+        """The put expected under `key` was made or will never be; idempotent."""
+        self._pending.pop(key, None)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def awaited_by(self, prompt: Sequence[int]) -> list[str]:
+        """Keys of pending puts that would serve `prompt` better than what the cache holds now.
+
+        A pending put counts when its whole prefix is a prefix of the tokens
+        a lookup may use (all but the prompt's last) and longer than the best
+        usable entry: the prompt continues that request's conversation. A
+        sibling that shares only a system prompt never waits. Does not count
+        as a lookup.
+        """
+        target = list(prompt[:-1])
+        if not self._pending or not target:
+            return []
+        ids = np.asarray(target, dtype=np.int64)
+        best = self._best(target)
+        have = best.usable if best is not None else 0
+        return [key for key, prefix in self._pending.items()
+                if have < len(prefix) <= len(ids) and np.array_equal(ids[: len(prefix)], prefix)]
 
     def put(self, entry: CacheEntry) -> bool:
         """Insert (or refresh) `entry`, then evict LRU entries over the caps; False if it can never fit."""
