@@ -24,11 +24,18 @@ class FinishReason(enum.StrEnum):
 
 @attrs.frozen
 class Usage:
-    """Token counts as OpenAI reports them."""
+    """Token counts as OpenAI reports them.
+
+    `reasoning_tokens` (of `completion_tokens`) are those the model wrote in
+    its reasoning span. The engine streams text without splitting it, so it
+    always reports 0; the HTTP layer's output router, which splits the text,
+    counts them (docs/api.md, "Reasoning").
+    """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
