@@ -218,9 +218,11 @@ class Engine:
                 async for item in recv:
                     if isinstance(item, MlxTrioError):
                         raise item
-                    yield item
                     if isinstance(item, Finished):
+                        divergence = self.actors.cache_divergence(request.prompt_ids)
+                        yield attrs.evolve(item, cache_divergence=divergence) if divergence else item
                         return
+                    yield item
             if len(actor.generated) > actor.generated_at_start:
                 stalled, queued = 1, 0
             elif actor.left_queue:

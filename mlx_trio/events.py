@@ -63,6 +63,23 @@ class TextDelta:
 
 
 @attrs.frozen
+class CacheDivergence:
+    """Where a prompt left the prompt-cache entry closest to it: why it missed, or hit short.
+
+    `position` is the first prompt token that differs from that entry
+    (`entry_tokens` long); `before` is the text of the few shared tokens just
+    before it, `cached` and `prompt` the entry's and the prompt's text from
+    there (docs/prompt-cache.md, "Why did my cache miss?").
+    """
+
+    position: int
+    entry_tokens: int
+    before: str
+    cached: str
+    prompt: str
+
+
+@attrs.frozen
 class Finished:
     """The last event: why generation stopped, and the counts."""
 
@@ -70,6 +87,8 @@ class Finished:
     usage: Usage
     # The stop string that ended the text (finish_reason "stop"); None for EOS or length.
     stop_sequence: str | None = None
+    # Set when the prompt diverged from a close prompt-cache entry (at its last lookup).
+    cache_divergence: CacheDivergence | None = None
 
 
 GenerationEvent = PromptProgress | TextDelta | Finished

@@ -17,6 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.prompt_cache.divergence import Divergences
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class PromptCaching:
     def __init__(self, lane: Lane, *, max_bytes: int, max_entries: int) -> None:
         self._lane = lane
         self.cache = PromptCache(max_bytes=max_bytes, max_entries=max_entries, on_evict=self._free)
+        # Where recent prompts left their closest entry: "why did my cache miss?" (engine/prompt_cache/divergence.py).
+        self.divergences = Divergences()
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +48,7 @@ class PromptCaching:
 
     async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore."""
+        self.divergences.note(self.cache.entries(), prompt)
         hit = self.cache.lookup(prompt)
         if hit is not None:
             return hit
