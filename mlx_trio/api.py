@@ -219,9 +219,11 @@ class Engine:
                     async for item in recv:
                         if isinstance(item, MlxTrioError):
                             raise item
-                        yield item
                         if isinstance(item, Finished):
+                            divergence = self.actors.cache_divergence(request.prompt_ids)
+                            yield attrs.evolve(item, cache_divergence=divergence) if divergence else item
                             return
+                        yield item
                 finally:
                     # The caller left (or the request ended): the session stops now, so the lane
                     # frees the request at its next chunk or step.

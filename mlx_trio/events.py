@@ -24,11 +24,18 @@ class FinishReason(enum.StrEnum):
 
 @attrs.frozen
 class Usage:
-    """Token counts as OpenAI reports them."""
+    """Token counts as OpenAI reports them.
+
+    `reasoning_tokens` (of `completion_tokens`) are those the model wrote in
+    its reasoning span. The engine streams text without splitting it, so it
+    always reports 0; the HTTP layer's output router, which splits the text,
+    counts them (docs/api.md, "Reasoning").
+    """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -56,6 +63,23 @@ class TextDelta:
 
 
 @attrs.frozen
+class CacheDivergence:
+    """Where a prompt left the prompt-cache entry closest to it: why it missed, or hit short.
+
+    `position` is the first prompt token that differs from that entry
+    (`entry_tokens` long); `before` is the text of the few shared tokens just
+    before it, `cached` and `prompt` the entry's and the prompt's text from
+    there (docs/prompt-cache.md, "Why did my cache miss?").
+    """
+
+    position: int
+    entry_tokens: int
+    before: str
+    cached: str
+    prompt: str
+
+
+@attrs.frozen
 class Finished:
     """The last event: why generation stopped, and the counts."""
 
@@ -63,6 +87,8 @@ class Finished:
     usage: Usage
     # The stop string that ended the text (finish_reason "stop"); None for EOS or length.
     stop_sequence: str | None = None
+    # Set when the prompt diverged from a close prompt-cache entry (at its last lookup).
+    cache_divergence: CacheDivergence | None = None
 
 
 GenerationEvent = PromptProgress | TextDelta | Finished

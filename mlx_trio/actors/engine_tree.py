@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -41,8 +42,10 @@ from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
 from mlx_trio.engine.model.load import LoadedModel, load_model
+from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
+from mlx_trio.events import CacheDivergence
 from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
@@ -139,8 +142,10 @@ class EngineActors:
         stats = lane.caching.statistics() if lane.caching is not None else PromptCacheStatistics()
         prefill = lane.prefill.statistics() if lane.prefill is not None else None
         ssd = lane.persistence.statistics() if lane.persistence is not None else PersistenceStatistics()
+        last = self._described(lane.caching.divergences.last if lane.caching is not None else None)
         return {
             "enabled": lane.caching is not None, **attrs.asdict(stats),
+            "last_divergence": attrs.asdict(last) if last is not None else None,
             "prefill_tokens": prefill.prefill_tokens if prefill else 0,
             "snapshots": prefill.snapshots if prefill else 0,
             "ssd": {
@@ -149,6 +154,16 @@ class EngineActors:
                 "dropped": ssd.dropped, "queue_depth": ssd.queue_depth,
             },
         }
+
+    def cache_divergence(self, prompt_ids: Sequence[int]) -> CacheDivergence | None:
+        """Where `prompt_ids` left its closest prompt-cache entry at its last lookup, as text (then forgotten)."""
+        caching = self.lane.caching
+        return self._described(caching.divergences.take(prompt_ids) if caching is not None else None)
+
+    def _described(self, divergence: Divergence | None) -> CacheDivergence | None:
+        # The tokenizer is pure Python: decoding a few tokens here never waits on the GPU.
+        model = self.lane.model
+        return divergence.described(model.decode) if divergence is not None and model is not None else None
 
     # -- the children, in start order: the whole wiring ------------------------------
 

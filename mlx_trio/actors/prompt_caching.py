@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.prompt_cache.divergence import Divergences
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class PromptCaching:
         # Set when the pending put of that key (a request id) is settled.
         self._settled: dict[str, trio.Event] = {}
         self.put_waits = 0  # lookups that waited for a pending put
+        # Where recent prompts left their closest entry: "why did my cache miss?" (engine/prompt_cache/divergence.py).
+        self.divergences = Divergences()
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +90,8 @@ class PromptCaching:
                     event = self._settled.get(key)
                     if event is not None:
                         await event.wait()
+        # After the wait: a follow-up turn that waited for its previous turn's put is no miss.
+        self.divergences.note(self.cache.entries(), prompt)
         hit = self.cache.lookup(prompt)
         if hit is not None:
             return hit

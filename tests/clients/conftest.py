@@ -18,6 +18,7 @@ import pytest
 
 from tests.clients.clients import REPO
 from tests.clients.scripted_model import scripted_model
+from tests.http.conftest import tools_format  # noqa: F401  (the fixture, for the scripted-engine tool turns)
 
 REPLY = "The tiny model says pong."
 # The line `mlx-trio serve` prints once the model is loaded and the port is open.

@@ -129,6 +129,10 @@ class PromptCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._lru
 
+    def entries(self) -> list[CacheEntry]:
+        """Every entry, least recently used first (a copy: the caller may put and evict while reading it)."""
+        return list(self._lru.values())
+
     def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`, leaving its last token to compute; counts hit/miss."""
         hit = self._best(list(prompt[:-1]))

@@ -229,19 +229,20 @@ def _tools(body: Mapping[str, Any]) -> ToolsRequest:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})
+    request = ToolsRequest(tuple(tools), schema_fields=tuple(f"tools[{i}].input_schema" for i in range(len(tools))))
     choice = body.get("tool_choice")
     if choice is None:
-        return ToolsRequest(tuple(tools), "auto" if tools else "none")
+        return attrs.evolve(request, choice="auto" if tools else "none")
     kind = choice.get("type") if isinstance(choice, dict) else None
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use"))
     names = [t["function"]["name"] for t in tools]
     if kind == "tool":
         if choice.get("name") not in names:
             raise InvalidParameter("tool_choice.name", f"must name one of the tools ({', '.join(names) or 'none'})")
-        return ToolsRequest(tuple(tools), "function", choice["name"], parallel=False)
+        return attrs.evolve(request, choice="function", function_name=choice["name"], parallel=False)
     mapping = {"auto": "auto", "any": "required", "none": "none"}
     if kind not in mapping:
         raise InvalidParameter("tool_choice.type", "must be 'auto', 'any', 'tool' or 'none'")
     if kind == "any" and not tools:
         raise InvalidParameter("tool_choice", "'any' needs at least one tool in tools")
-    return attrs.evolve(ToolsRequest(tuple(tools), mapping[kind]), parallel=parallel)
+    return attrs.evolve(request, choice=mapping[kind], parallel=parallel)

@@ -17,6 +17,12 @@ every call when the request did not ask for tool parsing.
 A model in the generic tool format (no markers: its answer is text or one
 JSON call object) has its content read by a `GenericCallReader`, which
 gives out each call as soon as its object closes.
+
+The router also counts reasoning tokens (`reasoning_tokens`): a delta's
+tokens count when the text state machine passed through the reasoning
+state while reading it, so both think markers count with the text between
+them. Text may lag its token by one (a character cut across tokens), so
+the count is exact up to the token at each boundary.
 """
 
 from __future__ import annotations
@@ -83,11 +89,15 @@ class OutputRouter:
         # the end it is call syntax and dropped; before more text it is content.
         self._after_call: str | None = None
         self.num_tool_calls = 0
+        self.reasoning_tokens = 0
 
-    def feed(self, text: str) -> list[Piece]:
+    def feed(self, text: str, tokens: int = 0) -> list[Piece]:
+        """The pieces of one delta's `text`, which `tokens` generated tokens produced (EOS not among them)."""
         if self._sm_state is None:
             return self._content(text) if text else []
         self._sm_state, segments = self._fmt.splitter.split(self._sm_state, text)
+        if any(state == REASONING for state, _ in segments):
+            self.reasoning_tokens += tokens
         return self._route(segments)
 
     def finish(self) -> list[Piece]:

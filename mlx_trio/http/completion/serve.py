@@ -7,8 +7,9 @@
                 status: a full queue is a 503 + Retry-After), then SSE frames:
                 the renderer's keep-alives while the prompt prefills, text through the
                 output router, an in-band error event after the headers
-        collect: the whole text, routed once
-    →  render (the wire API's `Renderer`)
+        collect: every delta, then routed in order
+    →  render (the wire API's `Renderer`), with the router's reasoning-token
+       count put into the finish's `Usage`
 
 Leaving early, by a client disconnect (quart-trio cancels the handler, or
 closes the stream body) or a drain that times out (`server/drain.py`),
@@ -23,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from quart import Response
 
 from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
@@ -34,7 +36,6 @@ from mlx_trio.http.server.errors import ApiError, api_error, draining
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.server.state import AppState, closing
-from mlx_trio.logprobs import TokenLogprob
 from mlx_trio.output_format import PLAIN
 
 log = logging.getLogger("mlx_trio.http")
@@ -63,9 +64,11 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
-    text, finished, logprobs = await _collect(events, request_log)
-    body = renderer.whole([*router.feed(text), *router.finish()], finished, router.num_tool_calls,
-                          logprobs if call.wants_logprobs else None)
+    deltas, finished = await _collect(events, request_log)
+    pieces = [piece for delta in deltas for piece in router.feed(delta.text, len(delta.token_ids))]
+    pieces.extend(router.finish())
+    logprobs = [item for delta in deltas for item in delta.logprobs] if call.wants_logprobs else None
+    body = renderer.whole(pieces, _counted(finished, router), router.num_tool_calls, logprobs)
     return Response(json.dumps(body, ensure_ascii=False), status=200, mimetype="application/json")
 
 
@@ -141,12 +144,14 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
                     for frame in renderer.keepalive(item.processed, item.total):
                         yield frame
                 elif isinstance(item, TextDelta):
-                    for frame in renderer.delta(router.feed(item.text), item.logprobs if logprobs else None):
+                    pieces = router.feed(item.text, len(item.token_ids))
+                    for frame in renderer.delta(pieces, item.logprobs if logprobs else None):
                         yield frame
                 item = await _next(events)
                 request_log.saw(item)
             outcome = item.finish_reason
-            for frame in renderer.finish(router.finish(), item, router.num_tool_calls):
+            pieces = router.finish()
+            for frame in renderer.finish(pieces, _counted(item, router), router.num_tool_calls):
                 yield frame
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
         error = _stream_failure(exc, renderer.id)
@@ -174,11 +179,15 @@ def _stream_failure(exc: Exception, stream_id: str) -> ApiError:
     return error
 
 
+def _counted(finished: Finished, router: OutputRouter) -> Finished:
+    """`finished` with the reasoning tokens the router counted (the engine does not split its text)."""
+    return attrs.evolve(finished, usage=attrs.evolve(finished.usage, reasoning_tokens=router.reasoning_tokens))
+
+
 async def _collect(events: AsyncIterator[GenerationEvent],
-                   request_log: RequestLog) -> tuple[str, Finished, list[TokenLogprob]]:
-    """A whole non-streamed generation: its text, its `Finished` and its logprobs; logs the outcome."""
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
+                   request_log: RequestLog) -> tuple[list[TextDelta], Finished]:
+    """A whole non-streamed generation: its text deltas and its `Finished`; logs the outcome."""
+    deltas: list[TextDelta] = []
     outcome = "cancelled"
     try:
         async with closing(events):
@@ -186,11 +195,10 @@ async def _collect(events: AsyncIterator[GenerationEvent],
                 event = await _next(events)
                 request_log.saw(event)
                 if isinstance(event, TextDelta):
-                    texts.append(event.text)
-                    logprobs.extend(event.logprobs)
+                    deltas.append(event)
                 elif isinstance(event, Finished):
                     outcome = event.finish_reason
-                    return "".join(texts), event, logprobs
+                    return deltas, event
     except Exception as exc:
         error = api_error(exc)
         outcome = error.code or error.type

@@ -35,14 +35,17 @@ _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | None, parser_kind: str | None, *,
-                           function_name: str | None = None, parallel: bool = True) -> Constraint | None:
+                           function_name: str | None = None, parallel: bool = True,
+                           schema_fields: Sequence[str] = ()) -> Constraint | None:
     """The constraint that enforces `tool_choice`, or None when nothing needs enforcing.
 
     `tool_choice` is "auto", "none", "required" or "function" (then
     `function_name` names the one tool to call). `parser_kind` is the model's
     `OutputFormat.tool_parser_kind`. `parallel` False allows one call only
-    (a named function always gets exactly one). Raises `InvalidParameter`
-    (field `tool_choice`) when the model's format cannot be enforced.
+    (a named function always gets exactly one). `schema_fields` labels each
+    tool's schema for errors (default `tools[i].function.parameters`).
+    Raises `InvalidParameter` (field `tool_choice`) when the model's format
+    cannot be enforced.
     """
     if tool_choice in (None, "none") or (tool_choice == "auto" and parser_kind != GENERIC_TOOLS):
         return None
@@ -58,8 +61,8 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str 
         parallel = False
     if not functions:
         raise InvalidParameter("tool_choice", f"names function {function_name!r}, which is not in tools")
-    schemas = tuple((f"tools[{i}].function.parameters", json.dumps(_parameters(f), ensure_ascii=False))
-                    for i, f in functions)
+    schemas = tuple((schema_fields[i] if schema_fields else f"tools[{i}].function.parameters",
+                     json.dumps(_parameters(f), ensure_ascii=False)) for i, f in functions)
     calls = [f for _, f in functions]
     if parser_kind == GENERIC_TOOLS:
         source = _generic_grammar(calls, text=tool_choice == "auto", parallel=parallel)

@@ -27,13 +27,17 @@ class ToolsRequest:
 
     `choice` is "auto", "none", "required" or "function" (`function_name`
     says which). With "none" the template gets no tools and the output is not
-    parsed for calls: the model answers in text.
+    parsed for calls: the model answers in text. `schema_fields` names, in
+    `tools` order, the body field that holds each tool's schema, so an error
+    about one names it as the client wrote it (empty: OpenAI's own
+    `tools[i].function.parameters`).
     """
 
     tools: tuple[Mapping[str, Any], ...] = ()
     choice: str = "none"
     function_name: str | None = None
     parallel: bool = True
+    schema_fields: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -47,7 +51,7 @@ class ToolsRequest:
         if not self.active:
             return None
         return tool_choice_constraint(self.tools, self.choice, parser_kind, function_name=self.function_name,
-                                      parallel=self.parallel)
+                                      parallel=self.parallel, schema_fields=self.schema_fields)
 
 
 NO_TOOLS = ToolsRequest()

@@ -20,11 +20,11 @@ from mlx_trio.logprobs import TokenLogprob
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
-    """Responses usage. Reasoning tokens are not counted apart (the engine counts tokens, the router text): 0."""
+    """Responses usage; `reasoning_tokens` as the output router counted them (`Usage.reasoning_tokens`)."""
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 

@@ -60,6 +60,7 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
     tools: list[dict[str, Any]] = []
     custom: dict[str, Constraint | None] = {}
     namespaces: dict[str, str] = {}
+    fields: dict[str, str] = {}  # tool name → the body field of its schema, for errors
     for i, tool in enumerate(raw or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind in IGNORED_HOSTED:
@@ -69,6 +70,7 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
             template_tool, grammar, is_custom = _tool(entry, where)
             tools.append(template_tool)
             name = template_tool["function"]["name"]
+            fields[name] = where if is_custom else f"{where}.parameters"
             if is_custom:
                 custom[name] = grammar
             if entry is not tool:
@@ -77,13 +79,15 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidParameter("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
     choice, name, tools = _choice(body.get("tool_choice"), tools)
+    schema_fields = tuple(fields[tool["function"]["name"]] for tool in tools)
     forced_name = name if choice == "function" else None
     if choice == "required" and len(tools) == 1:
         forced_name = tools[0]["function"]["name"]
     if forced_name is not None and custom.get(forced_name) is not None:
-        request = ToolsRequest(tuple(tools), "auto", None, parallel=False)
+        request = ToolsRequest(tuple(tools), "auto", None, parallel=False, schema_fields=schema_fields)
         return ResponsesTools(request, custom, namespaces, custom[forced_name], forced_name)
-    return ResponsesTools(ToolsRequest(tuple(tools), choice, name, parallel is not False), custom, namespaces)
+    request = ToolsRequest(tuple(tools), choice, name, parallel is not False, schema_fields=schema_fields)
+    return ResponsesTools(request, custom, namespaces)
 
 
 def _namespace(tool: Mapping[str, Any], where: str) -> list[tuple[Any, str]]:

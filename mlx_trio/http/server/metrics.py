@@ -1,4 +1,9 @@
-"""One log line per request (id, token counts, time to first token, decode speed, outcome), and its Prometheus samples."""
+"""One log line per request (id, token counts, time to first token, decode speed, outcome), and its Prometheus samples.
+
+When the prompt left a close prompt-cache entry, the line also says where
+(`diverged_at=POSITION/ENTRY_TOKENS`) and shows the text on each side:
+`before` (shared), then `cached` (the entry's) against `prompt` (this request's).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlx_trio.events import Finished, GenerationEvent, TextDelta, Usage
+from mlx_trio.events import CacheDivergence, Finished, GenerationEvent, TextDelta, Usage
 
 if TYPE_CHECKING:
     from mlx_trio.http.server.prometheus import Metrics
@@ -34,6 +39,7 @@ class RequestLog:
         self._last_token_s: float | None = None
         self._metrics = metrics
         self._usage: Usage | None = None
+        self._divergence: CacheDivergence | None = None
         self._logged = False
 
     def saw(self, event: GenerationEvent) -> None:
@@ -47,7 +53,7 @@ class RequestLog:
                     self._metrics.inter_token.observe((now_s - self._last_token_s) / count)
                 self._last_token_s = now_s
         elif isinstance(event, Finished):
-            self._usage = event.usage
+            self._usage, self._divergence = event.usage, event.cache_divergence
             if self._first_token_s is None:  # e.g. an immediate EOS: no visible text, one token
                 self._first_token(self._clock())
 
@@ -78,5 +84,12 @@ class RequestLog:
             after_first = usage.completion_tokens - 1 if usage else 0
             rate = after_first / decode_s if after_first > 0 and decode_s > 0 else 0.0
             timing = f"ttft={ttft_s:.3f}s tok/s={rate:.1f}"
-        log.info("%s %s %s %s finish=%s total=%.3fs", self.request_id, self._kind, counts, timing, outcome,
-                 end_s - self._start_s)
+        log.info("%s %s %s %s finish=%s total=%.3fs%s", self.request_id, self._kind, counts, timing, outcome,
+                 end_s - self._start_s, _diverged(self._divergence))
+
+
+def _diverged(divergence: CacheDivergence | None) -> str:
+    if divergence is None:
+        return ""
+    return (f" diverged_at={divergence.position}/{divergence.entry_tokens} before={divergence.before!r}"
+            f" cached={divergence.cached!r} prompt={divergence.prompt!r}")

@@ -234,16 +234,27 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_naming_the_tool(http: http
 
 
 def test_anthropic_bad_schema_and_unknown_history_tool_are_400s(http: httpx.Client) -> None:
-    """On /v1/messages too: an unenforceable input_schema and a tool_use of an undeclared tool are 400s."""
-    bad = http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": ASK,
-                                          "tools": [{"name": "tag", "input_schema": BAD_SCHEMA["function"]["parameters"]}]})
+    """On /v1/messages too: an unenforceable input_schema (named as Anthropic spells it) and an undeclared tool_use."""
+    bad = http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": ASK, "tools": [
+        {"name": "get_weather", "input_schema": CITY}, {"name": "tag", "input_schema": BAD_SCHEMA["function"]["parameters"]}]})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-    assert "tools[0]" in bad.json()["error"]["message"] and "uniqueItems" in bad.json()["error"]["message"]
+    message = bad.json()["error"]["message"]
+    assert message.startswith("tools[1].input_schema: ") and "uniqueItems" in message, message
+    assert "function" not in message
     history = [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "nope", "input": {}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]
     unknown = http.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": history,
                                               "tools": [{"name": "get_weather", "input_schema": CITY}]})
     assert unknown.status_code == 400 and "'nope'" in unknown.json()["error"]["message"]
+
+
+def test_responses_bad_schema_names_the_flat_parameters_field(http: httpx.Client) -> None:
+    """On /v1/responses: the flat tool's `parameters`, counted in the body's own tools (ignored web_search included)."""
+    flat = {"type": "function", **BAD_SCHEMA["function"]}
+    response = http.post("/v1/responses", json={"input": "Weather in Paris?", "max_output_tokens": 4,
+                                                "tools": [{"type": "web_search"}, flat]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools[1].parameters"
 
 
 def test_an_unknown_tool_in_the_history_is_a_400_naming_the_call(http: httpx.Client) -> None:

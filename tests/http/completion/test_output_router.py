@@ -110,3 +110,33 @@ def test_plain_format_passes_text_through() -> None:
     pieces, router = _route(PLAIN, ["<think>x", "</think>"], parse_tool_calls=True)
     assert pieces == [Content("<think>x"), Content("</think>")]
     assert router.num_tool_calls == 0 and router.finish() == []
+
+
+def _reasoning_tokens(fmt: OutputFormat, deltas: list[tuple[str, int]], **options: object) -> int:
+    router = OutputRouter(fmt, **options)  # type: ignore[arg-type]
+    for text, tokens in deltas:
+        router.feed(text, tokens)
+    router.finish()
+    return router.reasoning_tokens
+
+
+def test_reasoning_tokens_count_the_deltas_read_in_the_think_span(tools_format: OutputFormat) -> None:
+    """Both markers and the text between count; content before and after does not; a cut marker counts once."""
+    answer = [("Hi", 1), ("<think>", 1), ("The user", 2), (" wants", 1), ("</think>", 1), ("\n\nOk.", 3)]
+    assert _reasoning_tokens(tools_format, answer) == 5
+    # "</th" + "ink>": a marker cut across deltas; each of its deltas was read in the span, so each counts.
+    cut = [("<think>", 1), ("Hm", 1), ("</th", 1), ("ink>", 1), ("Ok", 1)]
+    assert _reasoning_tokens(tools_format, cut) == 4
+    # A delta with no text yet (its text lags a token) counts by the state it was read in.
+    assert _reasoning_tokens(tools_format, [("<think>", 1), ("", 1), ("x", 1), ("</think>", 1), ("", 1)]) == 4
+
+
+def test_reasoning_tokens_from_an_open_think_in_the_prompt(tools_format: OutputFormat) -> None:
+    """The template opened <think>: the first tokens are reasoning without a marker of their own."""
+    think = tools_format.think_start_ids[0]
+    assert _reasoning_tokens(tools_format, [("plan", 2), ("</think>", 1), ("answer", 2)], prompt_ids=[1, think]) == 3
+
+
+def test_no_reasoning_tokens_without_markers() -> None:
+    """A model without thinking markers (or a text completion): its `<think>` is content, counted as such."""
+    assert _reasoning_tokens(PLAIN, [("<think>x", 2), ("</think>", 1)]) == 0

@@ -123,8 +123,9 @@ async def test_a_whole_answer_is_the_renderers_body() -> None:
     """Non-streamed: one JSON object, whatever the renderer returns, built from all the pieces."""
     response = await serve_completion(_state(FakeEngine()), _call(stream=False), FakeRenderer())
     assert response.mimetype == "application/json"
-    assert await response.get_json() == {"pieces": "content:w0 w1 w2 ", "finish": "length", "calls": 0,
-                                         "logprobs": None}
+    # The same pieces a stream gets, delta by delta.
+    assert await response.get_json() == {"pieces": "content:w0 |content:w1 |content:w2 ", "finish": "length",
+                                         "calls": 0, "logprobs": None}
 
 
 async def test_chat_text_is_routed_and_tool_calls_get_the_renderers_id_prefix(tools_format: OutputFormat) -> None:
@@ -138,7 +139,9 @@ async def test_chat_text_is_routed_and_tool_calls_get_the_renderers_id_prefix(to
     assert frames[-2:] == [b"finish  stop calls=1", b"closing"]
     whole = await (await serve_completion(_state(engine), _call(stream=False, chat=True, prompt=call.prompt,
                                                                  tools=call.tools), FakeRenderer())).get_json()
-    assert whole["pieces"] == "reasoning:Hm.|content:Ok.|call#0:get_weather:True" and whole["calls"] == 1
+    # Routed delta by delta, as the stream was: the same pieces.
+    streamed = [frame.decode()[len("delta "):-len(" logprobs=None")] for frame in frames if frame.startswith(b"delta")]
+    assert whole["pieces"] == "|".join(p for p in streamed if p) and whole["calls"] == 1
     assert engine.prepared[0][1]["tools"] == [WEATHER]
 
 

@@ -88,6 +88,26 @@ def test_think_tokens_become_reasoning(client: openai.OpenAI, tokenizer: Any) ->
     assert "".join(d.content or "" for d in deltas) == ""
 
 
+def test_reasoning_tokens_are_in_usage_on_both_openai_wires(client: openai.OpenAI, tokenizer: Any) -> None:
+    """Forced <think>: all 4 tokens are reasoning (the marker too); forced </think> (no span open): none."""
+    for token, expected in (("<think>", 4), ("</think>", 0)):
+        bias = _bias(tokenizer, token)
+        done = client.chat.completions.create(model="m", messages=ASK, max_tokens=4, logit_bias=bias)
+        assert done.usage.completion_tokens == 4
+        assert done.usage.completion_tokens_details.reasoning_tokens == expected
+        chunks = list(client.chat.completions.create(model="m", messages=ASK, max_tokens=4, logit_bias=bias,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
+        response = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=4,
+                                           extra_body={"logit_bias": bias})
+        assert response.usage.output_tokens == 4
+        assert response.usage.output_tokens_details.reasoning_tokens == expected
+        events = list(client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=4,
+                                              extra_body={"logit_bias": bias}, stream=True))
+        assert events[-1].type == "response.incomplete"  # max_output_tokens reached
+        assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
+
+
 def test_enable_thinking_false_closes_the_span_in_the_prompt(client: openai.OpenAI, tokenizer: Any) -> None:
     """chat_template_kwargs pass through: enable_thinking false renders the empty think span into the prompt."""
     done = client.chat.completions.create(model="m", messages=ASK, max_tokens=1,

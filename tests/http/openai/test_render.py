@@ -47,7 +47,8 @@ async def test_include_usage_adds_a_usage_chunk_before_done() -> None:
     assert usage_chunk["object"] == "text_completion"
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
-                                    "prompt_tokens_details": {"cached_tokens": 0}}
+                                    "prompt_tokens_details": {"cached_tokens": 0},
+                                    "completion_tokens_details": {"reasoning_tokens": 0}}
     last = json.loads(events[-3].removeprefix("data: "))
     assert last["choices"][0]["finish_reason"] == "length"
 
