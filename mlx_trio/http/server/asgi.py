@@ -7,7 +7,8 @@ for a body over the limit, 401 before reading it), the client keeps sending,
 the queue fills, and hypercorn blocks forever on the connection: the client
 sees its answer but the next request on that keep-alive connection hangs.
 Reading (and dropping) the rest of the body here lets hypercorn finish the
-request cycle normally. Such an error response also gets `Connection: close`:
+request cycle normally. Any response sent before the body is in (an error, or
+any other status a router may answer early) also gets `Connection: close`:
 hypercorn closes a connection whose request was not read to the end, and a
 client that was not told so would reuse it and wait forever.
 """
@@ -53,7 +54,7 @@ class DrainRequestBody:
             return message
 
         async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and not finished and message["status"] >= 400:
+            if message["type"] == "http.response.start" and not finished:
                 message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 

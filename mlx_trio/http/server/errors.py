@@ -196,7 +196,12 @@ def _json_bytes(payload: Any) -> bytes:
 
 
 def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
-    """Route every exception a handler raises through `api_error` (the only mapping)."""
+    """Route every exception a handler raises through `api_error` (the only mapping).
+
+    Routing never redirects: werkzeug would answer a path with `//` with an
+    HTML 308 that no API client follows; such a path is an unserved one, a 404.
+    """
+    app.url_map.merge_slashes = False
     async def handle(exc: Exception) -> Response:
         error = api_error(exc, max_body_bytes=max_body_bytes, path=request.path, method=request.method)
         if error.status == 404 and isinstance(exc, HTTPException):  # an unserved path: say which ones are served
