@@ -2,8 +2,9 @@
 
 The engine is a supervision tree of Trio actors:
 
-    root (one_for_one)
-    ├── engine (rest_for_one)      gpu-lease and the lane's actors (actors/engine_tree.py)
+    root (one_for_one, never gives up)
+    ├── engine (rest_for_one)      gpu-lease and the lane's actors (actors/engine_tree.py); when it
+    │                              gives up it is down (503s) and starts again after a backoff
     ├── sessions (one_for_one)     one temporary session actor per request
     └── (extra children)           e.g. the HTTP server of `mlx-trio serve`
 
@@ -33,12 +34,13 @@ from mlx_trio.actors.messages import Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.model.load import LoadedModel
-from mlx_trio.errors import ActorCrashed, ContextTooLong, EngineFailure, EngineRestarted, InvalidParameter, MlxTrioError
+from mlx_trio.errors import (ActorCrashed, ContextTooLong, EngineDown, EngineFailure, EngineRestarted, InvalidParameter,
+                             MlxTrioError)
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.logprobs import TokenLogprob
 from mlx_trio.params import SamplingParams
-from mlx_trio.supervision import ChildSpec, Restart, Strategy, Supervisor
+from mlx_trio.supervision import Backoff, ChildSpec, Restart, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
@@ -50,6 +52,11 @@ MAX_RESUMES = 3
 # larger bound: a restart then says nothing about the request (it never reached the model), and
 # under sustained faults a request deep in the queue sees many before its turn comes.
 MAX_QUEUED_RESUMES = 30
+# The root never gives up: the engine subtree retries itself (`Retrying`), and the sessions
+# supervisor and the HTTP child restart as often as they fail, a crash loop slowed to at most
+# one restart a second. Only SIGTERM or a model that cannot load ends the process.
+ROOT_MAX_RESTARTS = 1_000_000
+ROOT_BACKOFF = Backoff(first_s=0.05, max_s=1.0, quick_s=2.0)
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
@@ -69,10 +76,11 @@ class Engine:
         # serve /health while the model loads, and stop first on shutdown.
         self._root = Supervisor(
             "root",
-            [self.actors.supervisor.as_child(), self._sessions.as_child(), *extra_children],
+            [self.actors.retrying.as_child(), self._sessions.as_child(), *extra_children],
             strategy=Strategy.ONE_FOR_ONE,
-            max_restarts=config.max_restarts,
-            period_s=config.restart_period_s,
+            max_restarts=ROOT_MAX_RESTARTS,
+            period_s=1.0,
+            backoff=ROOT_BACKOFF,
         )
 
     # -- facts ---------------------------------------------------------------
@@ -198,6 +206,10 @@ class Engine:
         attempts in a row that brought no new token (`MAX_QUEUED_RESUMES` for
         attempts that ended while the request still waited in admission's queue).
         """
+        down = self.actors.retrying.down
+        if down is not None:  # the engine gave up: refuse at once rather than wait out resume_timeout_s
+            raise EngineDown(f"the engine is down after too many restarts ({down.reason}); it starts again in "
+                             f"{down.retry_in_s():.0f} s", retry_after_s=down.retry_in_s())
         actor: SessionActor | None = None
         stalled = 0  # attempts in a row that brought no new token
         queued = 0  # of those, attempts that ended while still waiting in admission's queue

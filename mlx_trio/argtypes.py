@@ -48,3 +48,10 @@ def size(text: str) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value

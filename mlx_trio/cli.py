@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from mlx_trio import __version__
@@ -53,6 +54,7 @@ EXAMPLES = """examples:
   mlx-trio bench --serve ours --concurrency 1,8   load-test it (pip install 'mlx-trio[bench]')
 
 Once it serves, open http://127.0.0.1:8080/status for the live supervision tree."""
+_ENGINE = attrs.fields(EngineConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are cut (default: %(default)s)")
     arg("--responses-store-bytes", type=size, default=DEFAULT_RESPONSES_STORE_BYTES,
         help="RAM for stored /v1/responses results (previous_response_id, GET); 0 stores nothing (default: 64MiB)")
+    arg("--max-restarts", type=non_negative_int, default=_ENGINE.max_restarts.default,
+        help="engine actor restarts allowed within --restart-period before the engine gives up; it is then "
+             "down (503s, /health says why) and starts again after a backoff (default: %(default)s)")
+    arg("--restart-period", type=positive_float, default=_ENGINE.restart_period_s.default,
+        help="seconds over which --max-restarts counts (default: %(default)s)")
+    arg("--step-watchdog", type=positive_float, default=_ENGINE.step_watchdog_s.default,
+        help="seconds one GPU job may run before the lease thread counts as hung and is replaced, and the "
+             "engine restarts under its requests (default: %(default)s)")
+    arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
+        help="seconds a response may wait for a client that does not read before the stream is ended and "
+             "its request freed (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -140,14 +153,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           max_queue=args.max_queue, defaults=defaults, batch=args.batch,
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
-                          prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes)
+                          prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
+                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
                           batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
                           enable_fault_injection=args.enable_fault_injection,
                           strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
-                          responses_store_bytes=args.responses_store_bytes)
+                          responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout)
     return engine, server
 
 

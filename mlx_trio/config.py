@@ -46,9 +46,12 @@ class EngineConfig:
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     max_queue: int = 256
     defaults: SamplingParams = SamplingParams()
-    # Restart intensity of the engine subtree (lease → decoder): more than
-    # `max_restarts` within `restart_period_s` gives up and fails the engine.
-    max_restarts: int = 3
+    # Restart intensity of the engine subtree (lease → decoder), --max-restarts and
+    # --restart-period: more than `max_restarts` within `restart_period_s` gives up, and
+    # the engine is down (503s) until the root starts it again, after a backoff. Sized so
+    # that faults arriving every 0.3 s for good are survived; an actor that crashes on every
+    # start is slowed by the restart backoff and trips it (docs/supervision.md).
+    max_restarts: int = 150
     restart_period_s: float = 30.0
     # A lease job running longer than this marks the lease dead: a new lease
     # thread starts and the engine subtree restarts (--step-watchdog).

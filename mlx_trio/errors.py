@@ -69,5 +69,13 @@ class EngineRestarted(EngineFailure):
     """The engine failed under a request more often than resume allows (HTTP 503, `engine_restarted`)."""
 
 
+class EngineDown(EngineFailure):
+    """The engine gave up after too many restarts and starts again in `retry_after_s` (HTTP 503 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ModelLoadError(EngineFailure):
     """The model could not be found, converted or loaded."""

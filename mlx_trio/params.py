@@ -151,8 +151,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidParameter(name, f"must be a number, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value):
-            raise InvalidParameter(name, f"must be finite, got {value!r}")
+        if not fits_a_float(value):  # a JSON body with one is refused earlier, in http/server/body.py
+            raise InvalidParameter(name, f"must be a finite number in float range, got {value!r:.40}")
         return float(value)
     if name == "logprobs":
         if not isinstance(value, bool):
@@ -169,6 +169,14 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "logit_bias":
         return _coerce_logit_bias(value)
     return value
+
+
+def fits_a_float(number: float) -> bool:
+    """Finite and within float's range (an int past it is not, though Python holds it exactly)."""
+    try:
+        return math.isfinite(number)  # an int past float's range raises, as float() would
+    except OverflowError:
+        return False
 
 
 def _coerce_stop(value: Any) -> tuple[str, ...]:
@@ -193,7 +201,7 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             token_id = int(key)
         except (TypeError, ValueError):
             raise InvalidParameter("logit_bias", f"keys must be token ids (integers), got {item!r}") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not fits_a_float(bias):
             raise InvalidParameter("logit_bias", f"bias for token {token_id} must be a finite number, got {bias!r}")
         out.append((token_id, float(bias)))
     return tuple(out)

@@ -40,6 +40,9 @@ VOCAB = 100
         ({"logit_bias": {VOCAB + 1: 1.0}}, "logit_bias"),
         ({"seed": "seven"}, "seed"),
         ({"temprature": 0.5}, "temprature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"presence_penalty": -(10**400)}, "presence_penalty"),
+        ({"logit_bias": {"3": 10**400}}, "logit_bias"),
     ],
 )
 def test_bad_values_raise_invalid_parameter_naming_the_field(kwargs: dict, field: str) -> None:

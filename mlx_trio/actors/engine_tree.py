@@ -46,13 +46,17 @@ from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
 from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
 from mlx_trio.events import CacheDivergence
-from mlx_trio.supervision import ChildSpec, Strategy, Supervisor
+from mlx_trio.supervision import Backoff, ChildSpec, Retrying, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
 
 # Default RAM-tier size: this fraction of the KV budget (live rows take it back on demand).
 DEFAULT_PROMPT_CACHE_FRACTION = 0.25
+# An actor that crashes again within a second of its restart waits 10 ms, 20 ms, ... up to
+# 100 ms before the next one: a crash loop slows to ~10 restarts/s and trips the intensity
+# (--max-restarts), while faults a few tenths of a second apart never wait.
+ACTOR_BACKOFF = Backoff(first_s=0.01, max_s=0.1, quick_s=1.0)
 
 
 class LeaseWedged(EngineFailure):
@@ -79,7 +83,11 @@ class EngineActors:
             strategy=Strategy.REST_FOR_ONE,
             max_restarts=config.max_restarts,
             period_s=config.restart_period_s,
+            backoff=ACTOR_BACKOFF,
         )
+        # The root's child: when the subtree gives up, the engine is down (health says why,
+        # new requests are refused) and starts again after a backoff; the process lives on.
+        self.retrying = Retrying(self.supervisor)
 
     @property
     def model(self) -> LoadedModel | None:
@@ -97,6 +105,9 @@ class EngineActors:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
             return False, "loading model"
+        down = self.retrying.down
+        if down is not None:
+            return False, f"engine down: {down.reason}; starting again in {down.retry_in_s():.0f} s"
         status = self.supervisor.status()
         down = [c["id"] for c in status["children"] if c["state"] != "running"]
         if status["state"] != "running" or down:

@@ -33,6 +33,8 @@ class Child:
     state: ChildState = "stopped"
     # Times this id was started again after its first start.
     restarts: int = 0
+    # Crashes in a row soon after a start (`Backoff.streak`): how long its next restart waits.
+    crash_streak: int = 0
     last_error: str | None = None
     # Invariant: handle is not None only while state == "running".
     handle: object | None = None
@@ -70,6 +72,7 @@ class Exited:
     child: Child
     incarnation: int
     error: Exception | None
+    uptime_s: float = 0.0
 
 
 class _Handshake:
@@ -132,6 +135,7 @@ async def run_child(
                 error = exc
             if not handshake.is_started or child.stopping:
                 return
+            uptime_s = trio.current_time() - (child.started_at or trio.current_time())
             if error is None:
                 logger.debug("child %r returned", child.spec.id)
                 child.mark_exited("stopped")
@@ -141,7 +145,7 @@ async def run_child(
                 child.mark_exited("failed")
             # Stays inside child.scope: stopping this child while the control loop
             # is busy elsewhere cancels this send, so a stop never waits for the loop.
-            await exits.send(Exited(child, incarnation, error))
+            await exits.send(Exited(child, incarnation, error, uptime_s))
     finally:
         finished.set()
 

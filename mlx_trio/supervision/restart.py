@@ -1,10 +1,12 @@
-"""The two OTP restart decisions: which children restart, and whether a supervisor still may."""
+"""The OTP restart decisions: which children restart, whether a supervisor still may, and how soon."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
 from typing import TypeVar
+
+import attrs
 
 from mlx_trio.supervision.spec import Strategy
 
@@ -42,3 +44,29 @@ class RestartIntensity:
         while self._times[0] < now - self.period_s:
             self._times.popleft()
         return len(self._times) <= self.max_restarts
+
+
+@attrs.frozen
+class Backoff:
+    """How long a restart waits: at once, unless the child keeps crashing right after it starts.
+
+    A crash of an incarnation that ran less than `quick_s` extends the child's
+    streak; a longer run ends it. The first crash of a streak restarts at once
+    (one fault costs nothing), the n-th waits ``first_s * 2**(n-2)``, at most
+    `max_s`. So a child that crashes on every start restarts ever more slowly
+    instead of spinning, while one that fails now and then never waits.
+    ``Backoff()`` (first_s 0) never waits.
+    """
+
+    first_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    max_s: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    quick_s: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+
+    def streak(self, previous: int, uptime_s: float) -> int:
+        """The streak after a crash of an incarnation that ran `uptime_s` (`previous`: the streak before it)."""
+        return previous + 1 if uptime_s < self.quick_s else 1
+
+    def delay_s(self, streak: int) -> float:
+        if streak <= 1 or self.first_s <= 0:
+            return 0.0
+        return min(self.max_s, self.first_s * 2 ** (streak - 2))

@@ -12,7 +12,7 @@ import trio
 
 from mlx_trio.supervision.child import Child, Exited, describe_error, logger, run_child, stop_child
 from mlx_trio.supervision.errors import SupervisorGaveUp
-from mlx_trio.supervision.restart import RestartIntensity, affected
+from mlx_trio.supervision.restart import Backoff, RestartIntensity, affected
 from mlx_trio.supervision.spec import ChildSpec, Restart, Strategy
 from mlx_trio.supervision.status import child_entry, handle_stats
 
@@ -52,7 +52,9 @@ class Supervisor:
     ladder (see `ChildSpec.shutdown_s`), and returns. If a child fails to start at
     startup, the started ones are stopped and `run` raises the child's exception.
     More than `max_restarts` restarts within `period_s` seconds stop everything and
-    raise `SupervisorGaveUp`. Use `as_child` to nest a supervisor in another one.
+    raise `SupervisorGaveUp`. `backoff` spaces the restarts of a child that keeps
+    crashing right after it starts (default: never waits). Use `as_child` to nest a
+    supervisor in another one, `Retrying` to run one that survives its giving up.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Supervisor:
         strategy: Strategy = Strategy.ONE_FOR_ONE,
         max_restarts: int = 3,
         period_s: float = 5.0,
+        backoff: Backoff = Backoff(),
     ) -> None:
         ids = [spec.id for spec in children]
         if len(set(ids)) != len(ids):
@@ -71,6 +74,7 @@ class Supervisor:
         self.strategy = strategy
         self.max_restarts = max_restarts
         self.period_s = period_s
+        self.backoff = backoff
         self._specs = tuple(children)
         self._run: _Run | None = None
 
@@ -279,6 +283,7 @@ class Supervisor:
             if restart is Restart.TEMPORARY:
                 self._forget(run, child)
             elif restart is Restart.PERMANENT or exited.error is not None:
+                child.crash_streak = self.backoff.streak(child.crash_streak, exited.uptime_s)
                 await self._restart(run, child, exited.error)
 
     async def _restart(self, run: _Run, child: Child, error: Exception | None) -> None:
@@ -295,6 +300,11 @@ class Supervisor:
                 gave_up.__cause__ = error
                 raise gave_up
             run.restarts += 1
+            delay = self.backoff.delay_s(child.crash_streak)
+            if delay > 0:
+                logger.info("supervisor %r: child %r crashed %d times in a row soon after starting; restarting "
+                            "in %.2f s", self.id, child.spec.id, child.crash_streak, delay)
+                await trio.sleep(delay)
             to_stop = affected(self.strategy, list(run.children.values()), child)
             for sibling in reversed(to_stop):
                 await stop_child(sibling)
@@ -311,3 +321,4 @@ class Supervisor:
             if failed is None:
                 return
             child, error = failed
+            child.crash_streak = self.backoff.streak(child.crash_streak, 0.0)  # a failed start is a quick crash

@@ -46,8 +46,11 @@ def test_flags_reach_the_configs() -> None:
         "--top-k", "5", "--min-p", "0.1", "--chat-template-args", '{"enable_thinking": false}', "--api-key", "k",
         "--allowed-origins", "http://a.example,http://b.example", "http://c.example/", "--prefill-step-size", "64",
         "--max-queue", "3", "--cache-dir", "/tmp/x", "--max-body-bytes", "1000",
-        "--shutdown-timeout", "2.5", "--enable-fault-injection",
+        "--shutdown-timeout", "2.5", "--enable-fault-injection", "--max-restarts", "9", "--restart-period", "4",
+        "--step-watchdog", "12.5", "--write-timeout", "7",
     )
+    assert (engine.max_restarts, engine.restart_period_s, engine.step_watchdog_s) == (9, 4.0, 12.5)
+    assert server.write_timeout_s == 7.0
     assert engine.model == "m" and engine.prefill_step_size == 64 and engine.max_queue == 3
     assert engine.cache_dir == Path("/tmp/x")
     d = engine.defaults
@@ -68,7 +71,8 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
                                   ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
-                                  ["--shutdown-timeout", "nan"], ["--chat-template-args", '{"chat_template": "x"}'],
+                                  ["--shutdown-timeout", "nan"], ["--restart-period", "0"],
+                                  ["--step-watchdog", "inf"], ["--write-timeout", "-1"], ["--max-restarts", "-1"], ["--chat-template-args", '{"chat_template": "x"}'],
                                   ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""

@@ -1,4 +1,5 @@
-"""ASGI wrappers: count requests in flight (for the drain), and read a body to its end after an early response.
+"""ASGI wrappers: count requests in flight (for the drain), read a body to its end after an early
+response, and end a response whose client stopped reading.
 
 Why `DrainRequestBody`: hypercorn (0.18, Trio worker) feeds body chunks to the app through a
 bounded queue (`max_app_queue_size`, 10 messages). quart-trio stops reading
@@ -7,13 +8,15 @@ for a body over the limit, 401 before reading it), the client keeps sending,
 the queue fills, and hypercorn blocks forever on the connection: the client
 sees its answer but the next request on that keep-alive connection hangs.
 Reading (and dropping) the rest of the body here lets hypercorn finish the
-request cycle normally. Such an error response also gets `Connection: close`:
+request cycle normally. Any response sent before the body is in (an error, or
+any other status a router may answer early) also gets `Connection: close`:
 hypercorn closes a connection whose request was not read to the end, and a
 client that was not told so would reuse it and wait forever.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -26,6 +29,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # ASGI is duck-typed; quart's own types are narrower
+
+log = logging.getLogger("mlx_trio.http")
 
 # Long enough for a client to finish uploading a body it already started; bounded so a
 # client trickling an endless body cannot hold the task forever.
@@ -53,7 +58,7 @@ class DrainRequestBody:
             return message
 
         async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and not finished and message["status"] >= 400:
+            if message["type"] == "http.response.start" and not finished:
                 message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
@@ -81,3 +86,93 @@ class CountInFlight:
             return
         with self.drain.track():
             await self.app(scope, receive, send)
+
+
+class ClientNotReading(Exception):
+    """A response write waited past the write timeout (or past the drain's cut); the connection is closed."""
+
+
+class WriteTimeout:
+    """Wraps an ASGI app; a response write that waits past `timeout_s` closes the connection.
+
+    Why: hypercorn (0.18, Trio) writes to the socket under a shielded cancel
+    scope, so a client that never reads blocks that write, and the handler
+    awaiting it, for ever: cancellation (a drain, a SIGTERM) cannot reach
+    it, and the request keeps its engine session and row after its
+    generation ended. Closing the socket is what wakes such a write (Trio
+    raises in the blocked `send_all`). The socket is found by following the
+    `send` callable ASGI gives us back to hypercorn's connection
+    (`HTTPStream.app_send` → `H11Protocol.stream_send` →
+    `TCPServer.protocol_send`, whose `stream` it is); where the chain is not
+    there (another server, HTTP/2) nothing is closed and the wrapper only
+    passes messages through.
+
+    A watchdog per request wakes every `timeout_s / 4` (at most
+    `MAX_TICK_S`) while a write is pending: past `timeout_s`, or at once
+    once `drain.cut` is set, it closes the socket; the pending write then
+    returns and this wrapper raises `ClientNotReading` into the app, which
+    ends the handler (its engine stream closes, freeing the request), and
+    swallows it on the way out: the client is gone.
+    """
+
+    MAX_TICK_S = 0.5
+
+    def __init__(self, app: ASGIApp, drain: Drain, *, timeout_s: float) -> None:
+        self.app = app
+        self.drain = drain
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = _transport(send) if scope["type"] == "http" else None
+        if transport is None:
+            await self.app(scope, receive, send)
+            return
+        pending_since: float | None = None
+        closed = False
+
+        async def timed_send(message: Message) -> None:
+            nonlocal pending_since
+            if closed:
+                raise ClientNotReading("the connection was closed: the client stopped reading")
+            pending_since = trio.current_time()
+            try:
+                await send(message)
+            finally:
+                pending_since = None
+            if closed:
+                raise ClientNotReading(f"a response write waited over {self.timeout_s:g} s for the client")
+
+        async def watchdog() -> None:
+            nonlocal closed
+            tick = min(self.timeout_s / 4, self.MAX_TICK_S)
+            while True:
+                await trio.sleep(tick)
+                since = pending_since
+                if since is not None and (self.drain.cut or trio.current_time() - since > self.timeout_s):
+                    log.warning("closing a connection whose client has not read for %.0f s",
+                                trio.current_time() - since)
+                    closed = True
+                    await transport.aclose()
+                    return
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watchdog)
+                try:
+                    await self.app(scope, receive, timed_send)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except* ClientNotReading:
+            pass
+
+
+def _transport(send: Send) -> trio.abc.AsyncResource | None:
+    """The Trio stream under hypercorn's ASGI `send` (see `WriteTimeout`), or None."""
+    hop: Any = send
+    for _ in range(4):
+        owner = getattr(hop, "__self__", None)
+        stream = getattr(owner, "stream", None)
+        if isinstance(stream, trio.abc.Stream):
+            return stream
+        hop = getattr(owner, "send", None)
+    return None

@@ -2,16 +2,25 @@
 
 Errors name the field (`InvalidParameter`, a 400) or the body itself
 (`invalid_json` / `invalid_body`), in JSON's words for types.
+
+JSON can write what Python cannot use: a number past float's range (`1e400`
+parses to inf, `1` and 400 zeros to an int `float()` refuses) and a lone
+surrogate escape (`"\\ud800"`, a str no tokenizer can encode). Both are
+refused here, at parse time, naming where in the body they sit, so that no
+field anywhere (sampling, tool arguments, a prompt) meets them later as an
+`OverflowError` or a `UnicodeEncodeError`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.server.errors import invalid_body, invalid_json
+from mlx_trio.params import fits_a_float
 
 
 def decode_json_object(raw: bytes | str) -> dict[str, Any]:
@@ -26,7 +35,34 @@ def decode_json_object(raw: bytes | str) -> dict[str, Any]:
         raise invalid_json(str(exc)) from None
     if not isinstance(body, dict):
         raise invalid_body(json_type(body))
+    if _MAY_BE_UNFIT[isinstance(raw, str)].search(raw):
+        for path, problem in _unfit_values(body, ""):
+            raise InvalidParameter(path or "body", problem)
     return body
+
+
+# What an unfit value needs in the text: 309+ digits in a row, a 3-digit exponent, a surrogate
+# escape. Only a body that has one is walked (most have none), so the check costs one regex scan.
+_HINT = r"\d{309}|[eE][+]?\d{3}|\\[uU][dD][89a-fA-F]"
+_MAY_BE_UNFIT = {False: re.compile(_HINT.encode()), True: re.compile(_HINT)}
+
+
+def _unfit_values(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, problem) for each number outside float's range and each str with a lone surrogate."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _unfit_values(key, path or "body")
+            yield from _unfit_values(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _unfit_values(item, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not fits_a_float(value):
+        yield path, "is a number outside the range of a 64-bit float"
+    elif isinstance(value, str) and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            yield path, f"holds a lone UTF-16 surrogate at character {exc.start} (not a Unicode character)"
 
 
 def optional_field(body: Mapping[str, Any], name: str, kind: type, *, field: str | None = None) -> Any:

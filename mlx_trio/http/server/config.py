@@ -49,7 +49,9 @@ class ServerConfig:
     Claude Code's per-request `x-anthropic-billing-header` system block in
     the prompt (by default it is dropped: docs/harnesses.md, prefix hygiene).
     `responses_store_bytes` bounds the RAM of stored `/v1/responses` results
-    (0: nothing is stored).
+    (0: nothing is stored). `write_timeout_s` is how long one write of a
+    response may wait for a client that does not read (`--write-timeout`);
+    past it the stream ends and its request is freed.
     """
 
     host: str = "127.0.0.1"
@@ -68,3 +70,4 @@ class ServerConfig:
     strict_max_tokens: bool = False
     keep_billing_header: bool = False
     responses_store_bytes: int = attrs.field(default=DEFAULT_RESPONSES_STORE_BYTES, validator=attrs.validators.ge(0))
+    write_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))

@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from mlx_trio.errors import (
     ActorCrashed,
     ContextTooLong,
+    EngineDown,
     EngineFailure,
     EngineRestarted,
     InvalidParameter,
@@ -140,8 +141,10 @@ def api_error(exc: BaseException, *, max_body_bytes: int | None = None, path: st
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc), INVALID_REQUEST, "invalid_request", getattr(exc, "field", None))
     if isinstance(exc, Overloaded):
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return ApiError(503, str(exc), "overloaded_error", "overloaded", headers={"Retry-After": retry})
+        return ApiError(503, str(exc), "overloaded_error", "overloaded", headers=_retry_after(exc.retry_after_s))
+    if isinstance(exc, EngineDown):
+        # The engine subtree gave up; the root starts it again after the backoff.
+        return ApiError(503, str(exc), "engine_unavailable", "engine_down", headers=_retry_after(exc.retry_after_s))
     if isinstance(exc, EngineRestarted):
         # Resume gave up: the engine kept failing under this request.
         return ApiError(503, str(exc), "engine_unavailable", "engine_restarted", headers={"Retry-After": "1"})
@@ -156,6 +159,10 @@ def api_error(exc: BaseException, *, max_body_bytes: int | None = None, path: st
     if isinstance(exc, HTTPException):
         return _from_http_exception(exc, max_body_bytes=max_body_bytes, path=path, method=method)
     return ApiError(500, "internal server error", "server_error", "internal_error")
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def _from_http_exception(exc: HTTPException, *, max_body_bytes: int | None, path: str, method: str) -> ApiError:
@@ -196,7 +203,12 @@ def _json_bytes(payload: Any) -> bytes:
 
 
 def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
-    """Route every exception a handler raises through `api_error` (the only mapping)."""
+    """Route every exception a handler raises through `api_error` (the only mapping).
+
+    Routing never redirects: werkzeug would answer a path with `//` with an
+    HTML 308 that no API client follows; such a path is an unserved one, a 404.
+    """
+    app.url_map.merge_slashes = False
     async def handle(exc: Exception) -> Response:
         error = api_error(exc, max_body_bytes=max_body_bytes, path=request.path, method=request.method)
         if error.status == 404 and isinstance(exc, HTTPException):  # an unserved path: say which ones are served

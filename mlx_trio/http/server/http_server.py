@@ -27,7 +27,7 @@ from hypercorn.typing import ASGIFramework
 
 from mlx_trio.http.server.admin import HTTP_ACTOR_ID
 from mlx_trio.http.server.app import create_app, server_metrics
-from mlx_trio.http.server.asgi import CountInFlight, DrainRequestBody
+from mlx_trio.http.server.asgi import CountInFlight, DrainRequestBody, WriteTimeout
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.drain import Drain, DrainReport
 from mlx_trio.http.server.prometheus import Metrics
@@ -115,7 +115,8 @@ class HttpServer:
             # Shielded, so our cancellation turns into a graceful shutdown instead of cutting
             # every connection; the deadline set below bounds it.
             with serve_scope:
-                asgi_app = cast(ASGIFramework, CountInFlight(DrainRequestBody(app), self.drain_state))
+                guarded = WriteTimeout(DrainRequestBody(app), self.drain_state, timeout_s=self.config.write_timeout_s)
+                asgi_app = cast(ASGIFramework, CountInFlight(guarded, self.drain_state))
                 await serve(asgi_app, self._hypercorn_config(), mode="asgi",
                             shutdown_trigger=shutdown.wait, task_status=task_status)
 

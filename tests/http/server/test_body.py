@@ -32,3 +32,20 @@ def test_optional_field_names_the_json_type(value: object, kind: type, says: str
         optional_field({"f": value}, "f", kind, field="outer.f")
     assert info.value.field == "outer.f" and str(info.value) == f"outer.f: {says}"
     assert optional_field({"f": None}, "f", kind) is None and optional_field({}, "f", kind) is None
+
+
+@pytest.mark.parametrize(("raw", "field"), [(b'{"a": 1e400}', "a"), (b'{"a": {"b": [0, -1e999]}}', "a.b[1]"),
+                                            (b'{"t": 1' + b"0" * 400 + b"}", "t"),
+                                            (b'{"m": [{"c": "x\\udc00"}]}', "m[0].c"),
+                                            ('{"\\ud800": 1}', "body")])
+def test_decode_refuses_what_json_writes_but_python_cannot_use(raw: bytes | str, field: str) -> None:
+    """A number past float's range or a lone surrogate is an InvalidParameter naming where it sits."""
+    with pytest.raises(InvalidParameter) as info:
+        decode_json_object(raw)
+    assert info.value.field == field
+
+
+def test_decode_keeps_what_only_looks_unfit() -> None:
+    """Large but finite numbers, an escaped backslash before "ud800", a surrogate pair: all kept."""
+    raw = b'{"a": 1.5e308, "b": "\\\\ud800", "c": "\\ud83d\\ude00", "d": ' + b"9" * 308 + b"}"
+    assert decode_json_object(raw) == {"a": 1.5e308, "b": "\\ud800", "c": "\U0001f600", "d": int("9" * 308)}

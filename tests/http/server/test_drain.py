@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -167,3 +168,27 @@ async def test_sigterm_past_the_shutdown_timeout_cuts_streams_then_exits_0(tmp_p
         assert _last_data(events)["error"]["code"] == "shutdown"
     assert re.search(r"request\(s\) were in flight, 2 cut", (tmp_path / "server.log").read_text())
 
+
+
+async def test_sigterm_with_a_client_that_never_reads_exits_0(tmp_path: Path) -> None:
+    """A stream whose client reads nothing blocks its write; the drain's cut closes that connection; exit 0.
+
+    Without it the blocked write (shielded inside hypercorn) kept the process alive after SIGTERM for ever.
+    Big events (20 top logprobs each) fill the socket buffers within the tiny model's context.
+    """
+    async with _cli_server(tmp_path, "--shutdown-timeout", "0.5") as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect(("127.0.0.1", port))
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 3000, "logit_bias": NO_EOS, "stream": True,
+                           "logprobs": 20}).encode()
+        await sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await trio.sleep(5)  # let the stream fill the buffers and block its write
+        start_s = trio.current_time()
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await trio.to_thread.run_sync(proc.wait) == 0
+        sock.close()
+    assert trio.current_time() - start_s < 0.5 + 5 + 5  # shutdown timeout + the issue's 5 s + slack for a busy box
