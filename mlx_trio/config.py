@@ -10,7 +10,7 @@ from mlx_trio.params import SamplingParams
 
 # The target time of one prefill chunk while other requests decode or wait (--prefill-chunk-ms):
 # chosen from CPU and H200 measurements (docs/design.md §2.2).
-DEFAULT_PREFILL_CHUNK_MS = 30.0
+DEFAULT_PREFILL_CHUNK_MS = 100.0
 # Prompts prefilled at once, chunks interleaved (--prompt-concurrency; mlx_lm.server's default).
 DEFAULT_PROMPT_CONCURRENCY = 8
 
