@@ -194,6 +194,23 @@ def test_anthropic_round_trip(claude: anthropic.Anthropic) -> None:
     assert third.content[0].type == "text" and third.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_responses_round_trip(client: openai.OpenAI) -> None:
+    """Responses: a forced function_call valid against its schema, streamed the same; its output answered in text."""
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "parameters": CITY}]
+    first = client.responses.create(model="m", input=ASK, tools=tools, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=200)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    _valid(call.name, json.loads(call.arguments))
+    with client.responses.stream(model="m", input=ASK, tools=tools, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=200) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == [(call.name, call.arguments)]
+    history: list[Any] = [*ASK, call.model_dump(exclude_none=True),
+                          {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    second = client.responses.create(model="m", input=history, tools=tools, tool_choice="none", max_output_tokens=8)
+    assert [item.type for item in second.output] == ["message"] and second.output_text
+
+
 def test_four_concurrent_tool_requests_share_decode_steps(server: ServerThread, http: httpx.Client) -> None:
     """Four forced-call requests at once are rows of one batch: fewer steps than tokens, each call valid."""
     start = threading.Barrier(4)
