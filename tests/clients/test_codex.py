@@ -18,7 +18,6 @@ CODEX = find_cli("codex")
 pytestmark = client_marks("codex")
 
 
-@pytest.mark.xfail(strict=False, reason="issue #18: no POST /v1/responses endpoint (404)")
 def test_codex_exec_prints_the_reply(served: Served, tmp_path: Path) -> None:
     """One `codex exec` turn: exit 0, the reply on stdout and in `--output-last-message`."""
     assert CODEX is not None
