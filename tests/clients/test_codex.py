@@ -1,4 +1,4 @@
-"""Codex CLI (`codex exec`) prints the model's answer from `mlx-trio serve` (issue #18).
+"""Codex CLI (`codex exec`) prints the model's answer from `mlx-trio serve` (issue #17).
 
 Codex speaks only the Responses API (`POST /v1/responses`, streamed). The model
 always answers REPLY, so the last message Codex writes must be exactly that text.
@@ -7,8 +7,6 @@ always answers REPLY, so the last message Codex writes must be exactly that text
 from __future__ import annotations
 
 from pathlib import Path
-
-import pytest
 
 from tests.clients.clients import client_marks, codex_argv, codex_env, find_cli, run_cli
 from tests.clients.conftest import REPLY, Served
