@@ -9,8 +9,7 @@ layer) does not load MLX.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mlx_trio.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -27,8 +26,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mlx_trio' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

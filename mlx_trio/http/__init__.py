@@ -9,8 +9,9 @@ check its port before quart and hypercorn load (a busy port fails at once).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mlx_trio.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what `__getattr__` hands out, for type checkers and the room graph (tests/test_architecture.py)
     from mlx_trio.http.server.app import create_app
@@ -24,8 +25,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mlx_trio.http' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
