@@ -59,6 +59,11 @@ DEFAULT_PROMPT_CACHE_FRACTION = 0.25
 ACTOR_BACKOFF = Backoff(first_s=0.01, max_s=0.1, quick_s=1.0)
 
 
+# /health says the lease stalled once one job has run this share of --step-watchdog with work waiting:
+# long before the watchdog gives up on it (300 s by default: 503 after 30 s), far past any step.
+LEASE_STALL_FRACTION = 0.1
+
+
 class LeaseWedged(EngineFailure):
     """A lease job ran past the step watchdog; the lease thread was abandoned."""
 
@@ -112,7 +117,21 @@ class EngineActors:
         down = [c["id"] for c in status["children"] if c["state"] != "running"]
         if status["state"] != "running" or down:
             return False, f"engine actors not running: {', '.join(down) or status['state']}"
+        stalled = self._lease_stalled_s()
+        if stalled is not None:
+            return False, f"gpu-lease stalled {stalled:.0f} s: one job has run that long while requests wait"
         return True, "ok"
+
+    def _lease_stalled_s(self) -> float | None:
+        """How long the lease's running job has run, when that is past `LEASE_STALL_FRACTION` of the
+        step watchdog while work waits for it: queued jobs, or requests in flight (a decode step chain
+        queues its next job only when one ends). Every stream is frozen then, though every actor runs."""
+        lease = self.lane.lease
+        stats = lease.statistics() if lease is not None else None
+        if stats is None or stats.running_since is None or not (stats.queue_depth or self.lane.in_flight()):
+            return None
+        age = time.monotonic() - stats.running_since
+        return age if age > self.config.step_watchdog_s * LEASE_STALL_FRACTION else None
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""

@@ -20,6 +20,13 @@ class FaultKind(enum.Enum):
     FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
 
 
+# Where a kind can fire, when not everywhere: arming it anywhere else would be accepted and never fire.
+FIRES_ONLY_AT: dict[FaultKind, frozenset[str]] = {
+    FaultKind.HANG: frozenset({"gpu-lease", "cache-persistence"}),
+    FaultKind.FAIL_WRITE: frozenset({"cache-persistence"}),
+}
+
+
 class InjectedFault(RuntimeError):
     """Raised by an armed fault. A RuntimeError, so it crashes an actor like any bug would."""
 
@@ -38,7 +45,11 @@ class Faults:
         self.fired: list[ArmedFault] = []
 
     def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
+        """Arm a one-shot fault; `ValueError` for a kind that can never fire at `actor` (see `FIRES_ONLY_AT`)."""
         fault = ArmedFault(actor, FaultKind(kind))
+        where = FIRES_ONLY_AT.get(fault.kind)
+        if where is not None and actor not in where:
+            raise ValueError(f"a {fault.kind.value!r} fault fires only at {', '.join(sorted(where))}, not at {actor!r}")
         self._armed.append(fault)
         return fault
 

@@ -250,3 +250,38 @@ async def test_rapid_kills_never_strand_a_request(solo) -> None:
                 nursery.start_soon(killer, deadline)
             await _wait_healthy(engine)
     assert done > 24 and wrong == 0
+
+
+async def test_a_hung_lease_job_with_work_waiting_makes_health_say_so_before_the_watchdog(solo) -> None:
+    """A hang in the lease with streams waiting: /health's reason is "gpu-lease stalled" within the stall share
+    of the watchdog; then the watchdog restarts the lease, every stream finishes exact, and health is ok again."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, step_watchdog_s=4.0) as engine:
+        reasons: list[str] = []
+
+        async def watch_health() -> None:
+            while True:
+                reasons.append(engine.health()[1])
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_health)
+            streams = await _run_streams(engine, lambda: engine.faults.arm("gpu-lease", "hang"), after=4)
+            nursery.cancel_scope.cancel()
+        assert streams == solo
+        assert any(reason.startswith("gpu-lease stalled") for reason in reasons), sorted(set(reasons))
+        await _wait_healthy(engine)
+
+
+def test_a_fault_that_can_never_fire_at_an_actor_is_refused_when_armed() -> None:
+    """`hang` fires only where a job can hang (the lease, the SSD writer); `fail-write` only at cache-persistence."""
+    from mlx_trio.supervision.faults import Faults  # noqa: PLC0415
+
+    faults = Faults()
+    for actor, kind in (("decode-step", "hang"), ("prefill", "hang"), ("session", "hang"), ("gpu-lease", "fail-write")):
+        with pytest.raises(ValueError, match="fires only at"):
+            faults.arm(actor, kind)
+    assert faults.armed() == []
+    faults.arm("gpu-lease", "hang")
+    faults.arm("cache-persistence", "hang")
+    faults.arm("decode-step", "raise")
+    assert len(faults.armed()) == 3

@@ -69,7 +69,10 @@ def register_admin(app: Quart, state: AppState) -> None:
         present = set(actor_ids(state.engine.status().get("tree", {})))
         if actor not in present and actor != ANY_SESSION:
             raise invalid_value("actor", f"no actor {actor!r} in the status tree; ids present: {_listing(present)}")
-        armed = state.engine.faults.arm(actor, kind)
+        try:
+            armed = state.engine.faults.arm(actor, kind)
+        except ValueError as exc:
+            raise invalid_value("kind", str(exc)) from None
         log.warning("fault armed over HTTP: %s %s", armed.kind.value, armed.actor)
         return json_response({"armed": fault_object(armed)})
 

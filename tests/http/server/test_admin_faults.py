@@ -46,12 +46,12 @@ async def test_arming_a_fault_over_http_arms_it_in_the_engine() -> None:
     """POST arms the fault in engine.faults and echoes it; GET lists it as armed, then as fired."""
     engine = TreeEngine()
     async with serve_fake(engine, enable_fault_injection=True) as (_, client):
-        response = await client.post("/v1/admin/faults", json={"actor": "decode-step", "kind": "hang"})
+        response = await client.post("/v1/admin/faults", json={"actor": "decode-step", "kind": "raise"})
         assert response.status_code == 200, response.text
-        assert response.json() == {"armed": {"actor": "decode-step", "kind": "hang"}}
+        assert response.json() == {"armed": {"actor": "decode-step", "kind": "raise"}}
         assert (await client.post("/v1/admin/faults", json={"actor": "session", "kind": "raise"})).status_code == 200
         listed = (await client.get("/v1/admin/faults")).json()
-        assert listed == {"armed": [{"actor": "decode-step", "kind": "hang"}, {"actor": "session", "kind": "raise"}],
+        assert listed == {"armed": [{"actor": "decode-step", "kind": "raise"}, {"actor": "session", "kind": "raise"}],
                           "fired": []}
         assert engine.faults.take("session-req-9", FaultKind.RAISE)
         listed = (await client.get("/v1/admin/faults")).json()
@@ -94,6 +94,8 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
     ({"actor": "decoder", "kind": "raise"}, "actor",
      ["'decoder'", "decode-step", "http", "session (any session)", "session-req-1"]),
     ({"actor": "engine", "kind": "raise"}, "actor", ["'engine'", "decode-step"]),
+    # A kind that can never fire at that actor is refused, not accepted and silently never fired.
+    ({"actor": "decode-step", "kind": "hang"}, "kind", ["fires only at", "gpu-lease", "'decode-step'"]),
 ])
 async def test_a_bad_fault_body_is_400_naming_the_field(body: dict[str, Any], param: str, words: list[str]) -> None:
     """An unknown kind or an actor id not in the status tree is a 400 naming the field; nothing is armed."""
