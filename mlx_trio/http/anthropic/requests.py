@@ -26,7 +26,7 @@ import attrs
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.completion.call import CompletionCall, template_kwargs
 from mlx_trio.http.completion.tools import ToolsRequest, checked_function, template_messages
-from mlx_trio.http.server.body import is_int, json_type, optional_field
+from mlx_trio.http.server.body import is_int, json_type, optional_field, type_field
 from mlx_trio.params import Constraint
 
 # Anthropic's sampling fields and ours (SamplingParams) where the names differ.
@@ -116,7 +116,7 @@ class _History:
         results: list[dict[str, Any]] = []
         for j, block in enumerate(content):
             where = f"{field}.content[{j}]"
-            kind = _type_of(block, where)
+            kind = type_field(block, where)
             if kind == "text":
                 texts.append(_text_block(block, where))
             elif kind == "tool_use" and role == "assistant":
@@ -173,19 +173,11 @@ class _History:
 
 
 def _result_part(block: Any, where: str) -> str:
-    kind = _type_of(block, where)
+    kind = type_field(block, where)
     if kind in _UNSUPPORTED_BLOCKS:
         raise InvalidParameter(f"{where}.type", f"'{kind}' blocks in a tool_result are not supported: this "
                                                 "server's model reads text only; return the result as text")
     return _text_block(block, where)
-
-
-def _type_of(value: Any, where: str) -> str | None:
-    """`value["type"]` when value is an object (None when it is not); a type that is not a string is a 400."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind is not None and not isinstance(kind, str):
-        raise InvalidParameter(f"{where}.type", f"must be a string, got {json_type(kind)}")
-    return kind
 
 
 def _text_block(block: Any, where: str) -> str:
@@ -199,7 +191,7 @@ def _thinking(body: Mapping[str, Any]) -> dict[str, Any]:
     thinking = body.get("thinking")
     if thinking is None:
         return {}
-    kind = _type_of(thinking, "thinking")
+    kind = type_field(thinking, "thinking")
     if kind not in _THINKING:
         raise InvalidParameter("thinking.type", "must be 'enabled', 'adaptive' or 'disabled'")
     if kind == "enabled" and not is_int(thinking.get("budget_tokens")):
@@ -243,7 +235,7 @@ def _tools(body: Mapping[str, Any]) -> ToolsRequest:
     choice = body.get("tool_choice")
     if choice is None:
         return attrs.evolve(request, choice="auto" if tools else "none")
-    kind = _type_of(choice, "tool_choice")
+    kind = type_field(choice, "tool_choice")
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use"))
     names = [t["function"]["name"] for t in tools]
     if kind == "tool":

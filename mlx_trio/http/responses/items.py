@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.server.body import json_type
+from mlx_trio.http.server.body import json_type, type_field
 
 # Content parts that carry text, by the role that may send them.
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal"})
@@ -94,7 +94,7 @@ class _Messages:
             self.messages.append({"role": "system", "content": text})
 
     def add(self, item: Mapping[str, Any], where: str) -> None:
-        kind = item.get("type")
+        kind = type_field(item, where)
         if kind == "message":
             self._message(item, where)
         elif kind in ("function_call", "custom_tool_call"):
@@ -171,7 +171,7 @@ def _content_text(content: Any, where: str) -> str:
         raise InvalidParameter(where, f"must be a string or a list of content parts, got {json_type(content)}")
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = type_field(part, f"{where}[{j}]")
         if kind in _MEDIA_PARTS:
             raise InvalidParameter(f"{where}[{j}].type", f"'{kind}' parts are not supported: this server serves "
                                                           "a text-only model (images and files are not supported)")

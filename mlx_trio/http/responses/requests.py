@@ -22,7 +22,7 @@ import attrs
 from mlx_trio.errors import ContextTooLong, InvalidParameter, RequestError
 from mlx_trio.http.completion.call import CompletionCall, template_kwargs
 from mlx_trio.http.completion.tools import template_messages
-from mlx_trio.http.server.body import is_int, json_type, optional_field
+from mlx_trio.http.server.body import is_int, json_type, optional_field, type_field
 from mlx_trio.params import MAX_TOP_LOGPROBS, Constraint
 from mlx_trio.http.responses.items import chat_messages, normalized_input, with_id
 from mlx_trio.http.responses.store import StoredResponse
@@ -164,7 +164,7 @@ def _text_format(value: Any) -> Constraint | None:
     """`text.format` → the grammar that enforces it (None for plain text)."""
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
+    kind = type_field(value, "text.format")
     if not isinstance(value, dict):
         raise InvalidParameter("text.format", f"must be an object, got {json_type(value)}")
     if kind == "text":

@@ -26,7 +26,7 @@ import attrs
 
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.completion.tools import ToolsRequest, checked_function
-from mlx_trio.http.server.body import json_type
+from mlx_trio.http.server.body import json_type, type_field
 from mlx_trio.params import Constraint
 
 _CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -62,7 +62,7 @@ def parse_tools(body: Mapping[str, Any]) -> ResponsesTools:
     namespaces: dict[str, str] = {}
     fields: dict[str, str] = {}  # tool name → the body field of its schema, for errors
     for i, tool in enumerate(raw or []):
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = type_field(tool, f"tools[{i}]")
         if kind in IGNORED_HOSTED:
             continue
         nested = _namespace(tool, f"tools[{i}]") if kind == "namespace" else [(tool, f"tools[{i}]")]
@@ -102,7 +102,7 @@ def _namespace(tool: Mapping[str, Any], where: str) -> list[tuple[Any, str]]:
 
 def _tool(tool: Any, where: str) -> tuple[dict[str, Any], Constraint | None, bool]:
     """(the template's function tool, the custom tool's grammar, whether it is custom)."""
-    kind = tool.get("type") if isinstance(tool, dict) else None
+    kind = type_field(tool, where)
     if kind not in ("function", "custom"):
         if kind is None:
             raise InvalidParameter(f"{where}.type", "is required: 'function' or 'custom'")
@@ -131,7 +131,7 @@ def _custom_format(value: Any, where: str) -> Constraint | None:
     """A custom tool's `format`: free text (None) or a grammar the input must follow."""
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
+    kind = type_field(value, where)
     if kind == "text":
         return None
     if kind != "grammar":
@@ -159,7 +159,7 @@ def _choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None, 
         if choice == "required" and not tools:
             raise InvalidParameter("tool_choice", "'required' needs at least one tool in tools")
         return choice, None, tools
-    kind = choice.get("type") if isinstance(choice, dict) else None
+    kind = type_field(choice, "tool_choice")
     if kind in ("function", "custom"):
         name = choice.get("name")
         if name not in names:

@@ -83,6 +83,18 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def type_field(value: Any, where: str) -> str | None:
+    """`value["type"]` when value is an object (None when it is not); a type that is not a string is a 400.
+
+    Every wire API dispatches on `type` fields; a list or an object there must be a 400 naming the
+    field, not a TypeError from a set or dict lookup (a 500).
+    """
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidParameter(f"{where}.type", f"must be a string, got {json_type(kind)}")
+    return kind
+
+
 def json_type(value: Any) -> str:
     names = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
              list: "array", dict: "object"}
