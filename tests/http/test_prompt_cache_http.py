@@ -88,4 +88,6 @@ def test_every_wire_reports_cached_tokens_streamed_and_whole(live_server: Server
                       if line.startswith("data: {")]
             last_usage = [e.get("usage") or e.get("response", {}).get("usage") for e in events]
             streamed = [u for u in last_usage if u and u.get("output_tokens", u.get("completion_tokens"))][-1]
-            assert cached(whole["usage"]) >= 300 and cached(streamed) == cached(whole["usage"]), (path, whole, streamed)
+            # At least the system prompt's snapshot; a repeat of a prompt whose finished row is still being
+            # stored does not wait for it (a concurrent twin would wait a whole decode), so the two may differ.
+            assert cached(whole["usage"]) >= 300 and cached(streamed) >= 300, (path, whole, streamed)
