@@ -8,7 +8,6 @@ restart. The quick run is in the default suite; `-m slow` sends more than 5,000 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, sse_events
-from tests.http.test_fuzz import FIELDS, _restarts, junk, max_tokens, mostly, small_text, with_junk
+from tests.http.http_helpers import sse_events
+from tests.http.test_fuzz import (  # noqa: F401  (http: the module's client fixture, shared)
+    FIELDS, _restarts, http, junk, max_tokens, mostly, raw_bodies, small_text, with_junk)
 
 SAMPLING = {name: FIELDS[name] for name in ("temperature", "top_p", "top_k", "seed", "stream")}
 TOOL_SCHEMA = mostly(st.just({"type": "object", "properties": {"x": {"type": "string"}}}), junk)
@@ -77,14 +77,6 @@ responses_bodies = with_junk(st.fixed_dictionaries(
                   {"type": mostly(st.sampled_from(["text", "json_object"]), junk)})})},
 ), ["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens"])
 
-raw_bodies = st.binary(max_size=40) | junk.map(lambda v: json.dumps(v).encode())
-
-
-@pytest.fixture(scope="module")
-def http(live_server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.url, timeout=CLIENT_TIMEOUT_S) as client:
-        yield client
-
 
 def assert_200_or_anthropic_4xx(response: httpx.Response) -> None:
     if response.status_code == 200:
@@ -116,23 +108,16 @@ def assert_200_or_responses_4xx(response: httpx.Response) -> None:
 
 
 WIRES = {"/v1/messages": assert_200_or_anthropic_4xx, "/v1/responses": assert_200_or_responses_4xx}
-_QUICK = settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-# The slow tier: with the quick runs and test_fuzz.py's, more than 5,000 bodies in all.
-_MANY = settings(max_examples=2000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BODIES = {"/v1/messages": anthropic_bodies, "/v1/responses": responses_bodies}
+_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 
 
-@_QUICK
-@given(body=anthropic_bodies)
-def test_random_anthropic_bodies(http: httpx.Client, body: dict[str, Any]) -> None:
-    """Random Messages bodies: 200 (a clean stream) or an Anthropic-shaped 4xx, never a 5xx."""
-    assert_200_or_anthropic_4xx(http.post("/v1/messages", json=body))
-
-
-@_QUICK
-@given(body=responses_bodies)
-def test_random_responses_bodies(http: httpx.Client, body: dict[str, Any]) -> None:
-    """Random Responses bodies: 200 (a clean event stream) or an OpenAI-shaped 4xx, never a 5xx."""
-    assert_200_or_responses_4xx(http.post("/v1/responses", json=body))
+@pytest.mark.parametrize("path", sorted(WIRES))
+@settings(max_examples=50, suppress_health_check=_CHECKS)
+@given(data=st.data())
+def test_random_bodies(http: httpx.Client, path: str, data: st.DataObject) -> None:
+    """Random Messages and Responses bodies: 200 (a clean stream) or that API's 4xx, never a 5xx."""
+    WIRES[path](http.post(path, json=data.draw(BODIES[path])))
 
 
 @settings(max_examples=30)
@@ -143,17 +128,11 @@ def test_random_raw_bodies_on_the_other_wires(http: httpx.Client, raw: bytes, pa
 
 
 @pytest.mark.slow
-@_MANY
-@given(body=anthropic_bodies)
-def test_many_random_anthropic_bodies(http: httpx.Client, body: dict[str, Any]) -> None:
-    assert_200_or_anthropic_4xx(http.post("/v1/messages", json=body))
-
-
-@pytest.mark.slow
-@_MANY
-@given(body=responses_bodies)
-def test_many_random_responses_bodies(http: httpx.Client, body: dict[str, Any]) -> None:
-    assert_200_or_responses_4xx(http.post("/v1/responses", json=body))
+@pytest.mark.parametrize("path", sorted(WIRES))
+@settings(max_examples=2000, suppress_health_check=_CHECKS)  # with the rest: more than 5,000 bodies in all
+@given(data=st.data())
+def test_many_random_bodies(http: httpx.Client, path: str, data: st.DataObject) -> None:
+    WIRES[path](http.post(path, json=data.draw(BODIES[path])))
 
 
 @pytest.mark.slow
