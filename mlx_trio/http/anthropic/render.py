@@ -15,15 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_trio.events import Finished
-from mlx_trio.http.anthropic.objects import Event, MessageBlocks, MessageShape, stop_reason, usage_object
+from mlx_trio.http.anthropic.objects import MessageBlocks, MessageShape, stop_reason, usage_object
 from mlx_trio.http.completion.output_router import Piece
 from mlx_trio.http.server.errors import ApiError
-from mlx_trio.http.server.sse import event
+from mlx_trio.http.server.sse import typed_events
 from mlx_trio.logprobs import TokenLogprob
-
-
-def _frames(events: Sequence[Event]) -> list[bytes]:
-    return [event(payload, name=payload["type"]) for payload in events]
 
 
 class MessageRenderer:
@@ -41,13 +37,13 @@ class MessageRenderer:
         return self._shape.id
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
-        return _frames([self._shape.start_event(prompt_tokens), {"type": "ping"}])
+        return typed_events([self._shape.start_event(prompt_tokens), {"type": "ping"}])
 
     def keepalive(self, processed: int, total: int) -> list[bytes]:
-        return _frames([{"type": "ping"}])
+        return typed_events([{"type": "ping"}])
 
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
-        return _frames([e for piece in pieces for e in self._blocks.add(piece)])
+        return typed_events([e for piece in pieces for e in self._blocks.add(piece)])
 
     def finish(self, pieces: Sequence[Piece], finished: Finished, tool_calls: int) -> list[bytes]:
         events = [e for piece in pieces for e in self._blocks.add(piece)] + self._blocks.close()
@@ -55,10 +51,10 @@ class MessageRenderer:
                        "delta": {"stop_reason": stop_reason(finished, tool_calls), "stop_sequence": finished.stop_sequence},
                        "usage": usage_object(finished.usage)})
         events.append({"type": "message_stop"})
-        return _frames(events)
+        return typed_events(events)
 
     def error(self, error: ApiError) -> list[bytes]:
-        return _frames([error.anthropic_body()])
+        return typed_events([error.anthropic_body()])
 
     def closing(self) -> list[bytes]:
         return []

@@ -16,14 +16,10 @@ from typing import Any
 
 from mlx_trio.events import Finished
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning, ToolCall, ToolCallMade
-from mlx_trio.http.responses.events import Event, ResponseEvents
+from mlx_trio.http.responses.events import ResponseEvents
 from mlx_trio.http.server.errors import ApiError
-from mlx_trio.http.server.sse import comment, event
+from mlx_trio.http.server.sse import comment, typed_events
 from mlx_trio.logprobs import TokenLogprob
-
-
-def _frames(events: Sequence[Event]) -> list[bytes]:
-    return [event(payload, name=payload["type"]) for payload in events]
 
 
 class ResponsesRenderer:
@@ -44,22 +40,22 @@ class ResponsesRenderer:
         return self._events.shape.id
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
-        return _frames(self._events.start())
+        return typed_events(self._events.start())
 
     def keepalive(self, processed: int, total: int) -> list[bytes]:
         # The Responses stream has no keep-alive event (and every event needs a sequence number): a comment.
         return [comment(f"keepalive {processed}/{total}")]
 
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
-        return _frames(self._events.pieces(self._forced(pieces), logprobs=logprobs or ()))
+        return typed_events(self._events.pieces(self._forced(pieces), logprobs=logprobs or ()))
 
     def finish(self, pieces: Sequence[Piece], finished: Finished, tool_calls: int) -> list[bytes]:
         events = [*self._events.pieces(self._forced(pieces, last=True)), *self._events.finish(finished)]
         self._on_done(self._events)
-        return _frames(events)
+        return typed_events(events)
 
     def error(self, error: ApiError) -> list[bytes]:
-        return _frames(self._events.fail(error))
+        return typed_events(self._events.fail(error))
 
     def closing(self) -> list[bytes]:
         return []

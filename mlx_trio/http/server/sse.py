@@ -14,7 +14,7 @@ and comments carry a space instead. What the events say is each wire API's rende
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 HEADERS = {
@@ -32,6 +32,11 @@ def event(payload: Mapping[str, Any], *, name: str | None = None) -> bytes:
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_UNICODE_BREAKS)
     data = b"data: " + text.encode() + b"\n\n"
     return data if name is None else f"event: {name}\n".encode() + data
+
+
+def typed_events(payloads: Iterable[Mapping[str, Any]]) -> list[bytes]:
+    """One SSE event per payload, named by its `type` (as Anthropic and the Responses API frame them)."""
+    return [event(payload, name=payload["type"]) for payload in payloads]
 
 
 def comment(text: str) -> bytes:
