@@ -91,8 +91,9 @@ class PromptCaching:
                     if event is not None:
                         await event.wait()
         # After the wait: a follow-up turn that waited for its previous turn's put is no miss.
-        self.divergences.note(self.cache.entries(), prompt)
-        hit = self.cache.lookup(prompt)
+        shared = self.cache.shared_prefixes(prompt)  # one pass over the entries for both
+        self.divergences.note((), prompt, shared=shared)
+        hit = self.cache.lookup(prompt, shared=shared)
         if hit is not None:
             return hit
         persistence, lease = self._lane.persistence, self._lane.lease

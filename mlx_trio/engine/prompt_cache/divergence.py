@@ -60,17 +60,19 @@ class Divergence:
                                decode(self.prompt))
 
 
-def closest_divergence(entries: Iterable[CacheEntry], prompt: Sequence[int], *,
-                       context: int = CONTEXT_TOKENS) -> Divergence | None:
+def closest_divergence(entries: Iterable[CacheEntry], prompt: Sequence[int], *, context: int = CONTEXT_TOKENS,
+                       shared: Sequence[tuple[int, CacheEntry]] | None = None) -> Divergence | None:
     """Where `prompt` (all but its last token) first differs from the entry sharing the longest prefix with it.
 
     Among entries sharing that longest prefix, one that is a prefix of the
     prompt wins (then None: it is used whole); else the most recently used
     (`entries` are least recently used first). None also when that entry is
-    not close (see the module docstring).
+    not close (see the module docstring). `shared`: each entry with its shared prefix, when the lookup
+    already measured them (`PromptCache.shared_prefixes`); `entries` are then not read.
     """
     target = np.asarray(prompt[:-1], dtype=np.int64)
-    shared = [(entry.shared_prefix(target), entry) for entry in entries]
+    if shared is None:
+        shared = [(entry.shared_prefix(target), entry) for entry in entries]
     most = max((n for n, _ in shared), default=0)
     closest = [entry for n, entry in shared if n == most]
     if not most or most == len(target) or any(len(entry.ids) == most for entry in closest):
@@ -96,9 +98,11 @@ class Divergences:
         self._recent: collections.OrderedDict[tuple[int, int], Divergence | None] = collections.OrderedDict()
         self.last: Divergence | None = None
 
-    def note(self, entries: Iterable[CacheEntry], prompt: Sequence[int]) -> None:
-        """Compare `prompt` with `entries` (the RAM tier's, at a lookup) and keep what diverged."""
-        divergence = closest_divergence(entries, prompt)
+    def note(self, entries: Iterable[CacheEntry], prompt: Sequence[int], *,
+             shared: Sequence[tuple[int, CacheEntry]] | None = None) -> None:
+        """Compare `prompt` with `entries` (the RAM tier's, at a lookup) and keep what diverged (`shared`:
+        as for `closest_divergence`)."""
+        divergence = closest_divergence(entries, prompt, shared=shared)
         key = _key(prompt)
         self._recent.pop(key, None)
         self._recent[key] = divergence

@@ -57,10 +57,10 @@ class CacheEntry:
         differ = np.flatnonzero(self.ids[:n] != ids[:n])
         return int(differ[0]) if differ.size else n
 
-    def usable_for(self, ids: np.ndarray) -> int:
+    def usable_for(self, ids: np.ndarray, shared: int | None = None) -> int:
         """Tokens of this entry a prompt continuing `ids` can start from: all when it is a prefix, else
-        the shared prefix when it can be trimmed there, else none."""
-        shared = self.shared_prefix(ids)
+        the shared prefix when it can be trimmed there, else none. `shared`: `shared_prefix(ids)`, if known."""
+        shared = self.shared_prefix(ids) if shared is None else shared
         if shared == len(self.ids):
             return shared
         return shared if self.trimmable else 0
@@ -129,13 +129,19 @@ class PromptCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._lru
 
-    def entries(self) -> list[CacheEntry]:
-        """Every entry, least recently used first (a copy: the caller may put and evict while reading it)."""
-        return list(self._lru.values())
+    def shared_prefixes(self, prompt: Sequence[int]) -> list[tuple[int, CacheEntry]]:
+        """Each entry (least recently used first) with how many of the tokens a lookup of `prompt` may use
+        (all but its last) it shares: one pass that `lookup` and a divergence report can both read."""
+        ids = np.asarray(prompt[:-1], dtype=np.int64)
+        return [(entry.shared_prefix(ids), entry) for entry in self._lru.values()] if len(ids) else []
 
-    def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
-        """The longest usable cached prefix of `prompt`, leaving its last token to compute; counts hit/miss."""
-        hit = self._best(list(prompt[:-1]))
+    def lookup(self, prompt: Sequence[int], *,
+               shared: list[tuple[int, CacheEntry]] | None = None) -> CacheHit | None:
+        """The longest usable cached prefix of `prompt`, leaving its last token to compute; counts hit/miss.
+
+        `shared`: `shared_prefixes(prompt)` taken since the cache last changed, so it is not computed twice.
+        """
+        hit = self._best(list(prompt[:-1]), shared)
         if hit is None:
             self._misses += 1
             return None
@@ -144,13 +150,14 @@ class PromptCache:
         self._lru.move_to_end(hit.entry.tokens)
         return hit
 
-    def _best(self, target: list[int]) -> CacheHit | None:
+    def _best(self, target: list[int], shared: list[tuple[int, CacheEntry]] | None = None) -> CacheHit | None:
         if not target or not self._lru:
             return None
         ids = np.asarray(target, dtype=np.int64)
         best: CacheHit | None = None
-        for entry in self._lru.values():
-            usable = entry.usable_for(ids)
+        pairs = shared if shared is not None else [(None, entry) for entry in self._lru.values()]
+        for known, entry in pairs:
+            usable = entry.usable_for(ids, known)
             if usable and (best is None or (usable, -len(entry.tokens)) > (best.usable, -len(best.entry.tokens))):
                 best = CacheHit(entry, usable)
         return best
