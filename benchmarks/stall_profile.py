@@ -100,7 +100,8 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
     """The streams and the long prompts on the embedded engine; token times from its events."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(128)] for _ in range(args.streams)]
-    async with open_engine(str(model_dir), batch=max(args.streams + 1, 2), prefill_step_size=args.prefill_step_size) as engine:
+    async with open_engine(str(model_dir), batch=max(args.streams + 1, 2), prefill_step_size=args.prefill_step_size,
+                           prefill_chunk_ms=args.prefill_chunk_ms) as engine:
         await engine.complete(prompts[0] if prompts else [5] * 128, max_tokens=4)  # warm-up: a short request
         times: list[list[float]] = [[] for _ in prompts]
         all_started = trio.Event()
@@ -142,7 +143,7 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
     Token times are when the client read each content chunk (stall_client.py).
     """
     engine_config = EngineConfig(model=str(model_dir), batch=max(args.streams + 1, 8),
-                                 prefill_step_size=args.prefill_step_size)
+                                 prefill_step_size=args.prefill_step_size, prefill_chunk_ms=args.prefill_chunk_ms)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, engine_config, ServerConfig(port=0, batch=engine_config.batch))
         gc.freeze()  # as `mlx-trio serve` does once ready
@@ -200,6 +201,8 @@ def main() -> int:
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--long-tokens", type=int, default=8500)
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-chunk-ms", type=float, default=EngineConfig.prefill_chunk_ms,
+                   help="the busy prefill chunk's target time (the server's flag)")
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="long prompts, one after another (the first pays JIT)")
     p.add_argument("--http", action="store_true",

@@ -42,6 +42,9 @@ class EngineConfig:
     # While others decode or wait, a prefill chunk is sized to take about this long (never more
     # than prefill_step_size tokens); a lone request with nothing else running uses full chunks.
     prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
+    # Prefill chunks end on multiples of this many tokens, so attention reuses few shapes' plans
+    # (engine/batch/chunked_prefill.py); None: 256 on a GPU, off on the CPU; 0: off (--prefill-grid).
+    prefill_grid: int | None = None
     # At most this many prompts prefill at once, their chunks interleaved (shortest first, with aging).
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     max_queue: int = 256

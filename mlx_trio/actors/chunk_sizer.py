@@ -6,26 +6,43 @@ wrong both ways: a chunk's cost grows with the context it attends over
 (512 tokens at 8.5k context cost an H200 22-30 ms on the 1B shape; on this
 2-core CPU a 2048-token chunk of SmolLM2 takes minutes), and it differs by
 model and machine. So the prefill actor measures each chunk (its lease
-job's time on the lease thread) and keeps an exponential moving average of
-the seconds per token per context bucket (powers of two of the tokens
-already in the cache); the next chunk at that context gets as many tokens
-as fit the target. A chunk that costs `a + b·n` converges to the `n` whose
-time is the target: a too-small chunk measures a higher per-token cost
-(its fixed overhead), so the next one is larger, and the other way round.
+job's time on the lease thread) and fits the cost of a chunk of `n` tokens
+after `c` cached ones as
+
+    t(n, c) = a + b·n + k·n·(c + n/2)
+
+a fixed cost per job, a cost per token (the weights: MLP, projections) and
+one per token pair (attention over the context and the chunk's own causal
+half), by least squares over the recent chunks with no coefficient below
+zero. The next chunk at a context gets the `n` whose predicted time is the
+target. Because the attention term is in the model, a long prompt's later
+chunks shrink before they are measured: the older per-context-bucket
+averages borrowed a cheaper bucket's cost at each new power of two and
+overshot the target by up to a fifth (H200, 8.5k prompt, docs/benchmarks.md,
+ninth pass), and each chunk of that overshoot is a stall of every stream.
 
 Plain Python: the measurements are taken by `timed` on the lease thread.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-# Weight of the newest measurement in a bucket's moving average.
-EMA_WEIGHT = 0.3
 # Chunk sizes are rounded down to a multiple of this (fewer distinct shapes), and never smaller.
 CHUNK_QUANTUM = 32
+# Recent chunks the fit is taken over: enough to span a long prompt's contexts, few enough to follow a
+# machine that warms up or slows down.
+WINDOW = 48
+
+# The term subsets a fit may use, in order of preference when they fit equally well (one sample fits
+# every single term exactly: a cost per token is the likeliest reading of it, a fixed cost the least).
+_SUBSETS = ((0, 1, 2), (1, 2), (0, 1), (0, 2), (1,), (2,), (0,))
+
+Sample = tuple[float, float, float, float]  # the three terms' factors (1, n, n·(c + n/2)) and the seconds
 
 
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -35,55 +52,108 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def context_bucket(context: int) -> int:
-    """Powers of two of the tokens already in the cache: 0, 1, 2-3, 4-7, ... share a bucket each."""
-    return max(context, 0).bit_length()
+def _solve(rows: Sequence[Sequence[float]], rhs: Sequence[float]) -> list[float] | None:
+    """The solution of a small square system by Gaussian elimination with pivoting; None if singular."""
+    n = len(rhs)
+    m = [list(row) + [r] for row, r in zip(rows, rhs, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_nonnegative(samples: Sequence[Sample]) -> tuple[float, float, float] | None:
+    """Least-squares (a, b, k) over `samples` with every coefficient ≥ 0; None when no fit exists.
+
+    Three unknowns: the non-negative fit is the best of the ordinary fits
+    over each subset of the terms whose coefficients all come out ≥ 0 (an
+    exact active-set search, seven small solves; `_SUBSETS` breaks ties). Each term is scaled by its
+    largest factor first, so the normal equations stay well conditioned
+    although n·c runs to millions.
+    """
+    if not samples:
+        return None
+    scale = [max(abs(s[j]) for s in samples) or 1.0 for j in range(3)]
+    xs = [[s[j] / scale[j] for j in range(3)] for s in samples]
+    ys = [s[3] for s in samples]
+    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    for terms in _SUBSETS:
+        gram = [[sum(x[i] * x[j] for x in xs) for j in terms] for i in terms]
+        moment = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in terms]
+        coef = _solve(gram, moment)
+        if coef is None or any(c < 0 for c in coef):
+            continue
+        residual = sum((y - sum(c * x[i] for c, i in zip(coef, terms, strict=True))) ** 2
+                       for x, y in zip(xs, ys, strict=True))
+        if best is None or residual < best[0] * (1 - 1e-9) - 1e-30:
+            best = (residual, coef, terms)
+    if best is None:
+        return None
+    full = [0.0, 0.0, 0.0]
+    for c, i in zip(best[1], best[2], strict=True):
+        full[i] = c / scale[i]
+    return full[0], full[1], full[2]
 
 
 class ChunkSizer:
-    """Seconds per prompt token by context bucket, and the chunk that fits `target_s` at a context.
+    """The fitted chunk cost, and the chunk that fits `target_s` at a context.
 
-    `tokens(context)` is None until some bucket was measured: callers then use
-    their static default. An unmeasured bucket borrows its nearest measured
-    neighbour below (or above): the first chunk there measures it.
+    `tokens(context)` is None until a chunk was measured: callers then use
+    their static default. With one measurement (or measurements that cannot
+    separate the terms) the fit is the plainest one they support, e.g. a
+    cost per token; each later chunk refines it.
     """
 
     def __init__(self, target_s: float, max_tokens: int) -> None:
         self.target_s = target_s
         self.max_tokens = max_tokens
-        self._per_token: dict[int, float] = {}
+        self._samples: collections.deque[Sample] = collections.deque(maxlen=WINDOW)
+        self._fit: tuple[float, float, float] | None = None
 
     def record(self, tokens: int, context: int, seconds: float) -> None:
         """A forward of `tokens` prompt tokens after `context` cached ones took `seconds`."""
         if tokens <= 0 or seconds <= 0:
             return
-        bucket = context_bucket(context)
-        cost = seconds / tokens
-        old = self._per_token.get(bucket)
-        self._per_token[bucket] = cost if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * cost
+        self._samples.append((1.0, float(tokens), tokens * (context + tokens / 2), seconds))
+        self._fit = fit_nonnegative(self._samples)
 
-    def per_token_s(self, context: int) -> float | None:
-        """The moving average for `context`'s bucket, or its nearest measured neighbour's; None if none is."""
-        if not self._per_token:
+    def predicted_s(self, tokens: int, context: int) -> float | None:
+        """The fitted seconds of a chunk of `tokens` after `context` cached ones; None before any measurement."""
+        if self._fit is None:
             return None
-        bucket = context_bucket(context)
-        below = [b for b in self._per_token if b <= bucket]
-        nearest = max(below) if below else min(self._per_token)
-        return self._per_token[nearest]
+        a, b, k = self._fit
+        return a + b * tokens + k * tokens * (context + tokens / 2)
 
     def tokens(self, context: int) -> int | None:
         """Prompt tokens one chunk after `context` cached ones may hold to take about `target_s`.
 
         Between `CHUNK_QUANTUM` and `max_tokens` (never more than the prefill
-        step size), a multiple of the quantum below that; None when nothing
-        was measured yet.
+        step size), a multiple of the quantum below the fitted size; None
+        when nothing was measured yet.
         """
-        cost = self.per_token_s(context)
-        if cost is None:
+        if self._fit is None:
             return None
-        fit = int(self.target_s / cost) // CHUNK_QUANTUM * CHUNK_QUANTUM
-        return min(max(fit, CHUNK_QUANTUM), self.max_tokens)
+        a, b, k = self._fit
+        room = self.target_s - a
+        slope = b + k * max(context, 0)
+        if room <= 0:
+            fit = 0.0
+        elif k > 0:  # (k/2)·n² + slope·n = room
+            fit = 2 * room / (slope + math.sqrt(slope * slope + 2 * k * room))
+        elif slope > 0:
+            fit = room / slope
+        else:  # only a fixed cost was seen: the size does not change the time
+            fit = float(self.max_tokens)
+        sized = int(fit) // CHUNK_QUANTUM * CHUNK_QUANTUM
+        return min(max(sized, CHUNK_QUANTUM), self.max_tokens)
 
-    def buckets(self) -> dict[int, float]:
-        """The per-token seconds by bucket (a copy): what /stats shows."""
-        return dict(self._per_token)
+    def coefficients(self) -> dict[str, float]:
+        """The fitted costs (seconds per job, per token, per token pair): what /stats shows."""
+        a, b, k = self._fit or (0.0, 0.0, 0.0)
+        return {"per_chunk_s": a, "per_token_s": b, "per_token_pair_s": k}

@@ -112,6 +112,7 @@ class PrefillActor:
         self._join = join
         config = lane.config
         self._prefill_step_size = prefill_step_size = config.prefill_step_size
+        self._prefill_grid = config.prefill_grid
         self._default_chunk = max(prefill_step_size // DECODING_CHUNK_DIVISOR, 1)
         self._concurrency = config.prompt_concurrency
         # Kept across requests (not across restarts: a restart re-measures in a chunk or two).
@@ -344,7 +345,7 @@ class PrefillActor:
         return partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
                        prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
-                       resumed_tokens=cmd.resumed_tokens)
+                       resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid)
 
     def _failed(self, cmd: Generate, exc: Exception) -> GenerationEnded:
         """A prefill error is this request's alone: count and log it; the event tells its session."""

@@ -1,9 +1,31 @@
-"""All but the last prompt token into a cache, one chunk per call, exactly as mlx-lm does.
+"""All but the last prompt token into a cache, one chunk per call, as mlx-lm does, or on a shape grid.
 
 The solo prefill of a row (`SoloRow`, engine/batch/solo_row.py) feeds its
 prompt through this: the same chunk sizes, the same `mx.eval` of the cache
 state and the same allocator clearing as mlx-lm's `generate_step`, which is
 what keeps a lone row token-identical to mlx-lm.
+
+**The shape grid** (`grid` > 0; on by default on a GPU, `--prefill-grid`).
+MLX's CUDA backend runs prefill attention through cuDNN, which builds an
+execution plan for every distinct shape of queries and keys (and the keys'
+strides) and caches it. Building one costs ~45 ms on an H200; running it
+at the Llama-1B shape, 0.3 ms (docs/benchmarks.md, ninth pass). A chunk's
+key length is the context it ends at, new for nearly every chunk of every
+prompt, so each chunk paid a plan: a 512-token chunk at 6k context took
+52 ms where the same shape again took 6 ms. On the grid, every chunk ends
+at a multiple of `grid` tokens and holds a multiple of `grid` (one of
+`GRID_MULTIPLES`), so prompts walk the same few shapes and the plans are
+reused. A piece shorter than a grid step (the prompt's tail, or up to a
+snapshot boundary) is padded to one with dummy tokens, computed and then
+trimmed from the cache: causal attention keeps them out of every real
+token's result, and the next chunk overwrites their slots. A chunk that
+starts off the grid (after a prompt-cache hit) ends at the next grid
+point, one irregular shape per request. Only caches that trim exactly
+(plain `KVCache` layers) use it; sliding windows and recurrent state,
+which a dummy token would change, keep mlx-lm's chunks. The grid changes
+chunk boundaries and a tail's matmul shapes, so its logits can differ from
+mlx-lm's in the last bits, like any other chunking: it is off on the CPU,
+where the goldens are checked bit for bit.
 """
 
 from __future__ import annotations
@@ -11,26 +33,71 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
+import os
+
+# cuDNN's plan cache holds 256 shapes by default; the grid's shapes (chunk lengths × key lengths up to
+# a long context) can exceed that, and a plan evicted is 45 ms again. Read when MLX first runs
+# attention, so setting it here, before any forward, takes effect; a user's own setting wins.
+os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
 
 # mlx-lm's `generate_step` default.
 DEFAULT_PREFILL_STEP_SIZE = 2048
+# The grid step on a GPU: mlx-lm's KVCache grows its buffers by 256 tokens, so grid-aligned chunks also
+# keep the keys' strides (the buffer's length) on the grid.
+GPU_GRID = 256
+# A gridded chunk holds one of these many grid steps: few lengths (fewer plans), close enough together
+# that a chunk sized for a target time loses at most a third of it.
+GRID_MULTIPLES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def resolve_grid(setting: int | None) -> int:
+    """The grid step for a `--prefill-grid` setting: None means `GPU_GRID` on a GPU and off (0) elsewhere."""
+    if setting is not None:
+        return setting
+    return GPU_GRID if mx.default_device() == mx.gpu else 0
+
+
+def grid_chunk(fed: int, n: int, grid: int) -> tuple[int, int]:
+    """(tokens to take, dummy tokens to add) for a chunk of at most `n` after `fed`, on a `grid`.
+
+    Off the grid: up to the next grid point (no padding). On it: the
+    largest multiple of `grid` in `GRID_MULTIPLES` that fits `n`; or, when
+    `n` is less than one step, `n` padded to one step.
+    """
+    if fed % grid:
+        return min(n, grid - fed % grid), 0
+    steps = max((m for m in GRID_MULTIPLES if m * grid <= n), default=0)
+    if steps:
+        return steps * grid, 0
+    return n, grid - n
+
+
+def trims_exactly(caches: Sequence[Any]) -> bool:
+    """Whether a dummy token can be computed and trimmed away with no trace (plain KVCache layers only)."""
+    return bool(caches) and all(type(c) is KVCache for c in caches)
 
 
 class ChunkedPrefill:
     """The prompt tokens whose KV is not in `caches` yet, and how to feed them."""
 
     def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int, *,
-                 start: int = 0, split_at: int | None = None) -> None:
+                 start: int = 0, split_at: int | None = None, grid: int | None = 0) -> None:
         # `start`: prompt tokens whose KV `caches` already hold (a prompt-cache hit).
         # `split_at`: a prompt position no chunk may straddle, so that the caches hold
         # exactly that prefix after some chunk (where a boundary snapshot is taken).
+        # `grid`: the shape grid's step (module docstring; None: `resolve_grid`'s default); 0, or caches
+        # that cannot trim, keep mlx-lm's chunks.
         self._model = model
         self._caches = caches
         self._step_size = step_size
         self.fed = start
         self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
+        grid = resolve_grid(grid)
+        self._grid = grid if grid > 0 and trims_exactly(caches) else 0
         # Invariant: pending holds the prompt tokens whose KV is not yet in the caches
         # (prompt_ids[fed:]).
         self.pending = mx.array(list(prompt_ids[start:]))  # int32, as mlx-lm builds it
@@ -47,8 +114,18 @@ class ChunkedPrefill:
             n = min(n, self._split_at - self.fed)
         if n == 0:
             return None
+        pad = 0
+        if self._grid:
+            n, pad = grid_chunk(self.fed, n, self._grid)
         chunk = self.take(n)
-        self._model(chunk[None], cache=self._caches)
+        if pad:
+            # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'
+            # results; their KV is trimmed below and overwritten by the next chunk.
+            self._model(mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None], cache=self._caches)
+            for c in self._caches:
+                c.trim(pad)
+        else:
+            self._model(chunk[None], cache=self._caches)
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk

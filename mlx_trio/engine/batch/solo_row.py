@@ -53,12 +53,14 @@ class SoloRow:
         snapshot_at: int | None = None,
         grammar_tokenizer: Any = None,
         resumed_tokens: int = 0,
+        prefill_grid: int | None = 0,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
         # `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.constraint`
         # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a
-        # resume, which its grammar has already seen.
+        # resume, which its grammar has already seen. `prefill_grid`: the shape grid's step
+        # (engine/batch/chunked_prefill.py; 0 = mlx-lm's chunks, None = on a GPU only).
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
@@ -77,7 +79,7 @@ class SoloRow:
         self.num_prompt_tokens = len(prompt_ids)
         self.snapshot_at = snapshot_at
         self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
-                                       start=self.cached_tokens, split_at=snapshot_at)
+                                       start=self.cached_tokens, split_at=snapshot_at, grid=prefill_grid)
         self.token0: int | None = None
         # Token 0's logprobs, when the request asks for them (set by `first_token`).
         self.token0_logprobs: SampledLogprobs | None = None
