@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the prompt cache's SSD tier; survives restarts (default: RAM only)")
     arg("--prompt-cache-ssd-bytes", type=size, default=16 * 2**30,
         help="most bytes the SSD tier keeps on disk (default: 16GiB)")
+    arg("--prompt-cache-io-timeout", type=positive_float, default=_ENGINE.prompt_cache_io_timeout_s.default,
+        help="seconds one SSD-tier file read or write may take; past it the disk counts as hung and the "
+             "SSD tier is turned off, the prompt cache going on in RAM (default: %(default)s)")
     arg("--cache-dir", type=Path, default=None,
         help="where the default model is converted to "
              "(default: $MLX_TRIO_CACHE_DIR, else $XDG_CACHE_HOME/mlx-trio/models, else ~/.cache/mlx-trio/models)")
@@ -154,7 +157,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
                           prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
-                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog)
+                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
+                          prompt_cache_io_timeout_s=args.prompt_cache_io_timeout)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
