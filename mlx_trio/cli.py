@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
+    arg("--body-timeout", type=positive_float, default=attrs.fields(ServerConfig).body_timeout_s.default,
+        help="seconds after a request's start by which its whole body must be in; a client that stalls or "
+             "trickles it gets 408 (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -165,7 +168,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
                           enable_fault_injection=args.enable_fault_injection,
                           strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
-                          responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout)
+                          responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout,
+                          body_timeout_s=args.body_timeout)
     return engine, server
 
 
