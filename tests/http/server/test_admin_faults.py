@@ -66,7 +66,27 @@ class PersistenceTreeEngine(FakeEngine):
         engine = {"id": "engine", "kind": "supervisor", "children": [
             {"id": actor, "kind": actor, **leaf}
             for actor in ("gpu-lease", "decode-step", "prefill", "admission", "cache-persistence")]}
-        return {**super().status(), "tree": {"id": "root", "kind": "supervisor", "children": [engine]}}
+        return {**super().status(), "tree": {"id": "root", "kind": "supervisor", "children": [engine]},
+                "prompt_cache": {"ssd": self.ssd}}
+
+    ssd: dict[str, Any] = {"enabled": True, "degraded": False, "reason": ""}  # noqa: RUF012 (read only)
+
+
+@pytest.mark.parametrize(("ssd", "words"), [
+    ({"enabled": False, "degraded": False, "reason": ""}, "off (no --prompt-cache-dir)"),
+    ({"enabled": True, "degraded": True, "reason": "disk stalled: a read in /c took over 10 s"}, "disk stalled"),
+])
+@pytest.mark.parametrize("kind", ["raise", "hang", "fail-write", "stall-io"])
+async def test_cache_persistence_faults_are_refused_without_an_ssd_tier(
+        ssd: dict[str, Any], words: str, kind: str) -> None:
+    """With no SSD tier (or one turned off) the actor reads and writes nothing: no fault there can fire."""
+    engine = PersistenceTreeEngine()
+    engine.ssd = ssd
+    async with serve_fake(engine, enable_fault_injection=True) as (_, client):
+        response = await client.post("/v1/admin/faults", json={"actor": "cache-persistence", "kind": kind})
+    error = assert_openai_error(response, 400, code="invalid_value", param="actor")
+    assert "would never fire" in error["message"] and words in error["message"]
+    assert engine.faults.armed() == []
 
 
 async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor() -> None:
@@ -94,6 +114,9 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
     ({"actor": "decoder", "kind": "raise"}, "actor",
      ["'decoder'", "decode-step", "http", "session (any session)", "session-req-1"]),
     ({"actor": "engine", "kind": "raise"}, "actor", ["'engine'", "decode-step"]),
+    # A session that finished (or never was) has left the tree: its fault would never fire.
+    ({"actor": "session-req-0", "kind": "raise"}, "actor", ["'session-req-0'", "session-req-1"]),
+    ({"actor": "session-req-1", "kind": "stall-io"}, "kind", ["fires only at", "cache-persistence"]),
     # A kind that can never fire at that actor is refused, not accepted and silently never fired.
     ({"actor": "decode-step", "kind": "hang"}, "kind", ["fires only at", "gpu-lease", "'decode-step'"]),
 ])
