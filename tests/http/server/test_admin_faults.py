@@ -11,7 +11,7 @@ from tests.http.fakes import FakeEngine
 from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, tiny_engine_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_trio.api import Engine
+from mlx_trio.api import MAX_RESUMES, Engine
 from mlx_trio.http import HttpServer, ServerConfig
 from mlx_trio.supervision.faults import FaultKind
 
@@ -184,4 +184,27 @@ async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
             # Counted before the crash: the HttpServer keeps its registry across restarts.
             requests = _samples(metrics, "mlx_trio_http_requests_total")
             assert requests[(("endpoint", "/v1/admin/faults"), ("method", "POST"), ("status", "200"))] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_sessions_that_crash_before_any_progress_are_a_503_engine_restarted() -> None:
+    """MAX_RESUMES + 1 session crashes before the first token, armed over HTTP: the documented 503
+    engine_restarted with Retry-After (not a 500 actor_crashed), streamed or not; then the server serves."""
+    engine = Engine(tiny_engine_config())
+    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True), engine)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        await nursery.start(engine.run)
+        with trio.fail_after(30):
+            await engine.wait_ready()
+        async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            for stream in (False, True):
+                for _ in range(MAX_RESUMES + 1):
+                    armed = await client.post("/v1/admin/faults", json={"actor": "session", "kind": "raise"})
+                    assert armed.status_code == 200
+                response = await client.post("/v1/chat/completions", json={**chat, "stream": stream})
+                assert_openai_error(response, 503, code="engine_restarted")
+                assert response.headers["retry-after"] == "1"
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
         nursery.cancel_scope.cancel()
