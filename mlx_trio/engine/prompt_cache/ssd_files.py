@@ -273,8 +273,8 @@ class CacheFileStore:
         try:
             with _open_regular(path) as f:
                 status = os.fstat(f.fileno())
-                size = _read_exactly(f, 8)
-                header = _read_exactly(f, _header_length(size, status.st_size))
+                prefix = _read_exactly(f, 8)
+                header = _read_exactly(f, _header_length(prefix, status.st_size))
             meta, _ = _parse_header(header, status.st_size - 8 - len(header))  # it covers the whole file
             tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
         except _DAMAGED as exc:
@@ -371,7 +371,8 @@ def _parse_header(header: bytes, data_bytes: int) -> tuple[dict[str, str], dict[
         raise ValueError("header metadata is not a string map")
     arrays: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
     offset = 0
-    for name, spec in sorted(table.items(), key=lambda item: item[1]["data_offsets"][0]):
+    # By (start, end): an empty array may share its start with the next one.
+    for name, spec in sorted(table.items(), key=lambda item: tuple(item[1]["data_offsets"])):
         dtype, shape = _NUMPY_DTYPES[spec["dtype"]], tuple(int(d) for d in spec["shape"])
         start, end = (int(o) for o in spec["data_offsets"])
         if start != offset or end - start != dtype.itemsize * math.prod(shape) or min(shape, default=0) < 0:
