@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the prompt cache's SSD tier; survives restarts (default: RAM only)")
     arg("--prompt-cache-ssd-bytes", type=size, default=16 * 2**30,
         help="most bytes the SSD tier keeps on disk (default: 16GiB)")
+    arg("--prompt-cache-io-timeout", type=positive_float, default=_ENGINE.prompt_cache_io_timeout_s.default,
+        help="seconds one SSD-tier file read or write may take; past it the disk counts as hung and the "
+             "SSD tier is turned off, the prompt cache going on in RAM (default: %(default)s)")
     arg("--cache-dir", type=Path, default=None,
         help="where the default model is converted to "
              "(default: $MLX_TRIO_CACHE_DIR, else $XDG_CACHE_HOME/mlx-trio/models, else ~/.cache/mlx-trio/models)")
@@ -138,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
+    arg("--body-timeout", type=positive_float, default=attrs.fields(ServerConfig).body_timeout_s.default,
+        help="seconds after a request's start by which its whole body must be in; a client that stalls or "
+             "trickles it gets 408 (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -159,14 +165,16 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
                           prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
-                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog)
+                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
+                          prompt_cache_io_timeout_s=args.prompt_cache_io_timeout)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
                           batch=args.batch, shutdown_timeout_s=args.shutdown_timeout,
                           enable_fault_injection=args.enable_fault_injection,
                           strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
-                          responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout)
+                          responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout,
+                          body_timeout_s=args.body_timeout)
     return engine, server
 
 

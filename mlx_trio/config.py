@@ -61,6 +61,9 @@ class EngineConfig:
     step_watchdog_s: float = 300.0
     # How long a request waits for a restarting engine before failing (engine_restarted).
     resume_timeout_s: float = 60.0
+    # Longest one SSD-tier file operation may take before the disk counts as hung and the SSD
+    # tier is turned off, RAM only (--prompt-cache-io-timeout; actors/cache_persistence.py).
+    prompt_cache_io_timeout_s: float = 10.0
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -5,23 +5,35 @@ asks it for a stored prefix on a miss (`restore`). Writing never holds a
 request back: the queue is bounded and a full queue drops the entry (it is
 only a cache); the lease is held only to copy the arrays to the host
 (`engine.host_cache.to_host`), and the file is written on a worker thread
-(`engine.cache_files.CacheFileStore`). The first disk error (full, read-only,
+(`engine/prompt_cache/ssd_files.py`). The first disk error (full, read-only,
 directory removed) stops writing for good, with one warning: the prompt
-cache goes on in RAM only. Bad files are read as misses, never raised.
+cache goes on in RAM only. Bad files are read as misses, never raised; an
+entry that passes its checksum but does not fit the model's caches (another
+head_dim, layer count or dtype) is removed and counted (`restore_failures`),
+and its request runs uncached.
 
-Faults (`supervision/faults.py`, id "cache-persistence"), all firing after
-an entry is materialised and before its file is written: `raise` crashes the
-actor (queued entries are lost, no partial file is ever visible), `hang`
-blocks it (offers then fill the queue and are dropped), `fail-write` fails
-that one write (counted in `ssd_errors`; the actor keeps writing).
+Every file operation runs on a worker thread with a deadline
+(`io_timeout_s`, `--prompt-cache-io-timeout`): one that overruns it (a hung
+or very slow disk) is abandoned to its thread and disables the tier for
+good, reads included, with one warning naming the directory; requests go on
+with the RAM tier only, and `/stats` and `/health` say why.
+
+Faults (`supervision/faults.py`, id "cache-persistence"): `raise`, `hang`
+and `fail-write` fire after an entry is materialised and before its file is
+written: `raise` crashes the actor (queued entries are lost, no partial
+file is ever visible), `hang` blocks it (offers then fill the queue and are
+dropped), `fail-write` fails that one write (counted in `ssd_errors`; the
+actor keeps writing). `stall-io` blocks the worker thread of the next file
+operation (a hung disk) until the deadline has disabled the tier.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -30,7 +42,7 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.messages import drain_nowait
 from mlx_trio.engine.prompt_cache.ssd_files import CacheFileStore, StoredEntryInfo
 from mlx_trio.engine.prompt_cache.identity import identity_of_directory
-from mlx_trio.engine.prompt_cache.host_cache import from_host, model_cache_layout, to_host
+from mlx_trio.engine.prompt_cache.host_cache import CacheShapes, cache_shapes, from_host, to_host
 from mlx_trio.engine.prompt_cache.host_entry import HostEntry
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import LeaseClosed
@@ -42,10 +54,15 @@ ACTOR_ID = "cache-persistence"
 # Entries waiting for the disk. Each holds a full KV cache in device memory
 # until it is copied out, so the queue is short: past it, entries are dropped.
 DEFAULT_MAX_QUEUE = 8
+# Longest a file operation may take before the disk counts as hung (--prompt-cache-io-timeout):
+# reading a GiB-sized entry from a working SSD takes about a second.
+DEFAULT_IO_TIMEOUT_S = 10.0
 # How many stored prefixes `restore` tries when the longest ones turn out unusable.
 _RESTORE_ATTEMPTS = 3
 
-OpenStore = Callable[[], Awaitable[CacheFileStore]]
+# Makes this server's store, and the shapes of its model's caches (what a restored entry must fit).
+OpenStore = Callable[[], Awaitable[tuple[CacheFileStore, CacheShapes]]]
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -56,10 +73,12 @@ class PersistenceStatistics:
     bytes: int = 0  # their total size
     ssd_reads: int = 0  # restores served from disk
     ssd_writes: int = 0  # entry files written
-    ssd_errors: int = 0  # failed writes, and stored entries that could not be rebuilt
+    ssd_errors: int = 0  # failed writes
+    restore_failures: int = 0  # stored entries that passed their checksum but could not be rebuilt (removed)
     dropped: int = 0  # offers refused because the queue was full
     queue_depth: int = 0  # entries waiting to be written
     mailbox_depth: int = 0  # the same number, under the name the supervision tree reads
+    reason: str = ""  # why it is degraded ("" when it is not)
 
 
 @attrs.define(eq=False)
@@ -88,6 +107,17 @@ def _write(store: CacheFileStore, entry: HostEntry, fail: bool) -> StoredEntryIn
     return store.write(entry)
 
 
+def _file_job(fn: Callable[..., T], args: tuple[Any, ...], stalled_until: threading.Event | None) -> T:
+    """Worker thread: `fn(*args)`, after blocking until `stalled_until` is set when a stall-io fault fired."""
+    if stalled_until is not None:
+        stalled_until.wait()
+    return fn(*args)
+
+
+class _Stalled(Exception):
+    """A file operation overran `io_timeout_s`; the tier is disabled (see `_stall`)."""
+
+
 class CachePersistenceActor:
     """Writes offered prompt-cache entries to disk in the background, and restores them on request.
 
@@ -97,17 +127,24 @@ class CachePersistenceActor:
         None means no `--prompt-cache-dir`: the actor runs, refuses every
         offer and restores nothing.
       max_queue: entries that may wait for the disk before offers are dropped.
+      io_timeout_s: longest one file operation may take before the tier is disabled.
     """
 
     def __init__(self, lease: GpuLease, open_store: OpenStore | None, *, faults: Faults | None = None,
-                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 max_queue: int = DEFAULT_MAX_QUEUE, io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         self._lease = lease
         self._open_store = open_store
         self._faults = faults or Faults()
+        self._io_timeout_s = io_timeout_s
         self.inbox_send, self._inbox = trio.open_memory_channel[_PendingWrite](max_queue)
-        self._store: CacheFileStore | None = None  # set once scanned; reads keep it after a write error
+        # Set once scanned; reads keep it after a write error, a stalled disk drops it (no reads either).
+        self._store: CacheFileStore | None = None
+        self._shapes: CacheShapes | None = None  # the model's, set with the store
         self._degraded = False
-        self._reads = self._writes = self._errors = self._dropped = 0
+        self._reason = ""
+        # Releases the worker thread a stall-io fault blocked, once the actor gave up on it.
+        self._unstall = threading.Event()
+        self._reads = self._writes = self._errors = self._dropped = self._restore_failures = 0
         # Invariant: _unfinished counts offered entries not yet written or released; _idle is set iff it is 0.
         self._unfinished = 0
         # Offered and not finished yet, in offer order: a restore waits for those that would serve it.
@@ -162,24 +199,28 @@ class CachePersistenceActor:
         with trio.move_on_after(wait_s):
             for pending in self._serving(store, tokens, max_len):
                 await pending.written.wait()
-        for _ in range(_RESTORE_ATTEMPTS):
-            info = store.longest_prefix(tokens, max_len=max_len)
-            if info is None:
-                return None
-            entry = await trio.to_thread.run_sync(store.read, info.key)
-            if entry is None:
-                continue  # read removed it; try the next longest
-            try:
-                caches = await self._lease.run(from_host, entry)
-            except LeaseClosed:
-                raise
-            except Exception:
-                self._errors += 1
-                log.warning("prompt cache entry %s could not be rebuilt: removed", info.key, exc_info=True)
-                await trio.to_thread.run_sync(store.remove, info.key)
-                continue
-            self._reads += 1
-            return caches, len(entry.tokens)
+        try:
+            for _ in range(_RESTORE_ATTEMPTS):
+                info = store.longest_prefix(tokens, max_len=max_len)
+                if info is None:
+                    return None
+                entry = await self._io("read", store.read, info.key)
+                if entry is None:
+                    continue  # read removed it; try the next longest
+                try:
+                    caches = await self._lease.run(from_host, entry, self._shapes)
+                except LeaseClosed:
+                    raise
+                except Exception as exc:
+                    # It passed its checksum, so it would fail the same way every time: never again.
+                    self._restore_failures += 1
+                    log.warning("prompt cache entry %s could not be restored (%s): removed", info.key, exc)
+                    await self._io("remove", store.remove, info.key)
+                    continue
+                self._reads += 1
+                return caches, len(entry.tokens)
+        except _Stalled:
+            pass
         return None
 
     def _serving(self, store: CacheFileStore, tokens: Sequence[int], max_len: int | None) -> list[_PendingWrite]:
@@ -201,8 +242,9 @@ class CachePersistenceActor:
         return PersistenceStatistics(
             enabled=self._open_store is not None, degraded=self._degraded,
             entries=len(store.entries) if store is not None else 0, bytes=store.nbytes if store is not None else 0,
-            ssd_reads=self._reads, ssd_writes=self._writes, ssd_errors=self._errors, dropped=self._dropped,
-            queue_depth=depth, mailbox_depth=depth,
+            ssd_reads=self._reads, ssd_writes=self._writes, ssd_errors=self._errors,
+            restore_failures=self._restore_failures, dropped=self._dropped,
+            queue_depth=depth, mailbox_depth=depth, reason=self._reason,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -221,21 +263,40 @@ class CachePersistenceActor:
                 finally:
                     self._finish(pending)
         finally:
+            self._unstall.set()
             self.inbox_send.close()
             for pending in drain_nowait(self._inbox):
                 self._finish(pending)
 
     async def _open(self, open_store: OpenStore) -> None:
         try:
-            store = await open_store()
-            await trio.to_thread.run_sync(store.scan)
+            store, shapes = await open_store()
+            await self._io("scan", store.scan, directory=store.directory)
         except OSError as exc:
             self._degrade(exc)
             return
+        except _Stalled:
+            return
         finally:
             self._opened.set()
-        self._store = store
+        self._store, self._shapes = store, shapes
         log.info("prompt cache %s: %d entries, %d bytes on disk", store.directory, len(store.entries), store.nbytes)
+
+    async def _io(self, what: str, fn: Callable[..., T], *args: Any, directory: Path | None = None) -> T:
+        """`fn(*args)`, plain file I/O, on a worker thread; `_Stalled` if it overruns `io_timeout_s`.
+
+        An overrun thread is abandoned (a hung disk may hold it until it
+        answers; it then only updates the store's index, under its lock) and
+        the tier disabled. `directory` names the store's while it is scanned.
+        """
+        stall = self._unstall if self._faults.take(ACTOR_ID, FaultKind.STALL_IO) else None
+        try:
+            with trio.fail_after(self._io_timeout_s):
+                return await trio.to_thread.run_sync(_file_job, fn, args, stall, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            store = self._store
+            self._stall(what, directory or (store.directory if store is not None else None))
+            raise _Stalled from None
 
     async def _persist(self, pending: _PendingWrite) -> None:
         store = self._store
@@ -254,7 +315,9 @@ class CachePersistenceActor:
             await trio.sleep_forever()
         fail = self._faults.take(ACTOR_ID, FaultKind.FAIL_WRITE)
         try:
-            info = await trio.to_thread.run_sync(_write, store, entry, fail)
+            info = await self._io("write", _write, store, entry, fail)
+        except _Stalled:
+            return
         except InjectedFault as exc:
             self._errors += 1
             log.warning("prompt cache write failed: %s", exc)
@@ -273,7 +336,19 @@ class CachePersistenceActor:
     def _degrade(self, exc: OSError) -> None:
         # Called at most once: writes are sequential, and none is attempted once degraded.
         self._degraded = True
+        self._reason = f"directory unusable: {exc}"
         log.warning("prompt cache directory unusable (%s): continuing with the prompt cache in RAM only", exc)
+
+    def _stall(self, what: str, directory: Path | None) -> None:
+        """A file operation overran its deadline: no more reads or writes, one warning (the first)."""
+        self._store = None
+        self._unstall.set()
+        if self._reason.startswith("disk stalled"):
+            return  # a read and a write may both overrun
+        self._degraded = True
+        self._reason = f"disk stalled: a {what} in {directory} took over {self._io_timeout_s:g} s"
+        log.warning("prompt cache %s: a %s took over %g s (a hung or very slow disk): the SSD tier is off, "
+                    "continuing with the prompt cache in RAM only", directory, what, self._io_timeout_s)
 
     def _finish(self, pending: _PendingWrite) -> None:
         if pending.caches is not None:
@@ -289,13 +364,13 @@ def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]
                  max_bytes: int) -> OpenStore:
     """An `OpenStore` for the served model: waits for it, then derives its `CacheIdentity`.
 
-    The cache layout needs mlx-lm's `make_prompt_cache` (lease); hashing the
-    model's files is plain IO (worker thread).
+    The cache layout and shapes need mlx-lm's `make_prompt_cache` (lease);
+    hashing the model's files is plain IO (worker thread).
     """
-    async def open_store() -> CacheFileStore:
+    async def open_store() -> tuple[CacheFileStore, CacheShapes]:
         loaded = await get_model()
-        layout = await lease.run(model_cache_layout, loaded.model)
-        identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, layout)
-        return CacheFileStore(directory, max_bytes=max_bytes, identity=identity)
+        shapes = await lease.run(cache_shapes, loaded.model)
+        identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, shapes.layout)
+        return CacheFileStore(directory, max_bytes=max_bytes, identity=identity), shapes
 
     return open_store

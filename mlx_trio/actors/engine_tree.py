@@ -182,6 +182,7 @@ class EngineActors:
                 "enabled": ssd.enabled, "degraded": ssd.degraded, "entries": ssd.entries, "bytes": ssd.bytes,
                 "reads": ssd.ssd_reads, "writes": ssd.ssd_writes, "errors": ssd.ssd_errors,
                 "dropped": ssd.dropped, "queue_depth": ssd.queue_depth,
+                "restore_failures": ssd.restore_failures, "reason": ssd.reason,
             },
         }
 
@@ -232,7 +233,8 @@ class EngineActors:
         assert lane.lease is not None
         opener = (store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes)
                   if directory is not None and not self.config.prompt_cache_off else None)
-        lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults)
+        lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults,
+                                                 io_timeout_s=self.config.prompt_cache_io_timeout_s)
         await lane.persistence.run(task_status=task_status)
 
     # -- the lease's jobs: load, warm up, watch ----------------------------------------

@@ -99,6 +99,7 @@ class _Job:
     cmd: Generate
     row: SoloRow
     passed_over: int = 0  # chunks of other jobs run since this one last ran (aging)
+    hit: CacheHit | None = None  # the prompt-cache entry the row started from
 
 
 class PrefillActor:
@@ -314,10 +315,10 @@ class PrefillActor:
                 # A lone short prompt: a chunk and token 0's step, as a chunk's cost. A batched
                 # cohort is not a measure of one prompt's chunk.
                 self.sizer.record(made[0].fed - made[0].cached_tokens, made[0].cached_tokens, seconds)
-            for (cmd, _), outcome in zip(cohort, outcomes, strict=True):
+            for (cmd, hit), outcome in zip(cohort, outcomes, strict=True):
                 self._cohort_requests.remove(cmd)
                 if isinstance(outcome, Exception):
-                    self._lane.end_request(cmd, self._failed(cmd, outcome))
+                    self._lane.end_request(cmd, self._failed(cmd, outcome, hit))
                     continue
                 self._prefill_tokens += outcome.fed - 1 - outcome.cached_tokens
                 self._cached_tokens += outcome.cached_tokens
@@ -347,10 +348,17 @@ class PrefillActor:
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
                        resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid)
 
-    def _failed(self, cmd: Generate, exc: Exception) -> GenerationEnded:
-        """A prefill error is this request's alone: count and log it; the event tells its session."""
+    def _failed(self, cmd: Generate, exc: Exception, hit: CacheHit | None) -> GenerationEnded:
+        """A prefill error is this request's alone: count and log it; the event tells its session.
+
+        A row started from a prompt-cache entry drops that entry: if the entry
+        is what fails (it cannot be restored), the resumed request and the
+        next ones sharing its prefix run uncached instead of failing on it.
+        """
         self._failed_count += 1
         log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
+        if hit is not None and self._lane.caching is not None:
+            self._lane.caching.discard(hit, exc)
         return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc)
 
     async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
@@ -391,7 +399,7 @@ class PrefillActor:
             self._cached_tokens += row.cached_tokens
             cmd.reply.send_nowait(PrefillProgressed(cmd.request_id, row.cached_tokens, len(cmd.prompt_ids),
                                                     cached_tokens=row.cached_tokens))
-            self._jobs.append(_Job(cmd, row))
+            self._jobs.append(_Job(cmd, row, hit=hit))
             self._last_request = cmd.request_id
         except trio.BrokenResourceError:
             self._cancelled += 1  # the session left
@@ -400,7 +408,7 @@ class PrefillActor:
             self._lane.end_request(cmd, row=row)  # no last word: its session resumes on the restarted actor
             raise
         except Exception as exc:
-            self._lane.end_request(cmd, self._failed(cmd, exc), row=row)
+            self._lane.end_request(cmd, self._failed(cmd, exc, hit), row=row)
         except BaseException:
             self._lane.end_request(cmd, row=row)
             raise
@@ -446,7 +454,7 @@ class PrefillActor:
             # (`run`'s finally ends the job).
             raise
         except Exception as exc:
-            ended = self._failed(cmd, exc)
+            ended = self._failed(cmd, exc, job.hit)
         if row.token0 is None:
             # The row failed before token 0: it ends here.
             self._jobs.remove(job)

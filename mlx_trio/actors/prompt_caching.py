@@ -131,6 +131,13 @@ class PromptCaching:
         if admission is not None:
             self.cache.trim_to(admission.unreserved_bytes())
 
+    def discard(self, hit: CacheHit, exc: BaseException) -> None:
+        """A row started from `hit` failed with `exc`: drop its entry, so the request's resume (and every
+        later request sharing the prefix) runs without it rather than failing on it again."""
+        if self.cache.discard(hit.entry):
+            log.warning("prompt cache entry of %d tokens dropped: a row started from it failed (%r)",
+                        len(hit.entry.tokens), exc)
+
     def make_room(self, max_bytes: int) -> int:
         """Evict until the cache holds at most `max_bytes`; returns the bytes freed."""
         return self.cache.trim_to(max_bytes)

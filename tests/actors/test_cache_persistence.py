@@ -61,12 +61,12 @@ async def _wait_for(predicate: Callable[[], bool]) -> None:
 
 
 def _actor(lease: GpuLease, model: LoadedModel, directory: Path | None, *, faults: Faults | None = None,
-           max_queue: int = 8, max_bytes: int = 2**30) -> CachePersistenceActor:
+           max_queue: int = 8, max_bytes: int = 2**30, io_timeout_s: float = 10.0) -> CachePersistenceActor:
     async def get_model() -> LoadedModel:
         return model
 
     opener = store_opener(lease, get_model, directory, max_bytes) if directory is not None else None
-    return CachePersistenceActor(lease, opener, faults=faults, max_queue=max_queue)
+    return CachePersistenceActor(lease, opener, faults=faults, max_queue=max_queue, io_timeout_s=io_timeout_s)
 
 
 async def _started(nursery: trio.Nursery, actor: CachePersistenceActor) -> CachePersistenceActor:
@@ -138,6 +138,25 @@ async def test_fail_write_fails_one_write_and_the_actor_keeps_writing(
         assert await actor.restore(PROMPT[:5]) is None and (await actor.restore(PROMPT))[1] == 6
         nursery.cancel_scope.cancel()
     assert [f.kind for f in faults.fired] == [FaultKind.FAIL_WRITE]
+
+
+async def test_a_write_stalled_past_the_io_timeout_turns_the_tier_off_once(
+        lease: GpuLease, model: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """stall-io blocks the write's worker thread (a hung disk): past io_timeout_s the actor gives up on it,
+    drains, refuses offers and restores nothing, with one warning naming the directory."""
+    faults = Faults()
+    async with trio.open_nursery() as nursery:
+        actor = await _started(nursery, _actor(lease, model, tmp_path, faults=faults, io_timeout_s=0.2))
+        faults.arm("cache-persistence", FaultKind.STALL_IO)
+        assert actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:5]), PROMPT[:5])
+        await actor.drain()
+        stats = actor.statistics()
+        assert stats.degraded and stats.ssd_writes == 0 and stats.reason.startswith("disk stalled: a write in")
+        assert not actor.offer_nowait(await lease.run(_prefill, model, PROMPT[:6]), PROMPT[:6])
+        assert await actor.restore(PROMPT) is None
+        nursery.cancel_scope.cancel()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path) in warnings[0] and "RAM only" in warnings[0]
 
 
 async def test_a_crash_during_a_write_leaves_no_partial_file_and_a_restart_works(

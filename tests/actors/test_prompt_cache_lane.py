@@ -83,3 +83,33 @@ async def test_the_cache_gives_way_when_live_rows_need_the_bytes() -> None:
             assert engine.actors.lane.caching.nbytes + engine.actors.lane.admission.statistics().reserved_bytes <= budget
         stats = engine.status()["prompt_cache"]
     assert stats["evictions"] >= 1 and stats["bytes"] <= budget
+
+
+def _break_head_dim(caches: list) -> None:
+    """Lease thread: cut the head_dim of every full-attention layer's KV in place (an entry that cannot be used)."""
+    for cache in caches:
+        cache.keys = cache.keys[..., : cache.keys.shape[-1] // 2]
+        cache.values = cache.values[..., : cache.values.shape[-1] // 2]
+
+
+async def test_a_ram_entry_whose_row_fails_is_dropped_and_its_requests_run_uncached() -> None:
+    """A RAM entry that breaks the row started from it: that request resumes uncached with its exact tokens
+    instead of failing on it four times (a 503), the entry is gone and counted, the next one runs too."""
+    tasks = ["Tell me about the ship.", "What is the capital of the sea?"]
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_bytes=0) as engine:
+        uncached = [(await _run(engine, _chat(task)))[0] for task in tasks]
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        first, _ = await _run(engine, _chat(tasks[0]))
+        caching = engine.actors.lane.caching
+        with trio.fail_after(10):
+            while caching.cache.pending:  # the first row's finish-time put is in
+                await trio.sleep(0.01)
+        entries = list(caching.cache._lru.values())
+        assert entries
+        for entry in entries:
+            await engine.actors.lane.lease.run(_break_head_dim, entry.caches)
+        second, _ = await _run(engine, _chat(tasks[1]))
+        third, _ = await _run(engine, _chat(tasks[1]))
+        stats = engine.status()["prompt_cache"]
+    assert [first, second] == uncached and third == second
+    assert stats["restore_failures"] >= 1 and all(entry.tokens not in caching.cache for entry in entries)

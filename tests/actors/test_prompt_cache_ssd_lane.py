@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import shutil
+import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
+import trio
+from safetensors import safe_open
 
 from mlx_trio import open_engine
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry
+from mlx_trio.engine.prompt_cache.identity import CacheIdentity
+from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX, CacheFileStore
 from mlx_trio.events import Finished, TextDelta
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
@@ -86,3 +96,103 @@ async def test_a_directory_removed_mid_run_degrades_to_ram_only(tmp_path: Path) 
     assert finished.finish_reason in ("stop", "length") and again == cold and ok
     assert cached.usage.cached_tokens > 500  # the RAM tier still serves
     assert stats["ssd"]["degraded"] or stats["ssd"]["errors"] >= 1
+
+
+async def _scanned(engine) -> None:
+    """Until the SSD tier has scanned its directory (the first entry indexed)."""
+    with trio.fail_after(30):
+        while engine.status()["prompt_cache"]["ssd"]["entries"] < 1:
+            await trio.sleep(0.01)
+
+
+async def test_a_fifo_in_the_directory_is_never_opened_and_blocks_nothing(tmp_path: Path, caplog) -> None:
+    """A FIFO under an entry's name at start (and one swapped in for an indexed file later) is skipped
+    with a warning and left alone; requests complete exactly and health stays ok (issue #21 point 5)."""
+    cold = await _first_run(LLAMA, tmp_path)
+    (entry_file,) = tmp_path.glob("*.safetensors")
+    planted = tmp_path / f"{'0' * 32}{SUFFIX}"
+    os.mkfifo(planted)
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_dir=tmp_path) as engine:
+        await _scanned(engine)
+        assert engine.health() == (True, "ok")
+        swapped = tmp_path / "swap.fifo"
+        os.mkfifo(swapped)
+        os.replace(swapped, entry_file)  # the indexed entry is now a FIFO: a reader that opened it would wait forever
+        ids, finished = await _run(engine)
+        stats = engine.status()["prompt_cache"]["ssd"]
+        ok, _ = engine.health()
+    assert ids == cold and finished.usage.cached_tokens == 0 and ok
+    assert stats["reads"] == 0 and not stats["degraded"]
+    # Left alone (the swapped one may since be replaced by a new entry written under its name).
+    assert stat.S_ISFIFO(planted.lstat().st_mode)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("not regular files" in w for w in warnings) and any("not a regular file" in w for w in warnings)
+
+
+async def test_a_hung_disk_turns_the_ssd_tier_off_and_requests_run_on_exactly(tmp_path: Path) -> None:
+    """A read that blocks past --prompt-cache-io-timeout (stall-io: its worker thread waits, as on a hung
+    disk) is abandoned: the request runs uncached with its exact tokens, health stays ok while it hangs,
+    the tier is off with its reason in the status and the next requests use RAM only (issue #21 point 5)."""
+    cold = await _first_run(LLAMA, tmp_path)
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_dir=tmp_path,
+                           prompt_cache_io_timeout_s=0.5) as engine:
+        await _scanned(engine)
+        engine.faults.arm("cache-persistence", "stall-io")
+        health: list[bool] = []
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                while True:
+                    health.append(engine.health()[0])
+                    await trio.sleep(0.05)
+
+            nursery.start_soon(watch)
+            ids, finished = await _run(engine)
+            nursery.cancel_scope.cancel()
+        again, cached = await _run(engine)
+        stats = engine.status()["prompt_cache"]["ssd"]
+    assert ids == cold == again and finished.usage.cached_tokens == 0
+    assert cached.usage.cached_tokens > 500  # the RAM tier still serves
+    assert len(health) > 1 and all(health)  # the event loop ran, and health said ok, through the stall
+    assert stats["degraded"] and stats["reads"] == 0 and stats["entries"] == 0
+    assert "disk stalled: a read in" in stats["reason"] and str(tmp_path) in stats["reason"]
+
+
+def _reshaped(entry: HostEntry, how: str) -> HostEntry:
+    """`entry` with its arrays made unfit for the model that wrote it, one way."""
+    arrays = dict(entry.arrays)
+    meta = dict(entry.meta)
+    if how == "head_dim":
+        arrays = {k: a[..., : a.shape[-1] // 2] if a.ndim == 4 else a for k, a in arrays.items()}
+    elif how == "dtype":
+        arrays = {k: a.astype(np.float32 if a.itemsize == 2 else np.float16) if a.ndim == 4 else a
+                  for k, a in arrays.items()}
+    else:  # one layer fewer
+        classes, states = json.loads(meta[CLASSES]), json.loads(meta[STATES])
+        last = len(classes) - 1
+        meta = {CLASSES: json.dumps(classes[:last]), STATES: json.dumps(states[:last])}
+        arrays = {k: a for k, a in arrays.items() if not k.startswith(f"{last}.")}
+    return HostEntry(entry.tokens, arrays, meta)
+
+
+@pytest.mark.parametrize("how", ["head_dim", "dtype", "layers"])
+async def test_an_entry_that_passes_its_checksum_but_does_not_fit_is_dropped(tmp_path: Path, how: str) -> None:
+    """An SSD entry with a valid checksum but the wrong head_dim, dtype or layer count: two requests sharing
+    its prefix both complete with the uncached tokens, the file is removed and counted (issue #21 point 6)."""
+    cold = await _first_run(LLAMA, tmp_path)
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    with safe_open(path, framework="numpy") as f:
+        identity = CacheIdentity.from_metadata(f.metadata())
+    store = CacheFileStore(tmp_path, max_bytes=2**30, identity=identity)
+    (info,) = store.scan()
+    bad = _reshaped(store.read(info.key), how)
+    store.remove(info.key)
+    assert store.write(bad).path == path  # same tokens, same name; a checksum over the unfit arrays
+    bad_bytes = path.read_bytes()
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_dir=tmp_path) as engine:
+        first, _ = await _run(engine)
+        second, _ = await _run(engine)
+        await engine.drain_persistence()
+        stats = engine.status()["prompt_cache"]["ssd"]
+    assert first == second == cold
+    assert stats["restore_failures"] == 1 and stats["reads"] == 0
+    assert not path.exists() or path.read_bytes() != bad_bytes  # removed (the server may have written a good one)

@@ -47,10 +47,10 @@ def test_flags_reach_the_configs() -> None:
         "--allowed-origins", "http://a.example,http://b.example", "http://c.example/", "--prefill-step-size", "64",
         "--max-queue", "3", "--cache-dir", "/tmp/x", "--max-body-bytes", "1000",
         "--shutdown-timeout", "2.5", "--enable-fault-injection", "--max-restarts", "9", "--restart-period", "4",
-        "--step-watchdog", "12.5", "--write-timeout", "7",
+        "--step-watchdog", "12.5", "--write-timeout", "7", "--body-timeout", "8", "--prompt-cache-io-timeout", "2",
     )
     assert (engine.max_restarts, engine.restart_period_s, engine.step_watchdog_s) == (9, 4.0, 12.5)
-    assert server.write_timeout_s == 7.0
+    assert (server.write_timeout_s, server.body_timeout_s, engine.prompt_cache_io_timeout_s) == (7.0, 8.0, 2.0)
     assert engine.model == "m" and engine.prefill_step_size == 64 and engine.max_queue == 3
     assert engine.cache_dir == Path("/tmp/x")
     d = engine.defaults
@@ -73,6 +73,7 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
                                   ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
                                   ["--shutdown-timeout", "nan"], ["--restart-period", "0"],
                                   ["--step-watchdog", "inf"], ["--write-timeout", "-1"], ["--max-restarts", "-1"], ["--chat-template-args", '{"chat_template": "x"}'],
+                                  ["--body-timeout", "0"], ["--prompt-cache-io-timeout", "-1"],
                                   ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""

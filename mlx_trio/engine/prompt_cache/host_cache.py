@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -60,11 +61,49 @@ def to_host(caches: Sequence[Any], tokens: Sequence[int]) -> HostEntry:
     return HostEntry(tuple(tokens), arrays, meta)
 
 
-def from_host(entry: HostEntry) -> list[Any]:
+@attrs.frozen
+class CacheShapes:
+    """What the model's caches hold: per layer, its class name and each state array's dtype and shape.
+
+    The token axis (-2 of arrays of 3 or more dimensions: mlx-lm's caches are
+    [batch, heads, tokens, head_dim]) is -1, since entries differ there. An
+    entry that passed its checksum can still not fit (written by a build
+    whose model differs in head_dim, layer count or dtype under the same
+    files): `from_host` compares it with these before it is used.
+    """
+
+    layers: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+    layout: str  # `cache_layout` of the same caches
+
+    @classmethod
+    def of(cls, caches: Sequence[Any]) -> CacheShapes:
+        return cls(tuple((type(c).__name__, tuple((str(a.dtype), _free_token_axis(a.shape)) for a in _arrays(c)))
+                         for c in caches), cache_layout(caches))
+
+    def mismatch(self, caches: Sequence[Any]) -> str | None:
+        """Why `caches` do not fit the model, or None when they do."""
+        got = CacheShapes.of(caches).layers
+        if len(got) != len(self.layers):
+            return f"{len(got)} layers, the model has {len(self.layers)}"
+        for i, (have, want) in enumerate(zip(got, self.layers)):
+            if have != want:
+                return f"layer {i} holds {have}, the model's caches {want}"
+        return None
+
+
+def cache_shapes(model: nn.Module) -> CacheShapes:
+    """The `CacheShapes` of `model`'s caches after one token. Lease thread; lazy, so nothing is computed."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    return CacheShapes.of(caches)
+
+
+def from_host(entry: HostEntry, shapes: CacheShapes | None = None) -> list[Any]:
     """Rebuild the mlx-lm caches of `entry` with each class's `from_state`; evaluated. Lease thread.
 
     Raises ValueError (or KeyError, TypeError) when the metadata does not
-    describe a valid list of mlx-lm caches, e.g. a class that is not one.
+    describe a valid list of mlx-lm caches, e.g. a class that is not one,
+    or when they do not match `shapes` (the model's, see `cache_shapes`).
     """
     classes = json.loads(entry.meta[CLASSES])
     trees = json.loads(entry.meta[STATES])
@@ -81,7 +120,10 @@ def from_host(entry: HostEntry) -> list[Any]:
 
     caches = [_cache_class(name).from_state(decode(tree)) for name, tree in zip(classes, trees)]
     _check_offsets(caches, len(entry.tokens))
-    mx.eval([leaf for c in caches for leaf in _leaves(c.state) if isinstance(leaf, mx.array)])
+    wrong = shapes.mismatch(caches) if shapes is not None else None
+    if wrong is not None:
+        raise ValueError(f"the entry does not fit this model's caches: {wrong}")
+    mx.eval([a for c in caches for a in _arrays(c)])
     return caches
 
 
@@ -110,6 +152,14 @@ def _cache_class(name: Any) -> type:
     if not (isinstance(cls, type) and issubclass(cls, _BaseCache)):
         raise ValueError(f"cache metadata names {name!r}, not an mlx-lm cache class")
     return cls
+
+
+def _arrays(cache: Any) -> list[mx.array]:
+    return [leaf for leaf in _leaves(cache.state) if isinstance(leaf, mx.array)]
+
+
+def _free_token_axis(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(-1 if len(shape) >= 3 and axis == len(shape) - 2 else n for axis, n in enumerate(shape))
 
 
 def _leaves(node: Any) -> list[Any]:

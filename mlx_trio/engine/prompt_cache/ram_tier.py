@@ -101,6 +101,7 @@ class PromptCacheStatistics:
     hit_tokens: int = 0
     puts: int = 0
     evictions: int = 0
+    restore_failures: int = 0  # entries dropped because a row started from them failed (`discard`)
 
 
 class PromptCache:
@@ -117,7 +118,7 @@ class PromptCache:
         self._nbytes = 0
         # Puts on their way (see `expect`): a key (the request id) to the prompt its entry will start with.
         self._pending: dict[str, np.ndarray] = {}
-        self._hits = self._misses = self._hit_tokens = self._puts = self._evictions = 0
+        self._hits = self._misses = self._hit_tokens = self._puts = self._evictions = self._restore_failures = 0
 
     @property
     def nbytes(self) -> int:
@@ -223,6 +224,14 @@ class PromptCache:
             self._evictions += 1
         return freed
 
+    def discard(self, entry: CacheEntry) -> bool:
+        """Drop `entry` because a row started from it failed (counted); False if it is no longer held."""
+        if self._lru.get(entry.tokens) is not entry:
+            return False
+        self._drop(entry)
+        self._restore_failures += 1
+        return True
+
     def clear(self) -> None:
         self.trim_to(-1)
 
@@ -235,5 +244,5 @@ class PromptCache:
         return PromptCacheStatistics(
             entries=len(self._lru), bytes=self._nbytes, max_bytes=self.max_bytes, max_entries=self.max_entries,
             hits=self._hits, misses=self._misses, hit_tokens=self._hit_tokens, puts=self._puts,
-            evictions=self._evictions,
+            evictions=self._evictions, restore_failures=self._restore_failures,
         )

@@ -9,6 +9,17 @@ leaves a partial entry visible; leftovers are removed at `scan`. A file
 that turns out truncated, damaged, or written for another model or format
 is removed and read as a miss, never raised.
 
+Only regular files are ever read: anything else under an entry's name (a
+FIFO, a socket, a device, a symlink) is skipped with a warning and left
+alone, and every open is non-blocking and checked with `fstat` before a
+byte is read, so a FIFO planted between a scan and a read cannot block
+either. Files are read with plain `os` calls, which release the GIL while
+the disk works: a hung disk blocks only the worker thread that reads it
+(the cache-persistence actor gives up on it, see `--prompt-cache-io-timeout`),
+never the Trio thread or the lease. (safetensors' own reader keeps the GIL
+while it opens and reads, freezing every thread on a FIFO or a hung disk;
+the format is simple enough to parse here, as `_header` writes it.)
+
 Numpy and plain files only, no MLX: every method may run on any thread (the
 cache-persistence actor calls them from `trio.to_thread`), and one lock
 keeps the index consistent between a writer and concurrent readers.
@@ -18,11 +29,15 @@ from __future__ import annotations
 
 import base64
 import collections
+import errno
+import io
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -30,7 +45,6 @@ from pathlib import Path
 
 import attrs
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from mlx_trio.engine.prompt_cache.identity import CacheIdentity
 from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, HostEntry, checksum
@@ -46,8 +60,11 @@ _DTYPES = {np.dtype(t): name for t, name in [
     (np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"), (np.int64, "I64"), (np.int32, "I32"),
     (np.int16, "I16"), (np.int8, "I8"), (np.uint64, "U64"), (np.uint32, "U32"), (np.uint16, "U16"),
     (np.uint8, "U8"), (np.bool_, "BOOL"), (np.complex64, "C64")]}
+_NUMPY_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+# A header longer than this is damage, not an entry (safetensors' own limit).
+_MAX_HEADER_BYTES = 100_000_000
 # What a damaged file raises while we parse it: it is removed and read as a miss.
-_DAMAGED = (SafetensorError, ValueError, KeyError, TypeError, struct.error)
+_DAMAGED = (ValueError, KeyError, TypeError, AttributeError, IndexError, struct.error)
 
 
 @attrs.frozen
@@ -104,20 +121,30 @@ class CacheFileStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         found: list[tuple[float, StoredEntryInfo]] = []
         removed: collections.Counter[str] = collections.Counter()
-        for path in self.directory.iterdir():
-            if path.name.startswith(".") and path.name.endswith(TMP_SUFFIX):
-                removed["unfinished write"] += _unlink(path)
-            elif path.name.endswith(SUFFIX) and _KEY.fullmatch(path.name[: -len(SUFFIX)]):
-                try:
-                    stat = path.stat()
-                    found.append((stat.st_mtime, self._read_header(path, stat.st_size)))
-                except FileNotFoundError:
-                    continue
-                except _Unusable as exc:
-                    removed[exc.reason] += _unlink(path)
+        skipped = 0
+        with os.scandir(self.directory) as listing:
+            for item in listing:
+                path = Path(item.path)
+                if item.name.startswith(".") and item.name.endswith(TMP_SUFFIX):
+                    removed["unfinished write"] += _unlink(path)
+                elif item.name.endswith(SUFFIX) and _KEY.fullmatch(item.name[: -len(SUFFIX)]):
+                    try:
+                        if not item.is_file(follow_symlinks=False):
+                            skipped += 1  # not ours to remove, and never opened
+                            continue
+                        found.append(self._read_header(path))
+                    except FileNotFoundError:
+                        continue
+                    except _NotRegular:
+                        skipped += 1  # replaced by a FIFO or the like since the listing
+                    except _Unusable as exc:
+                        removed[exc.reason] += _unlink(path)
         if +removed:  # unary + drops the reasons whose files could not be removed
             log.warning("prompt cache %s: removed %s", self.directory,
                         ", ".join(f"{n} {reason}" for reason, n in sorted((+removed).items())))
+        if skipped:
+            log.warning("prompt cache %s: skipped %d entry names that are not regular files (never opened)",
+                        self.directory, skipped)
         with self._lock:
             self._index.clear()
             self._nbytes = 0
@@ -186,6 +213,10 @@ class CacheFileStore:
         except FileNotFoundError:
             self._forget(key)
             return None
+        except _NotRegular:
+            log.warning("prompt cache file %s is not a regular file: skipped, left alone", info.path.name)
+            self._forget(key)
+            return None
         except (_Unusable, OSError) as exc:
             log.warning("prompt cache file %s is unusable (%s): removed", info.path.name, exc)
             self.remove(key)
@@ -237,14 +268,18 @@ class CacheFileStore:
         for path in paths:  # outside the lock: a reader never waits on file system calls
             _unlink(path)
 
-    def _read_header(self, path: Path, file_bytes: int) -> StoredEntryInfo:
+    def _read_header(self, path: Path) -> tuple[float, StoredEntryInfo]:
+        """The entry file at `path` as the index holds it, from its header alone, and its mtime (the LRU order)."""
         try:
-            with safe_open(path, framework="numpy") as f:  # checks the header covers the whole file
-                meta = f.metadata() or {}
+            with _open_regular(path) as f:
+                status = os.fstat(f.fileno())
+                prefix = _read_exactly(f, 8)
+                header = _read_exactly(f, _header_length(prefix, status.st_size))
+            meta, _ = _parse_header(header, status.st_size - 8 - len(header))  # it covers the whole file
             tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
         except _DAMAGED as exc:
             raise _Unusable("damaged") from exc
-        return StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, file_bytes, path)
+        return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path)
 
     def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[int, ...]:
         """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
@@ -257,10 +292,14 @@ class CacheFileStore:
 
     def _load(self, info: StoredEntryInfo) -> HostEntry:
         try:
-            # pread, not mmap: a file truncated under us must raise, not SIGBUS.
-            with safe_open(info.path, framework="numpy", backend="pread") as f:
-                meta = f.metadata() or {}
-                arrays = {name: f.get_tensor(name) for name in f.keys()}
+            # Read, not mmap: a file truncated under us must raise, not SIGBUS.
+            with _open_regular(info.path) as f:
+                data = f.read()
+            header = data[8: 8 + _header_length(data[:8], len(data))]
+            meta, table = _parse_header(header, len(data) - 8 - len(header))
+            body = memoryview(data)[8 + len(header):]
+            arrays = {name: np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+                      for name, (dtype, shape, start, end) in table.items()}
             tokens = self._check_identity(meta, info.key)
             layout = {k: meta[k] for k in LAYOUT_KEYS}
             if checksum(layout, tokens, arrays) != meta[_CHECKSUM]:
@@ -276,6 +315,73 @@ class _Unusable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class _NotRegular(Exception):
+    """An entry name that is no regular file (a FIFO, socket, device or symlink): skipped and left alone."""
+
+
+def _open_regular(path: Path) -> io.FileIO:
+    """`path` open for reading, when it is a regular file; else `_NotRegular`, with nothing read.
+
+    O_NONBLOCK makes the open of a FIFO or a device return at once (a plain
+    open of a FIFO waits for a writer); O_NOFOLLOW refuses a symlink. A
+    regular file ignores O_NONBLOCK, so reads then work as usual.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotRegular(path.name) from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotRegular(path.name)
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_exactly(f: io.FileIO, n: int) -> bytes:
+    data = f.read(n)
+    if data is None or len(data) != n:
+        raise ValueError(f"file ends after {len(data or b'')} of {n} bytes")
+    return data
+
+
+def _header_length(prefix: bytes, file_bytes: int) -> int:
+    """The header length that the first 8 bytes state, if the file can hold it; else ValueError."""
+    (n,) = struct.unpack("<Q", prefix)
+    if n > min(_MAX_HEADER_BYTES, file_bytes - 8):
+        raise ValueError(f"header of {n} bytes in a file of {file_bytes}")
+    return int(n)
+
+
+def _parse_header(header: bytes, data_bytes: int) -> tuple[dict[str, str], dict[str, tuple[np.dtype, tuple[int, ...], int, int]]]:
+    """A safetensors header's metadata and its arrays (dtype, shape, start, end), checked as safetensors does.
+
+    The arrays must tile the `data_bytes` after the header exactly, in
+    order, each as long as its dtype and shape say; anything else raises
+    ValueError (or KeyError, TypeError: the file is damaged).
+    """
+    table = json.loads(header)
+    meta = table.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("header metadata is not a string map")
+    arrays: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+    offset = 0
+    # By (start, end): an empty array may share its start with the next one.
+    for name, spec in sorted(table.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        dtype, shape = _NUMPY_DTYPES[spec["dtype"]], tuple(int(d) for d in spec["shape"])
+        start, end = (int(o) for o in spec["data_offsets"])
+        if start != offset or end - start != dtype.itemsize * math.prod(shape) or min(shape, default=0) < 0:
+            raise ValueError(f"array {name}: offsets {start}..{end} do not fit dtype {dtype} and shape {shape}")
+        arrays[name] = (dtype, shape, start, end)
+        offset = end
+    if offset != data_bytes:
+        raise ValueError(f"arrays cover {offset} of {data_bytes} data bytes")
+    return meta, arrays
 
 
 def _header(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:

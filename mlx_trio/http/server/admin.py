@@ -28,6 +28,8 @@ from mlx_trio.supervision.faults import ArmedFault, FaultKind, InjectedFault
 log = logging.getLogger("mlx_trio.http")
 
 HTTP_ACTOR_ID = "http"
+# The SSD tier's actor (`actors/cache_persistence.py`; the http package may not import actors).
+PERSISTENCE_ID = "cache-persistence"
 # Matches any session (see `mlx_trio.supervision.faults`).
 ANY_SESSION = "session"
 # Session ids named in an "unknown actor" message; there may be thousands.
@@ -66,9 +68,16 @@ def register_admin(app: Quart, state: AppState) -> None:
             raise invalid_value("kind", f"must be one of {', '.join(map(repr, kinds))}, got {kind!r}")
         if not isinstance(actor, str):
             raise invalid_value("actor", f"must be an actor id as GET /v1/status shows it, got {actor!r}")
-        present = set(actor_ids(state.engine.status().get("tree", {})))
+        status = state.engine.status()
+        present = set(actor_ids(status.get("tree", {})))
         if actor not in present and actor != ANY_SESSION:
+            # A finished session's id too: it is gone from the tree, and a fault for it would never fire.
             raise invalid_value("actor", f"no actor {actor!r} in the status tree; ids present: {_listing(present)}")
+        ssd = status.get("prompt_cache", {}).get("ssd", {})
+        if actor == PERSISTENCE_ID and (not ssd.get("enabled") or ssd.get("degraded")):
+            # Its faults fire at an entry's write or read, and without an SSD tier it has none.
+            why = f"turned off ({ssd.get('reason') or 'degraded'})" if ssd.get("enabled") else "off (no --prompt-cache-dir)"
+            raise invalid_value("actor", f"a fault at {actor!r} would never fire: the SSD tier is {why}")
         try:
             armed = state.engine.faults.arm(actor, kind)
         except ValueError as exc:

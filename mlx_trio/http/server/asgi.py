@@ -1,5 +1,5 @@
-"""ASGI wrappers: count requests in flight (for the drain), read a body to its end after an early
-response, and end a response whose client stopped reading.
+"""ASGI wrappers: count requests in flight (for the drain), bound the reading of a request body
+and read it to its end after an early response, and end a response whose client stopped reading.
 
 Why `DrainRequestBody`: hypercorn (0.18, Trio worker) feeds body chunks to the app through a
 bounded queue (`max_app_queue_size`, 10 messages). quart-trio stops reading
@@ -12,17 +12,27 @@ request cycle normally. Any response sent before the body is in (an error, or
 any other status a router may answer early) also gets `Connection: close`:
 hypercorn closes a connection whose request was not read to the end, and a
 client that was not told so would reuse it and wait forever.
+
+Why a body deadline of its own (`--body-timeout`): quart's `BODY_TIMEOUT`
+(60 s) bounds only the handler's wait, counted from when it asks, and after
+the early answer a trickling client held the request (and so the drain) up
+to another 30 s. Here one deadline, counted from the request's start, bounds
+every wait for the body, before and after the answer, and the drain's cut
+ends such a wait at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
 
+from mlx_trio.http.server.config import DEFAULT_BODY_TIMEOUT_S
 from mlx_trio.http.server.drain import Drain
+from mlx_trio.http.server.errors import ANTHROPIC_PATHS, INVALID_REQUEST, ApiError, shutdown_cut
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -32,40 +42,72 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # ASGI is duck-typed; quar
 
 log = logging.getLogger("mlx_trio.http")
 
-# Long enough for a client to finish uploading a body it already started; bounded so a
-# client trickling an endless body cannot hold the task forever.
-DRAIN_TIMEOUT_S = 30.0
-
-
 class DrainRequestBody:
-    """Wraps an ASGI app; after it returns, consumes the request body up to its end."""
+    """Wraps an ASGI app; bounds the wait for the request body, and consumes it to its end after the app.
 
-    def __init__(self, app: ASGIApp, *, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    The body must be in within `timeout_s` of the request's start and before
+    the drain's cut (`drain.cut`). Past either, the wrapper answers itself,
+    when no response has started: 408 `request_timeout` (503 `shutdown` at
+    the cut), in the API's error shape, with `Connection: close`; then it
+    tells the app the client left (`http.disconnect`, which ends quart's
+    handler) and drops whatever the app still sends. A body that is in is
+    never timed: a response may stream for as long as it runs.
+    """
+
+    def __init__(self, app: ASGIApp, *, timeout_s: float = DEFAULT_BODY_TIMEOUT_S, drain: Drain | None = None) -> None:
         self.app = app
         self.timeout_s = timeout_s
+        self.drain = drain if drain is not None else Drain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        finished = False
+        deadline = trio.current_time() + self.timeout_s
+        finished = False  # the body is in, the client left, or we gave up on the body
+        started = given_up = False
 
         async def tracked_receive() -> Message:
-            nonlocal finished
-            message = await receive()
+            nonlocal finished, given_up
+            if finished:  # all that is left to wait for is the disconnect: untimed
+                return await receive()
+            with trio.CancelScope(deadline=deadline) as wait, self.drain.cutting(wait):
+                message = await receive()
+            if wait.cancelled_caught:
+                finished = given_up = True
+                if not started:
+                    await send_error(shutdown_cut().error if self.drain.cut else self._timed_out())
+                return {"type": "http.disconnect"}
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 finished = True
             return message
 
         async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and not finished:
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            nonlocal started
+            if given_up:
+                return
+            if message["type"] == "http.response.start":
+                started = True
+                if not finished:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
+        async def send_error(error: ApiError) -> None:
+            body = json.dumps(error.anthropic_body() if scope.get("path", "").startswith(ANTHROPIC_PATHS)
+                              else error.body()).encode()
+            log.info("%s %s refused: %d %s", scope.get("method"), scope.get("path"), error.status, error.code)
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
+            await send({"type": "http.response.start", "status": error.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
         await self.app(scope, tracked_receive, closing_send)
-        with trio.move_on_after(self.timeout_s):
-            while not finished:
-                await tracked_receive()
+        while not finished:
+            await tracked_receive()
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)",
+                        INVALID_REQUEST, "request_timeout")
 
 
 class CountInFlight:

@@ -12,6 +12,9 @@ import attrs
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # Stored Responses API responses (with their input items) kept in RAM, least recently used dropped first.
 DEFAULT_RESPONSES_STORE_BYTES = 64 * 1024 * 1024
+# Long enough to upload a 4 MiB body over a slow link; bounded so that a client trickling or
+# stalling its body cannot hold a request, and a drain, for long (--body-timeout).
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 def _origins(value: Iterable[str] | str | None) -> tuple[str, ...]:
@@ -51,7 +54,9 @@ class ServerConfig:
     `responses_store_bytes` bounds the RAM of stored `/v1/responses` results
     (0: nothing is stored). `write_timeout_s` is how long one write of a
     response may wait for a client that does not read (`--write-timeout`);
-    past it the stream ends and its request is freed.
+    past it the stream ends and its request is freed. `body_timeout_s` is
+    how long after a request's start its whole body must be in
+    (`--body-timeout`); past it the answer is 408 `request_timeout`.
     """
 
     host: str = "127.0.0.1"
@@ -71,3 +76,4 @@ class ServerConfig:
     keep_billing_header: bool = False
     responses_store_bytes: int = attrs.field(default=DEFAULT_RESPONSES_STORE_BYTES, validator=attrs.validators.ge(0))
     write_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
+    body_timeout_s: float = attrs.field(default=DEFAULT_BODY_TIMEOUT_S, validator=attrs.validators.gt(0.0))

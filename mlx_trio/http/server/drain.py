@@ -54,7 +54,7 @@ class Drain:
         # Set exactly while in_flight == 0; replaced by a fresh Event when it leaves 0.
         self._idle = trio.Event()
         self._idle.set()
-        # One scope per generation currently waiting for its next event.
+        # One scope per wait the cut ends: a generation's next event, a request body (`cutting`).
         self._waits: set[trio.CancelScope] = set()
         # Set at the drain deadline: every wait, present and future, is cancelled.
         self.cut = False
@@ -77,6 +77,17 @@ class Drain:
         while self.in_flight:
             await self._idle.wait()
 
+    @contextmanager
+    def cutting(self, scope: trio.CancelScope) -> Iterator[None]:
+        """While inside, the drain deadline cancels `scope` (at once, if it has passed already)."""
+        if self.cut:
+            scope.cancel()
+        self._waits.add(scope)
+        try:
+            yield
+        finally:
+            self._waits.discard(scope)
+
     async def interruptible(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """Yield `events` until they end or the drain deadline cuts them (`HttpError` 503 `shutdown`).
 
@@ -86,16 +97,11 @@ class Drain:
         """
         try:
             while True:
-                with trio.CancelScope() as wait:
-                    if self.cut:
-                        wait.cancel()
-                    self._waits.add(wait)
+                with trio.CancelScope() as wait, self.cutting(wait):
                     try:
                         item = await anext(events)
                     except StopAsyncIteration:
                         return
-                    finally:
-                        self._waits.discard(wait)
                 if wait.cancelled_caught:
                     self.cut_requests += 1
                     raise shutdown_cut()

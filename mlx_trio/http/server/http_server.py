@@ -115,7 +115,8 @@ class HttpServer:
             # Shielded, so our cancellation turns into a graceful shutdown instead of cutting
             # every connection; the deadline set below bounds it.
             with serve_scope:
-                guarded = WriteTimeout(DrainRequestBody(app), self.drain_state, timeout_s=self.config.write_timeout_s)
+                body = DrainRequestBody(app, timeout_s=self.config.body_timeout_s, drain=self.drain_state)
+                guarded = WriteTimeout(body, self.drain_state, timeout_s=self.config.write_timeout_s)
                 asgi_app = cast(ASGIFramework, CountInFlight(guarded, self.drain_state))
                 await serve(asgi_app, self._hypercorn_config(), mode="asgi",
                             shutdown_trigger=shutdown.wait, task_status=task_status)

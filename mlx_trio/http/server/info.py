@@ -30,13 +30,17 @@ def status_payload(state: AppState) -> dict[str, Any]:
 def register_info(app: Quart, state: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise."""
+        """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise.
+
+        `details` names what works in a degraded way without failing requests
+        (the prompt cache's SSD tier turned off by a hung disk), when anything does.
+        """
         if state.draining:
             return json_response({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
         ok, reason = state.engine.health()
-        if ok:
-            return json_response({"status": "ok"})
-        return json_response({"status": "unavailable", "reason": reason}, 503)
+        details = _degraded(state)
+        body = {"status": "ok"} if ok else {"status": "unavailable", "reason": reason}
+        return json_response({**body, "details": details} if details else body, 200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -65,6 +69,12 @@ def register_info(app: Quart, state: AppState) -> None:
         }
         return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()},
                               "prompt_cache": status.get("prompt_cache", {"enabled": False})})
+
+
+def _degraded(state: AppState) -> dict[str, str]:
+    """What runs degraded, and why: for now the SSD tier, from `Engine.status()`."""
+    ssd = state.engine.status().get("prompt_cache", {}).get("ssd", {})
+    return {"prompt_cache_ssd": ssd.get("reason") or "degraded"} if ssd.get("degraded") else {}
 
 
 def _model_object(state: AppState) -> dict[str, Any]:

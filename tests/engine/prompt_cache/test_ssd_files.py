@@ -309,3 +309,31 @@ def test_zero_dimensional_and_strided_arrays_keep_their_shapes(tmp_path: Path) -
     info = store(tmp_path).write(e)
     got = store(tmp_path).read(info.key)
     assert got is not None and got.arrays["0.0"].shape == () and same_entry(got, e)
+
+
+def test_names_that_are_not_regular_files_are_skipped_never_opened_and_left_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A FIFO and a symlink under entry names: the scan skips them with one warning and keeps them;
+    a FIFO swapped in for an indexed file later reads as a miss (an open of it would wait for a writer)."""
+    kept = store(tmp_path).write(entry((1,)))
+    fifo, link = tmp_path / f"{'a' * 32}{SUFFIX}", tmp_path / f"{'b' * 32}{SUFFIX}"
+    os.mkfifo(fifo)
+    link.symlink_to(kept.path)
+    s = store(tmp_path)
+    assert s.entries == [kept] and fifo.exists() and link.is_symlink()
+    assert [w for w in warnings(caplog) if "not regular files" in w] == [
+        f"prompt cache {tmp_path}: skipped 2 entry names that are not regular files (never opened)"]
+    os.unlink(kept.path)
+    os.mkfifo(kept.path)
+    assert s.read(kept.key) is None and s.entries == [] and kept.path.exists()
+    assert any("is not a regular file" in w for w in warnings(caplog))
+
+
+def test_an_entry_with_empty_arrays_round_trips(tmp_path: Path) -> None:
+    """Zero-size arrays share their offset with the next array: the header parser still accepts them."""
+    e = HostEntry((4, 2), {"0.0": np.zeros((1, 2, 0, 4), np.float32), "0.1": np.ones((1, 2, 3, 4), np.float16),
+                           "0.2": np.zeros((0,), np.int32)},
+                  {CLASSES: '["KVCache"]', STATES: '[[{"array": "0.0"}, {"array": "0.1"}, {"array": "0.2"}]]'})
+    info = store(tmp_path).write(e)
+    got = store(tmp_path).read(info.key)
+    assert got is not None and same_entry(got, e)

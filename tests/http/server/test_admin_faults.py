@@ -11,7 +11,7 @@ from tests.http.fakes import FakeEngine
 from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, tiny_engine_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_trio.api import Engine
+from mlx_trio.api import MAX_RESUMES, Engine
 from mlx_trio.http import HttpServer, ServerConfig
 from mlx_trio.supervision.faults import FaultKind
 
@@ -66,7 +66,27 @@ class PersistenceTreeEngine(FakeEngine):
         engine = {"id": "engine", "kind": "supervisor", "children": [
             {"id": actor, "kind": actor, **leaf}
             for actor in ("gpu-lease", "decode-step", "prefill", "admission", "cache-persistence")]}
-        return {**super().status(), "tree": {"id": "root", "kind": "supervisor", "children": [engine]}}
+        return {**super().status(), "tree": {"id": "root", "kind": "supervisor", "children": [engine]},
+                "prompt_cache": {"ssd": self.ssd}}
+
+    ssd: dict[str, Any] = {"enabled": True, "degraded": False, "reason": ""}  # noqa: RUF012 (read only)
+
+
+@pytest.mark.parametrize(("ssd", "words"), [
+    ({"enabled": False, "degraded": False, "reason": ""}, "off (no --prompt-cache-dir)"),
+    ({"enabled": True, "degraded": True, "reason": "disk stalled: a read in /c took over 10 s"}, "disk stalled"),
+])
+@pytest.mark.parametrize("kind", ["raise", "hang", "fail-write", "stall-io"])
+async def test_cache_persistence_faults_are_refused_without_an_ssd_tier(
+        ssd: dict[str, Any], words: str, kind: str) -> None:
+    """With no SSD tier (or one turned off) the actor reads and writes nothing: no fault there can fire."""
+    engine = PersistenceTreeEngine()
+    engine.ssd = ssd
+    async with serve_fake(engine, enable_fault_injection=True) as (_, client):
+        response = await client.post("/v1/admin/faults", json={"actor": "cache-persistence", "kind": kind})
+    error = assert_openai_error(response, 400, code="invalid_value", param="actor")
+    assert "would never fire" in error["message"] and words in error["message"]
+    assert engine.faults.armed() == []
 
 
 async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor() -> None:
@@ -94,6 +114,9 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
     ({"actor": "decoder", "kind": "raise"}, "actor",
      ["'decoder'", "decode-step", "http", "session (any session)", "session-req-1"]),
     ({"actor": "engine", "kind": "raise"}, "actor", ["'engine'", "decode-step"]),
+    # A session that finished (or never was) has left the tree: its fault would never fire.
+    ({"actor": "session-req-0", "kind": "raise"}, "actor", ["'session-req-0'", "session-req-1"]),
+    ({"actor": "session-req-1", "kind": "stall-io"}, "kind", ["fires only at", "cache-persistence"]),
     # A kind that can never fire at that actor is refused, not accepted and silently never fired.
     ({"actor": "decode-step", "kind": "hang"}, "kind", ["fires only at", "gpu-lease", "'decode-step'"]),
 ])
@@ -161,4 +184,27 @@ async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
             # Counted before the crash: the HttpServer keeps its registry across restarts.
             requests = _samples(metrics, "mlx_trio_http_requests_total")
             assert requests[(("endpoint", "/v1/admin/faults"), ("method", "POST"), ("status", "200"))] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_sessions_that_crash_before_any_progress_are_a_503_engine_restarted() -> None:
+    """MAX_RESUMES + 1 session crashes before the first token, armed over HTTP: the documented 503
+    engine_restarted with Retry-After (not a 500 actor_crashed), streamed or not; then the server serves."""
+    engine = Engine(tiny_engine_config())
+    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True), engine)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        await nursery.start(engine.run)
+        with trio.fail_after(30):
+            await engine.wait_ready()
+        async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            for stream in (False, True):
+                for _ in range(MAX_RESUMES + 1):
+                    armed = await client.post("/v1/admin/faults", json={"actor": "session", "kind": "raise"})
+                    assert armed.status_code == 200
+                response = await client.post("/v1/chat/completions", json={**chat, "stream": stream})
+                assert_openai_error(response, 503, code="engine_restarted")
+                assert response.headers["retry-after"] == "1"
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
         nursery.cancel_scope.cancel()

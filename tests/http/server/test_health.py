@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, tiny_engine_config
+from tests.http.fakes import FakeEngine
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, serve_fake, tiny_engine_config
 
 import mlx_trio.actors.engine_tree
 from mlx_trio.api import Engine
@@ -83,3 +84,22 @@ async def test_draining_server_reports_503() -> None:
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         nursery.cancel_scope.cancel()
     assert server.port is None
+
+
+class _DiskStalledEngine(FakeEngine):
+    """A healthy fake whose SSD tier was turned off by a hung disk."""
+
+    def status(self) -> dict[str, Any]:
+        reason = "disk stalled: a read in /cache took over 10 s"
+        return {**super().status(), "prompt_cache": {"ssd": {"enabled": True, "degraded": True, "reason": reason}}}
+
+
+async def test_health_stays_200_and_names_a_degraded_ssd_tier() -> None:
+    """Requests run on without the SSD tier, so /health is 200; its details say what is off and why."""
+    async with serve_fake(_DiskStalledEngine()) as (_, client):
+        response = await client.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok",
+                               "details": {"prompt_cache_ssd": "disk stalled: a read in /cache took over 10 s"}}
+    async with serve_fake(FakeEngine()) as (_, client):
+        assert (await client.get("/health")).json() == {"status": "ok"}
