@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
              "takes about this long: the longest stall a prefill adds to the running streams "
              "(default: %(default)s)")
     arg("--prefill-grid", type=non_negative_int, default=None,
-        help="prefill chunks end on multiples of this many tokens so attention reuses a few shapes' plans "
-             "(cuDNN on CUDA builds one per shape, ~45 ms each); 0 turns it off "
+        help="prefill chunks end on multiples of this many tokens, so attention meets a few shapes again "
+             "instead of a new one per chunk (MLX's CUDA backend pays for each new shape); 0 turns it off "
              "(default: 256 on a GPU, off on the CPU)")
     arg("--prompt-concurrency", type=positive_int, default=DEFAULT_PROMPT_CONCURRENCY,
         help="prompts prefilled at once, their chunks interleaved shortest first, so a short prompt "

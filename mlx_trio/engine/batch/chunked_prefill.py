@@ -6,16 +6,15 @@ state and the same allocator clearing as mlx-lm's `generate_step`, which is
 what keeps a lone row token-identical to mlx-lm.
 
 **The shape grid** (`grid` > 0; on by default on a GPU, `--prefill-grid`).
-MLX's CUDA backend runs prefill attention through cuDNN, which builds an
-execution plan for every distinct shape of queries and keys (and the keys'
-strides) and caches it. Building one costs ~45 ms on an H200; running it
-at the Llama-1B shape, 0.3 ms (docs/benchmarks.md, ninth pass). A chunk's
-key length is the context it ends at, new for nearly every chunk of every
-prompt, so each chunk paid a plan: a 512-token chunk at 6k context took
-52 ms where the same shape again took 6 ms. On the grid, every chunk ends
+MLX's CUDA backend pays for each attention shape it has not run before:
+cuDNN builds a plan per exact shape of queries and keys (~45 ms on an
+H200, then 0.3 ms a run), and MLX's own kernels, which the lease selects
+(engine/lease_thread.py), cost less extra but still some (a 512-token
+chunk at ~6k context: 24-38 ms on a new context, 16-27 ms on a seen one;
+docs/benchmarks.md, ninth pass). A chunk's key length is the context it
+ends at, new for nearly every chunk of every prompt. On the grid, every chunk ends
 at a multiple of `grid` tokens and holds a multiple of `grid` (one of
-`GRID_MULTIPLES`), so prompts walk the same few shapes and the plans are
-reused. A piece shorter than a grid step (the prompt's tail, or up to a
+`GRID_MULTIPLES`), so prompts walk the same few shapes again. A piece shorter than a grid step (the prompt's tail, or up to a
 snapshot boundary) is padded to one with dummy tokens, computed and then
 trimmed from the cache: causal attention keeps them out of every real
 token's result, and the next chunk overwrites their slots. A chunk that
@@ -35,9 +34,10 @@ from typing import Any
 
 import os
 
-# cuDNN's plan cache holds 256 shapes by default; the grid's shapes (chunk lengths × key lengths up to
-# a long context) can exceed that, and a plan evicted is 45 ms again. Read when MLX first runs
-# attention, so setting it here, before any forward, takes effect; a user's own setting wins.
+# When cuDNN attention is chosen (MLX_CUDA_USE_CUDNN_SDPA=1), its plan cache holds 256 shapes by
+# default; the grid's shapes (chunk lengths × key lengths up to a long context) can exceed that, and
+# an evicted plan costs ~45 ms again. MLX reads it at its first attention, so setting it here, before
+# any forward, takes effect; a user's own setting wins.
 os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
 
 import mlx.core as mx  # noqa: E402
