@@ -204,7 +204,7 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
     import mlx_trio.engine.model.load as model_module
 
     measure = model_module.measure_layout
-    monkeypatch.setattr(model_module, "measure_layout", lambda m: attrs.evolve(measure(m), batchable=False))
+    monkeypatch.setattr(model_module, "measure_layout", lambda *a: attrs.evolve(measure(*a), batchable=False))
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:3], 8)
     async with open_engine(str(path), batch=4) as engine:

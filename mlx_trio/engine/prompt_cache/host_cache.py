@@ -18,8 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, make_prompt_cache
 
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.prompt_cache.identity import cache_layout
 from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry
 
@@ -85,15 +87,25 @@ def from_host(entry: HostEntry) -> list[Any]:
     return caches
 
 
-def model_cache_layout(model: nn.Module) -> str:
-    """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays). Lease thread."""
-    return cache_layout(make_prompt_cache(model))
+def model_cache_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> str:
+    """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays), and the KV format. Lease thread.
+
+    The format is part of it so that a server restarted with other `--kv-bits`, group size or start
+    misses every file stored under the old one (bf16 adds nothing: its layouts are what they were).
+    """
+    layout = cache_layout(make_prompt_cache(model))
+    return f"{layout};{kv_scheme.key()}" if kv_scheme.quantized else layout
 
 
 def _compact_state(cache: Any) -> Any:
     if type(cache) is KVCache and cache.keys is not None and cache.keys.shape[2] > cache.offset:
         n = cache.offset
         return cache.keys[..., :n, :], cache.values[..., :n, :], n
+    if type(cache) is QuantizedKVCache and cache.keys is not None and cache.keys[0].shape[2] > cache.offset:
+        # Stored as quantized, cut to its offset like a KVCache: packed values, scales and biases as they are.
+        n = cache.offset
+        keys, values = tree_map(lambda x: x[..., :n, :], (cache.keys, cache.values))
+        return keys, values, n, cache.group_size, cache.bits
     return cache.state
 
 
