@@ -150,3 +150,77 @@ def test_prefill_converts_at_the_first_chunk_reaching_the_start() -> None:
     row.prefill_chunk()
     assert type(row.caches[0]) is QuantizedKVCache  # 14 >= 10
     row.close()
+
+
+@pytest.mark.parametrize("case", ["seeded_top_p", "seeded_penalties", "greedy_bias_penalty"])
+def test_b1_sampling_options_compose_with_quantized_kv(case: str) -> None:
+    """Seeds, top-p, penalties, logit bias at B=1 == generate_step(kv_bits=...) with mlx-lm's own sampler."""
+    from tests.engine.batch.test_batch_b1 import CASES, _mlx_lm_sampling
+
+    model, eos = _llama()
+    prompt = _prompt(1, 37)
+    params = SamplingParams(max_tokens=20, **CASES[case])
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    want = [int(t) for t, _ in generate_step(
+        mx.array(prompt), model, max_tokens=20, prompt_cache=make_prompt_cache(model), prefill_step_size=STEP,
+        kv_bits=SCHEME.bits, kv_group_size=SCHEME.group_size, quantized_kv_start=SCHEME.start,
+        **_mlx_lm_sampling(params))]
+    got = run_schedule(model, [Arrival("a", 0, prompt, params)], eos=(), prefill_step_size=STEP,
+                       kv_scheme=SCHEME)["a"].tokens
+    assert got == want
+
+
+def test_grammar_logprobs_and_seeds_in_a_quantized_batch_equal_their_solo_runs() -> None:
+    """A JSON-constrained row, a seeded row with logprobs and a penalised row share quantized steps:
+    each == its run alone (tokens and logprobs), and the batch reports its quantized bytes."""
+    import json
+
+    from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
+    from mlx_trio.params import Constraint
+
+    model, _ = _llama()
+    tokenizer = load(str(tiny_model(LLAMA_Q)))[1]
+    grammar = build_grammar_tokenizer(tokenizer, tokenizer.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    arrivals = [
+        Arrival("json", 0, _prompt(0, 9), SamplingParams(max_tokens=40, constraint=Constraint("json_schema",
+                                                                                             json.dumps(schema)))),
+        Arrival("seeded", 1, _prompt(1, 15), SamplingParams(max_tokens=16, temperature=0.8, seed=5, logprobs=True,
+                                                             top_logprobs=2)),
+        Arrival("penalised", 3, _prompt(2, 6), SamplingParams(max_tokens=12, repetition_penalty=1.3)),
+    ]
+    eos = tuple(tokenizer.eos_token_ids)
+    together = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar, prefill_step_size=STEP,
+                            kv_scheme=SCHEME)
+    for a in arrivals:
+        alone = run_schedule(model, [Arrival(a.request_id, 0, a.prompt_ids, a.params)], eos=eos,
+                             grammar_tokenizer=grammar, prefill_step_size=STEP, kv_scheme=SCHEME)[a.request_id]
+        assert together[a.request_id].tokens == alone.tokens, a.request_id
+        assert together[a.request_id].logprobs == alone.logprobs, a.request_id
+    assert json.loads(tokenizer.decode(together["json"].tokens[:-1]))["a"] in range(10)
+
+
+def test_the_batch_reports_its_quantized_bytes() -> None:
+    """DecodeBatch.nbytes (what /stats.batch.kv_bytes shows) is the packed values, scales and biases held."""
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
+
+    model, _ = _llama()
+    sizes = {}
+    for scheme in (KvScheme(), SCHEME):
+        batch = DecodeBatch(model, scheme)
+        rows = []
+        for i in range(2):
+            row = SoloRow(model, f"r{i}", _prompt(i, 300), SamplingParams(), prefill_step_size=512, kv_scheme=scheme)
+            row.prefill_chunk()
+            rows.append((row, row.first_token()))
+        batch.join_many(rows)
+        assert batch.is_quantized == scheme.quantized
+        layers = batch._caches
+        sizes[scheme.bits] = batch.nbytes
+        parts = [p for c in layers for p in ((*c.keys, *c.values) if scheme.quantized else (c.keys, c.values))]
+        assert batch.nbytes == sum(p.nbytes for p in parts)
+        batch.close()
+    assert sizes[4] * 4 < sizes[None]  # float32 values: 4 bits + a scale and bias per 32
