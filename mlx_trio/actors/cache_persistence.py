@@ -294,7 +294,7 @@ def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]
     """
     async def open_store() -> CacheFileStore:
         loaded = await get_model()
-        layout = await lease.run(model_cache_layout, loaded.model, loaded.kv_scheme)
+        layout = await lease.run(model_cache_layout, loaded.model, loaded.kv_scheme.key())
         identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, layout)
         return CacheFileStore(directory, max_bytes=max_bytes, identity=identity)
 

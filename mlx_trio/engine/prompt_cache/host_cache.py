@@ -21,7 +21,6 @@ from mlx_lm.models import cache as mlx_cache
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, make_prompt_cache
 
-from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.prompt_cache.identity import cache_layout
 from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry
 
@@ -87,14 +86,15 @@ def from_host(entry: HostEntry) -> list[Any]:
     return caches
 
 
-def model_cache_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> str:
+def model_cache_layout(model: nn.Module, kv_format: str = "") -> str:
     """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays), and the KV format. Lease thread.
 
-    The format is part of it so that a server restarted with other `--kv-bits`, group size or start
-    misses every file stored under the old one (bf16 adds nothing: its layouts are what they were).
+    `kv_format` is `KvScheme.key()` (engine/kv/kv_scheme.py), so that a server restarted with other
+    `--kv-bits`, group size or start misses every file stored under the old one; bf16's is "" and adds
+    nothing: its layouts are what they were.
     """
     layout = cache_layout(make_prompt_cache(model))
-    return f"{layout};{kv_scheme.key()}" if kv_scheme.quantized else layout
+    return f"{layout};{kv_format}" if kv_format else layout
 
 
 def _compact_state(cache: Any) -> Any:

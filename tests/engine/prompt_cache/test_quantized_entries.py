@@ -56,7 +56,7 @@ def test_the_identity_names_the_kv_format_and_bf16_keys_are_unchanged() -> None:
     model = _model()
     bf16 = model_cache_layout(model)
     assert bf16 == "KVCache*2"  # what every bf16 SSD file was keyed by before quantized KV existed
-    layouts = {model_cache_layout(model, s) for s in
+    layouts = {model_cache_layout(model, s.key()) for s in
                (SCHEME, KvScheme(bits=8, group_size=32, start=0), KvScheme(bits=4, group_size=64, start=0),
                 KvScheme(bits=4, group_size=32, start=100))}
     assert len(layouts) == 4 and bf16 not in layouts
