@@ -272,7 +272,7 @@ class EngineActors:
         """Compile the lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""
         start = time.monotonic()
         try:
-            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size)
+            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme)
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)

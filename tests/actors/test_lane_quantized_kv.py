@@ -108,3 +108,22 @@ async def test_a_decoder_restart_resumes_quantized_rows(monkeypatch) -> None:
     for prompt, first, got in zip(prompts, uninterrupted, results, strict=True):
         resumed = [first[:k] + _serial(path, prompt + list(first[:k]), 30 - k, **Q4) for k in range(1, 8)]
         assert got in resumed
+
+
+@pytest.mark.slow
+async def test_the_default_model_with_8_bit_kv_matches_generate_step(tmp_path: Path) -> None:
+    """SmolLM2 (64-dim heads) at --kv-bits 8 from the first chunk, two rows together: each == generate_step's."""
+    quant = {"kv_bits": 8, "kv_group_size": 64, "quantized_kv_start": 0}
+    async with open_engine(cache_dir=tmp_path, batch=4, **quant) as engine:
+        chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name three colours.")]
+        ids = [engine.model.encode(chat) for chat in chats]
+        got = {}
+
+        async def one(i: int) -> None:
+            got[i] = (await engine.complete(ids[i], max_tokens=24)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, i)
+        path = Path(engine.model.path)
+    assert [got[0], got[1]] == [_serial(path, p, 24, **quant) for p in ids]

@@ -224,3 +224,167 @@ def test_the_batch_reports_its_quantized_bytes() -> None:
         assert batch.nbytes == sum(p.nbytes for p in parts)
         batch.close()
     assert sizes[4] * 4 < sizes[None]  # float32 values: 4 bits + a scale and bias per 32
+
+
+def test_the_quantized_warm_up_frees_its_arrays() -> None:
+    """warm_up with a quantized scheme takes quantized rows through the lane's operations and leaves nothing."""
+    import gc
+
+    from mlx_trio.engine.batch.warmup import warm_up
+
+    model, _ = _llama()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    warm_up(model, 509, KvScheme(bits=8, group_size=64, start=0))
+    gc.collect()
+    assert mx.get_active_memory() - before < 1024
+
+
+LLAMA_Q_SWA = TinyModelSpec("llama", hidden_size=128, heads=2, kv_heads=1, sliding_window=16)
+
+
+def _serial_full_layers_only(model: Any, prompt: tuple[int, ...], max_tokens: int, scheme: KvScheme,
+                             start: int) -> list[int]:
+    """generate_step's loop (greedy), converting only full-attention layers: mlx-lm's own raises on its
+    rotating ones (`RotatingKVCache.to_quantized`), so this is the serial oracle for a sliding-window model."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import RotatingKVCache
+
+    caches = make_prompt_cache(model)
+    full = [i for i, c in enumerate(caches) if not isinstance(c, RotatingKVCache)]
+
+    def forward(tokens: mx.array) -> mx.array:
+        logits = model(tokens[None], cache=caches)
+        layers = [caches[i] for i in full]
+        maybe_quantize_kv_cache(layers, start, scheme.group_size, scheme.bits)
+        for i, layer in zip(full, layers, strict=True):
+            caches[i] = layer
+        return logits[:, -1, :]
+
+    rest = list(prompt)
+    while len(rest) > 1:
+        n = min(STEP, len(rest) - 1)
+        forward(mx.array(rest[:n]))
+        mx.eval([c.state for c in caches])
+        rest = rest[n:]
+    tokens = [int(mx.argmax(forward(mx.array(rest)), axis=-1).item())]
+    while len(tokens) < max_tokens:
+        tokens.append(int(mx.argmax(forward(mx.array(tokens[-1:])), axis=-1).item()))
+    return tokens
+
+
+def test_sliding_window_layers_stay_bf16_and_rows_match_the_serial_loop() -> None:
+    """Full-attention layers quantize, rotating ones keep their window in bf16; alone and joining/leaving,
+    each row == the serial loop with its conversion point."""
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    model = load(str(tiny_model(LLAMA_Q_SWA)))[0]
+    scheme = KvScheme(bits=4, group_size=32, start=20)
+    arrivals = [Arrival("a", 0, _prompt(0, 30), SamplingParams(max_tokens=20)),
+                Arrival("b", 2, _prompt(1, 9), SamplingParams(max_tokens=14)),
+                Arrival("c", 6, _prompt(2, 18), SamplingParams(max_tokens=10))]
+    converted: dict[str, int] = {}
+    got = run_schedule(model, arrivals, eos=(), prefill_step_size=STEP, kv_scheme=scheme, converted_at=converted)
+    for a in arrivals:
+        start = min(scheme.start, converted.get(a.request_id, scheme.start))
+        assert got[a.request_id].tokens == _serial_full_layers_only(model, a.prompt_ids, a.params.max_tokens,
+                                                                    scheme, start), a.request_id
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
+
+    batch = DecodeBatch(model, scheme)
+    for a in arrivals[:2]:
+        row = SoloRow(model, a.request_id, a.prompt_ids, a.params, prefill_step_size=STEP, kv_scheme=scheme)
+        while row.prefill_chunk():
+            pass
+        batch.join_many([(row, row.first_token())])
+    kinds = {type(c).__name__ for c in batch._caches}
+    assert kinds == {"BatchQuantizedKVCache", BatchRotatingKVCache.__name__}
+    batch.close()
+
+
+def _decode_alone(model: Any, row: Any, steps: int) -> list[int]:
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+
+    while row.prefill_chunk():
+        pass
+    tokens = [row.first_token()]
+    batch = DecodeBatch(model, row.kv_scheme)
+    batch.join_many([(row, tokens[0])])
+    while len(tokens) < steps:
+        decoded = batch.step_decoded()
+        if decoded is not None:
+            tokens.append(decoded.token_ids[0])
+    batch.close()
+    return tokens
+
+
+@pytest.mark.parametrize("at", [10, 25], ids=["bf16_entry", "quantized_entry"])
+def test_a_hit_restored_before_or_after_the_start_equals_the_run_that_stored_it(at: int) -> None:
+    """A snapshot at `at` (start 18: below it the entry is bf16 and the hit crosses the start in its own
+    prefill; above it the entry is quantized): the hit's tokens == the uncached run that took the snapshot."""
+    from mlx_trio.engine.batch.solo_row import SoloRow
+    from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
+
+    model, _ = _llama()
+    scheme = KvScheme(bits=4, group_size=32, start=18)
+    prompt, params = _prompt(3, 37), SamplingParams(max_tokens=16)
+    first = SoloRow(model, "a", prompt, params, prefill_step_size=STEP, snapshot_at=at, kv_scheme=scheme)
+    while first.fed < at:
+        first.prefill_chunk()
+    entry = first.snapshot()
+    assert (type(entry.caches[0]) is QuantizedKVCache) == (at >= scheme.start)
+    cold = _decode_alone(model, first, 16)
+    warm = _decode_alone(model, SoloRow(model, "b", prompt, params, prefill_step_size=STEP, kv_scheme=scheme,
+                                        hit=CacheHit(entry, at)), 16)
+    assert warm == cold
+
+
+def test_a_row_extracted_from_a_quantized_batch_restores_to_its_own_continuation() -> None:
+    """cache_entry of a batched row after its batch converted: a serial QuantizedKVCache entry whose hit
+    continues exactly as the row did (its prompt + tokens, one more step)."""
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
+    from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
+
+    model, _ = _llama()
+    scheme = KvScheme(bits=4, group_size=32, start=20)
+    batch = DecodeBatch(model, scheme)
+    rows = []
+    for i, n in enumerate((16, 11)):  # neither past the start at join: the batch converts mid-decode
+        row = SoloRow(model, f"r{i}", _prompt(i, n), SamplingParams(), prefill_step_size=STEP, kv_scheme=scheme)
+        while row.prefill_chunk():
+            pass
+        rows.append((row, row.first_token()))
+    batch.join_many(rows)
+    tokens = {"r0": [rows[0][1]], "r1": [rows[1][1]]}
+    for _ in range(8):
+        decoded = batch.step_decoded()
+        if decoded is not None:
+            for rid, t in zip(batch.request_ids, decoded.token_ids, strict=True):
+                tokens[rid].append(t)
+    for rid, t in zip(batch.request_ids, batch.flush_decoded().token_ids, strict=True):
+        tokens[rid].append(t)
+    assert batch.is_quantized
+    held = _prompt(1, 11) + tuple(tokens["r1"][:-1])  # the last token read is not fed yet
+    entry = batch.cache_entry("r1", held)
+    assert entry is not None and type(entry.caches[0]) is QuantizedKVCache
+    batch.close()
+    resumed = SoloRow(model, "again", held + (tokens["r1"][-1],), SamplingParams(), kv_scheme=scheme,
+                      hit=CacheHit(entry, len(held)))
+    following = resumed.first_token()
+    resumed.close()
+    # r0 reached 20 after 4 steps, when r1 held 11 + 4 tokens: r1's oracle converts at 15.
+    n = len(tokens["r1"])
+    oracle = _serial(model, _prompt(1, 11), n + 1, (), scheme, start=15)
+    assert tokens["r1"] == oracle[:n] and following == oracle[n]
+
+
+def test_hybrid_rows_join_and_leave_across_the_start() -> None:
+    """qwen3-next in a batch: attention layers convert with the batch, recurrent state batches unquantized."""
+    model = _qwen3_next()
+    arrivals = [Arrival("a", 0, _prompt(0, 14, vocab=256), SamplingParams(max_tokens=14)),
+                Arrival("b", 2, _prompt(1, 6, vocab=256), SamplingParams(max_tokens=6)),
+                Arrival("c", 5, _prompt(2, 25, vocab=256), SamplingParams(max_tokens=8))]
+    converted = _check_rows(model, (), arrivals, KvScheme(bits=4, group_size=32, start=18))
+    assert converted["a"] == 18 and converted["b"] < 18 and converted["c"] >= 18
