@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
              "prompt cache, so its tokens depend on no other request (default: %(default)s)")
     arg("--kv-budget", dest="kv_budget", type=positive_int, default=None,
         help="bytes of KV cache admission may reserve (default: device memory minus weights and headroom)")
+    arg("--kv-bits", type=int, choices=(4, 8), default=None,
+        help="store full-attention KV quantized to this many bits once a request holds --quantized-kv-start "
+             "tokens: more rows and context in the same --kv-budget (default: bf16)")
+    arg("--kv-group-size", type=int, choices=(32, 64, 128), default=_ENGINE.kv_group_size.default,
+        help="values per quantization group with --kv-bits (default: %(default)s)")
+    arg("--quantized-kv-start", type=non_negative_int, default=_ENGINE.quantized_kv_start.default,
+        help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
+             "chunk, as mlx-lm (default: %(default)s)")
     arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
@@ -166,7 +174,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
                           prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
                           restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
-                          prompt_cache_io_timeout_s=args.prompt_cache_io_timeout)
+                          prompt_cache_io_timeout_s=args.prompt_cache_io_timeout,
+                          kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                          quantized_kv_start=args.quantized_kv_start)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

@@ -64,6 +64,12 @@ class EngineConfig:
     # Longest one SSD-tier file operation may take before the disk counts as hung and the SSD
     # tier is turned off, RAM only (--prompt-cache-io-timeout; actors/cache_persistence.py).
     prompt_cache_io_timeout_s: float = 10.0
+    # KV storage (mlx_lm.server's --kv-bits, --kv-group-size, --quantized-kv-start): None is bf16,
+    # 4 or 8 quantizes full-attention KV once a row holds quantized_kv_start tokens (docs/design.md,
+    # "Quantized KV"; engine/kv/kv_scheme.py). 5000 is mlx-lm's default start.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -369,7 +369,9 @@ def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]
     """
     async def open_store() -> tuple[CacheFileStore, CacheShapes]:
         loaded = await get_model()
-        shapes = await lease.run(cache_shapes, loaded.model)
+        scheme = loaded.kv_scheme
+        shapes = await lease.run(cache_shapes, loaded.model, scheme.key(),
+                                 (scheme.bits, scheme.group_size) if scheme.bits is not None else None)
         identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, shapes.layout)
         return CacheFileStore(directory, max_bytes=max_bytes, identity=identity), shapes
 

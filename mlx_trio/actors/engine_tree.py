@@ -39,6 +39,7 @@ from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
 from mlx_trio.engine.model.load import LoadedModel, load_model
@@ -256,7 +257,8 @@ class EngineActors:
 
     async def _load(self, lease: GpuLease) -> None:
         try:
-            model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir))
+            model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir,
+                                            kv_scheme=kv_scheme_of(self.config)))
             log.info("model %s loaded from %s", model.model_id, model.path)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
             await self._warm_up(lease, model)
@@ -272,7 +274,7 @@ class EngineActors:
         """Compile the lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""
         start = time.monotonic()
         try:
-            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size)
+            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme)
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)
@@ -316,3 +318,8 @@ class EngineActors:
         log.info("prompt cache: up to %.1f MiB and %d entries in RAM, within the KV budget "
                  "(--prompt-cache-bytes, --prompt-cache-size)", max_bytes / 2**20, self.config.prompt_cache_size)
         return PromptCaching(self.lane, max_bytes=max_bytes, max_entries=self.config.prompt_cache_size)
+
+
+def kv_scheme_of(config: EngineConfig) -> KvScheme:
+    """The KV storage format the flags ask for (raises ValueError for values mlx cannot quantize with)."""
+    return KvScheme(bits=config.kv_bits, group_size=config.kv_group_size, start=config.quantized_kv_start)

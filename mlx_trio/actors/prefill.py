@@ -346,7 +346,8 @@ class PrefillActor:
         return partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
                        prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
-                       resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid)
+                       resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid,
+                       kv_scheme=self._model.kv_scheme)
 
     def _failed(self, cmd: Generate, exc: Exception, hit: CacheHit | None) -> GenerationEnded:
         """A prefill error is this request's alone: count and log it; the event tells its session.

@@ -333,13 +333,16 @@ def logit_diffs(got: Replay, want: Replay) -> dict[tuple[str, int], float]:
     return {key: mx.abs(got.logits[key] - ref).max().item() for key, ref in want.logits.items() if key in got.logits}
 
 
-def tiny_qwen3_next(seed: int = 0) -> nn.Module:
-    """A random-weight hybrid model: `ArraysCache` (gated delta net) layers and full-attention layers."""
+def tiny_qwen3_next(seed: int = 0, head_dim: int = 16) -> nn.Module:
+    """A random-weight hybrid model: `ArraysCache` (gated delta net) layers and full-attention layers.
+
+    `head_dim` of the attention layers: 32 or more lets their KV quantize (mx.quantize's smallest group).
+    """
     from mlx_lm.models import qwen3_next
 
     args = qwen3_next.ModelArgs(
         model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         num_experts=0, num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=64,
         mlp_only_layers=[], moe_intermediate_size=64, rms_norm_eps=1e-6, vocab_size=256, rope_theta=10000.0,

@@ -153,9 +153,10 @@ def _fail_on_call(monkeypatch, cls: type, name: str, call: int, message: str) ->
     monkeypatch.setattr(cls, name, flaky)
 
 
-async def _two_requests_through_a_fault(path: Path) -> tuple[list[tuple[int, ...]], dict[str, Any], int]:
-    """Two concurrent requests at --batch 4: their tokens, the decode-step status node, admission's reserved bytes."""
-    async with open_engine(str(path), batch=4) as engine:
+async def _two_requests_through_a_fault(path: Path, **options: Any) -> tuple[list[tuple[int, ...]], dict[str, Any], int]:
+    """Two concurrent requests at --batch 4 (and `options`): their tokens, the decode-step status node,
+    admission's reserved bytes."""
+    async with open_engine(str(path), batch=4, **options) as engine:
         results: dict[int, tuple[int, ...]] = {}
 
         async def one(i: int) -> None:
@@ -204,7 +205,7 @@ async def test_a_model_whose_caches_cannot_batch_runs_one_row_at_a_time(monkeypa
     import mlx_trio.engine.model.load as model_module
 
     measure = model_module.measure_layout
-    monkeypatch.setattr(model_module, "measure_layout", lambda m: attrs.evolve(measure(m), batchable=False))
+    monkeypatch.setattr(model_module, "measure_layout", lambda *a: attrs.evolve(measure(*a), batchable=False))
     path = tiny_model(LLAMA)
     expected = await _solo_tokens(path, PROMPTS[:3], 8)
     async with open_engine(str(path), batch=4) as engine:

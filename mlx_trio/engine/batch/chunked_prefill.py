@@ -3,7 +3,8 @@
 The solo prefill of a row (`SoloRow`, engine/batch/solo_row.py) feeds its
 prompt through this: the same chunk sizes, the same `mx.eval` of the cache
 state and the same allocator clearing as mlx-lm's `generate_step`, which is
-what keeps a lone row token-identical to mlx-lm.
+what keeps a lone row token-identical to mlx-lm; with a quantized KV scheme,
+also its conversion after each chunk (engine/kv/kv_scheme.py).
 
 **The shape grid** (`grid` > 0; on by default on a GPU, `--prefill-grid`).
 MLX's CUDA backend pays for each attention shape it has not run before:
@@ -43,6 +44,8 @@ os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 
 # mlx-lm's `generate_step` default.
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -85,7 +88,8 @@ class ChunkedPrefill:
     """The prompt tokens whose KV is not in `caches` yet, and how to feed them."""
 
     def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int, *,
-                 start: int = 0, split_at: int | None = None, grid: int | None = 0) -> None:
+                 start: int = 0, split_at: int | None = None, grid: int | None = 0,
+                 kv_scheme: KvScheme = KvScheme()) -> None:
         # `start`: prompt tokens whose KV `caches` already hold (a prompt-cache hit).
         # `split_at`: a prompt position no chunk may straddle, so that the caches hold
         # exactly that prefix after some chunk (where a boundary snapshot is taken).
@@ -94,6 +98,7 @@ class ChunkedPrefill:
         self._model = model
         self._caches = caches
         self._step_size = step_size
+        self._kv_scheme = kv_scheme
         self.fed = start
         self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
         grid = resolve_grid(grid)
@@ -126,6 +131,7 @@ class ChunkedPrefill:
                 c.trim(pad)
         else:
             self._model(chunk[None], cache=self._caches)
+        self._kv_scheme.convert_due(self._caches)  # where generate_step calls maybe_quantize_kv_cache
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk

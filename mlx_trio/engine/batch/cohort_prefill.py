@@ -17,7 +17,8 @@ decode batch is unchanged. A cohort row's tokens may differ from a solo
 prefill's in the last bits (a `[B, n]` forward with an array mask instead of
 a `[1, n]` one with a causal mask), as any batched step does; a request alone
 never takes this path. Only models whose every layer is a plain `KVCache`
-prefill together; others prefill each row alone.
+prefill together, and only with bf16 KV (a quantized scheme converts each row
+after its own forwards, engine/kv/kv_scheme.py); others prefill each row alone.
 
 Runs on the lease thread.
 """
@@ -74,9 +75,9 @@ def _failed(row: SoloRow | Exception, exc: Exception) -> Exception:
 
 
 def can_prefill_together(rows: Sequence[SoloRow]) -> bool:
-    """Two or more rows, all on plain full-attention caches, none storing a snapshot part-way."""
+    """Two or more rows, all on plain full-attention bf16 caches, none storing a snapshot part-way."""
     return len(rows) > 1 and all(
-        row.snapshot_at is None and all(type(c) is KVCache for c in row.caches) for row in rows
+        row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches) for row in rows
     )
 
 

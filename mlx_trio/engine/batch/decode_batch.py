@@ -18,6 +18,11 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   reads the register, then queues the next step. The device still computes
   step n+1 while the caller handles step n; only the graph build waits.
   Without one, the step is exactly the pipeline above.
+- **Quantized KV** (a `KvScheme` with `bits`): the batch holds one format;
+  it converts every row when one reaches the scheme's start (checked after
+  each step's forward, as mlx-lm converts after each forward), and a join
+  into a quantized batch, or of a quantized row, converts all rows first
+  (engine/kv/kv_scheme.py says what that keeps token-identical).
 - **Leave** filters the rows out; full-attention layers drop the padding all
   survivors share. When one row remains it is extracted back to solo caches,
   so B=1 is the serial graph again (measured in `leave`).
@@ -40,6 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
+from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
@@ -86,8 +92,9 @@ class DecodeBatch:
     (the row set and its inputs are settled); `leave` works either way.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> None:
         self._model = model
+        self._kv_scheme = kv_scheme
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
         self._caches: list[Any] = []
@@ -148,6 +155,7 @@ class DecodeBatch:
             raise ValueError(f"requests already in the batch or given twice: {ids}")
         if not rows:
             return
+        self._convert_for_join(rows)
         if not self._rows and len(rows) == 1:
             self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
             self._solo = True
@@ -225,6 +233,7 @@ class DecodeBatch:
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
+        self._convert_when_due()
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
         # Start the next step on the device before reading the current one (pipelining).
@@ -237,6 +246,31 @@ class DecodeBatch:
         if self._num_steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return previous
+
+    def _convert_when_due(self) -> None:
+        """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
+        scheme = self._kv_scheme
+        if scheme.quantized and any(scheme.due(row.num_fed) for row in self._rows) and not self.is_quantized:
+            scheme.convert_all(self._caches)
+            batch_kv.share_offsets(self._caches)
+
+    def _convert_for_join(self, rows: Sequence[SoloRow]) -> None:
+        """One format per layer: if the running rows or any joiner are quantized, all convert before merging.
+
+        (A row that is due is quantized already: its prefill or `_convert_when_due` converted it.)
+        """
+        scheme = self._kv_scheme
+        if not scheme.quantized or len(rows) + len(self._rows) < 2:
+            return
+        solo_caches = [row.caches for row in rows]
+        if self.is_quantized or any(is_quantized(c) for c in solo_caches):
+            for caches in [self._caches, *solo_caches]:
+                scheme.convert_all(caches)  # in place: a row's list is its prefill's too
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the rows' full-attention KV is stored quantized."""
+        return is_quantized(self._caches)
 
     def flush_decoded(self) -> Decoded | None:
         """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""

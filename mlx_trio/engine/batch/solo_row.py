@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
 from mlx_trio.engine.sampling.grammar import GrammarMatcher
@@ -54,6 +55,7 @@ class SoloRow:
         grammar_tokenizer: Any = None,
         resumed_tokens: int = 0,
         prefill_grid: int | None = 0,
+        kv_scheme: KvScheme = KvScheme(),
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
@@ -61,6 +63,8 @@ class SoloRow:
         # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a
         # resume, which its grammar has already seen. `prefill_grid`: the shape grid's step
         # (engine/batch/chunked_prefill.py; 0 = mlx-lm's chunks, None = on a GPU only).
+        # `kv_scheme`: the KV format, converted to after each forward as mlx-lm's generate_step does
+        # (engine/kv/kv_scheme.py).
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
@@ -68,6 +72,7 @@ class SoloRow:
         self._model = model
         self.request_id = request_id
         self.params = params
+        self.kv_scheme = kv_scheme
         self._prompt_ids = tuple(prompt_ids)
         self.cached_tokens = hit.usable if hit is not None else 0
         self.caches: list[Any] = (
@@ -79,7 +84,8 @@ class SoloRow:
         self.num_prompt_tokens = len(prompt_ids)
         self.snapshot_at = snapshot_at
         self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
-                                       start=self.cached_tokens, split_at=snapshot_at, grid=prefill_grid)
+                                       start=self.cached_tokens, split_at=snapshot_at, grid=prefill_grid,
+                                       kv_scheme=kv_scheme)
         self.token0: int | None = None
         # Token 0's logprobs, when the request asks for them (set by `first_token`).
         self.token0_logprobs: SampledLogprobs | None = None
@@ -123,6 +129,7 @@ class SoloRow:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
         last = self.last_input()
         logits = self._model(last[None], cache=self.caches)[:, -1, :]
+        self.kv_scheme.convert_due(self.caches)  # as generate_step's _step, after its forward
         mx.eval(*self.draw_token0(logits, last))
         return self.read_token0()
 

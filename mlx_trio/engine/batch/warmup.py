@@ -8,7 +8,8 @@ left a batch that held an 8.5k-token row, `leave` and the next step took
 taken through every batch-lane operation at load (a cohort prefill, adopt,
 join with padding, reported steps, leave, extract) compile those kernels before any
 request arrives. The CPU backend compiles nothing at first use, so the
-engine warms up only on a GPU (`warm_up_gpu`).
+engine warms up only on a GPU (`warm_up_gpu`). With quantized KV the rows
+go through twice: bf16 (rows before the start) and quantized from the start.
 
 Runs on the lease thread.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import random
 from functools import partial
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -25,6 +27,7 @@ from mlx_trio.engine.kv import batch_caches
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.params import SamplingParams
 
 # Prompt lengths: past one 256-token KV buffer step and one token (these two prefill as a cohort),
@@ -33,25 +36,28 @@ _PROMPT_TOKENS = (300, 1, 40)
 _STEPS = 3
 
 
-def warm_up_gpu(model: nn.Module, vocab_size: int) -> bool:
+def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme()) -> bool:
     """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return False
     warm_up(model, vocab_size)
+    if kv_scheme.quantized:
+        warm_up(model, vocab_size, attrs.evolve(kv_scheme, start=0))
     return True
 
 
-def warm_up(model: nn.Module, vocab_size: int) -> None:
+def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme()) -> None:
     """Take a few random rows through prefill, join, steps and leave, then free everything."""
     rng = random.Random(0)
     top = max(min(vocab_size, 1000), 4)
     params = [SamplingParams(max_tokens=_STEPS * 4), SamplingParams(max_tokens=_STEPS * 4),
               SamplingParams(max_tokens=_STEPS * 4, temperature=0.7, top_p=0.9, seed=0)]
-    makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p)
+    makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p,
+                      kv_scheme=kv_scheme)
               for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
     outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
     rows = [row for row in outcomes if isinstance(row, SoloRow)]
-    batch = DecodeBatch(model)
+    batch = DecodeBatch(model, kv_scheme)
     try:
         for failed in outcomes:
             if isinstance(failed, Exception):

@@ -12,6 +12,7 @@ Joins, per layer kind:
 | ------------------------ | ------------------------------------------------------------- |
 | solo (any kind)          | `merge([running, *new])`: left-pad all into a batch cache      |
 | `BatchKVCache`           | `extend(merge(new))`: pad + one B-axis concat, rows untouched   |
+| `BatchQuantizedKVCache`  | the same, on the (packed, scales, biases) parts                 |
 | `BatchRotatingKVCache`   | re-merge: `extract` every row, then `merge(rows + new)`        |
 | `ArraysCache` (SSM)      | `extend(merge(new))`: B-axis concat, no temporal axis           |
 | `CacheList`              | the rule above for each child                                  |
@@ -30,16 +31,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, KVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, KVCache, QuantizedKVCache
 
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.kv.quantized_batch_kv import BatchQuantizedKVCache
 
 Cache = Any  # an mlx-lm cache object; they share no base class worth naming
 
 
 def can_batch(caches: Sequence[Cache]) -> bool:
-    """Whether these (fresh, per-layer) caches can join a batch: mlx_lm.server's own rule."""
-    return all(hasattr(c, "merge") for c in caches)
+    """Whether these (fresh, per-layer) caches can join a batch: mlx_lm.server's own rule, plus quantized rows."""
+    return all(_mergeable(c) for c in caches)
+
+
+def _mergeable(cache: Cache) -> bool:
+    # mlx-lm's QuantizedKVCache has no `merge`; `merge_rows` batches it as BatchQuantizedKVCache.
+    return hasattr(cache, "merge") or type(cache) is QuantizedKVCache
 
 
 def can_extract(caches: Sequence[Cache]) -> bool:
@@ -61,7 +68,7 @@ def join_layer(running: Cache, new: Sequence[Cache], *, running_is_solo: bool) -
             for i, r in enumerate(running.caches)
         ))
     first = new[0]
-    if not all(hasattr(n, "merge") for n in new):
+    if not all(_mergeable(n) for n in new):
         raise TypeError(f"{type(first).__name__} cannot batch (no merge)")
     if running_is_solo:
         return merge_rows([running, *new])
@@ -78,10 +85,13 @@ def merge_rows(caches: Sequence[Cache]) -> Cache:
     """Solo caches of one layer as one batched layer (mlx-lm's `merge`).
 
     Plain `KVCache` layers become `HostPaddedBatchKVCache`: an unpadded batch
-    then decodes without a mask (engine/kv/batch_kv.py says why that matters).
+    then decodes without a mask (engine/kv/batch_kv.py says why that matters);
+    `QuantizedKVCache` layers (one format) become `BatchQuantizedKVCache`.
     """
     if all(type(c) is KVCache for c in caches):
         return HostPaddedBatchKVCache.merge(list(caches))
+    if all(type(c) is QuantizedKVCache for c in caches):
+        return BatchQuantizedKVCache.merge(list(caches))
     return type(caches[0]).merge(list(caches))
 
 

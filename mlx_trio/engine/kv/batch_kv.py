@@ -25,6 +25,11 @@ layer's launches, for arrays that are equal in every layer. Here a layer's
 `offset` is derived from `_idx` (its position count) through a `_Offsets`
 object that `share_offsets` hands to every layer of a batch, so the add is
 built once per step. The offsets are exactly mlx-lm's (tests/engine/kv/test_batch_kv.py).
+
+All of that is `HostPadding`, a mixin over any cache with mlx-lm's
+`BatchKVCache` interface: `HostPaddedBatchKVCache` puts it over bf16
+storage, `BatchQuantizedKVCache` (engine/kv/quantized_batch_kv.py) over
+quantized storage, so both follow the padding and offsets the same way.
 """
 
 from __future__ import annotations
@@ -54,13 +59,13 @@ class _Offsets:
 
 
 def share_offsets(caches: Sequence[Any]) -> None:
-    """Let the batch's `HostPaddedBatchKVCache` layers share one offsets record (one add per step, not per layer).
+    """Let the batch's `HostPadding` layers share one offsets record (one add per step, not per layer).
 
     Call after every membership change: the layers then hold the same rows
     and positions, so their offsets are equal, and each later step advances
     all of them together.
     """
-    layers = [c for c in caches if isinstance(c, HostPaddedBatchKVCache)]
+    layers = [c for c in caches if isinstance(c, HostPadding)]
     if layers:
         shared = _Offsets(layers[0].offset, layers[0]._idx)
         for layer in layers:
@@ -68,11 +73,18 @@ def share_offsets(caches: Sequence[Any]) -> None:
                 layer._offsets = shared
 
 
-class HostPaddedBatchKVCache(BatchKVCache):
-    """A `BatchKVCache` whose `host_padding` mirrors `left_padding`; see the module docstring."""
+class HostPadding:
+    """Over a `BatchKVCache`-like storage class: `host_padding` mirrors `left_padding`; see the module docstring.
 
-    def __init__(self, left_padding: list[int]) -> None:
-        super().__init__(left_padding)
+    Put it first in the bases (`class C(HostPadding, Storage)`): its methods
+    wrap the storage's through `super()`.
+    """
+
+    _idx: int
+    _offsets: _Offsets
+
+    def __init__(self, left_padding: list[int], *args: Any, **kwargs: Any) -> None:
+        super().__init__(left_padding, *args, **kwargs)  # type: ignore[call-arg]
         self.host_padding: tuple[int, ...] | None = tuple(int(p) for p in left_padding)
 
     # -- offsets: derived from _idx, so a step's `_idx += 1` moves them (see the module docstring) --
@@ -104,11 +116,10 @@ class HostPaddedBatchKVCache(BatchKVCache):
         return n
 
     @classmethod
-    def merge(cls, caches: Sequence[Any]) -> HostPaddedBatchKVCache:
-        if max(c.size() for c in caches) == 0:  # mlx-lm returns a plain BatchKVCache here
+    def merge(cls, caches: Sequence[Any]) -> Any:
+        merged = super().merge(caches)  # type: ignore[misc]  # builds cls(padding): the host copy starts right
+        if not isinstance(merged, cls):  # mlx-lm returns a plain BatchKVCache when every row is empty
             return cls([0] * len(caches))
-        merged = super().merge(caches)  # builds cls(padding): the host copy starts right
-        assert isinstance(merged, cls)
         merged._anchor()
         return merged
 
@@ -146,11 +157,11 @@ class HostPaddedBatchKVCache(BatchKVCache):
 
     @property
     def state(self) -> Any:
-        return BatchKVCache.state.fget(self)  # type: ignore[attr-defined]
+        return super().state  # type: ignore[misc]
 
     @state.setter
     def state(self, value: Any) -> None:
-        BatchKVCache.state.fset(self, value)  # type: ignore[attr-defined]
+        super(HostPadding, type(self)).state.fset(self, value)  # type: ignore[misc]
         self._anchor()
         self.host_padding = UNKNOWN
 
@@ -162,4 +173,8 @@ class HostPaddedBatchKVCache(BatchKVCache):
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         if N == 1 and kwargs.get("window_size") is None and self.is_unpadded:
             return None  # as KVCache's L=1 mask: lets MLX run its fused decode attention
-        return super().make_mask(N, return_array=return_array, **kwargs)
+        return super().make_mask(N, return_array=return_array, **kwargs)  # type: ignore[misc]
+
+
+class HostPaddedBatchKVCache(HostPadding, BatchKVCache):
+    """mlx-lm's `BatchKVCache` (bf16 storage) with host padding and shared offsets; see the module docstring."""

@@ -7,6 +7,10 @@ transient of prefilling one chunk. The layout is measured once, at load,
 by running one token through a fresh cache; that way every architecture
 mlx-lm supports is covered by the same code (full attention, sliding
 windows capped at the window, fixed-size recurrent state).
+
+With quantized KV (`--kv-bits`, engine/kv/kv_scheme.py) the full-attention
+layers of a row past the start hold packed values plus a scale and a bias
+per group: measured the same way, by quantizing that one-token cache.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 
 # Headroom kept free for activations, the allocator's cache and the OS.
 _HEADROOM_FRACTION = 0.2
@@ -36,11 +42,26 @@ class KvLayout:
     hidden_size: int
     activation_bytes: int  # bytes per activation element (dtype size)
     batchable: bool  # every layer cache can merge into a batch (mlx_lm.server's test)
+    # Quantized KV: all full-attention layers' bytes per token once quantized, and from how many tokens
+    # a row is (None: bf16 only).
+    quantized_bytes_per_token: int = 0
+    quantized_start: int | None = None
 
     def row_bytes(self, num_tokens: int) -> int:
-        """Worst-case KV bytes of one row holding `num_tokens` tokens."""
+        """Worst-case KV bytes of one row growing to `num_tokens` tokens.
+
+        Quantized KV: the larger of the row just before its start (bf16) and
+        at `num_tokens` (quantized). A row its batch converted early holds
+        less, never more.
+        """
         windowed = min(num_tokens, self.window) if self.window else 0
-        return self.full_bytes_per_token * num_tokens + self.window_bytes_per_token * windowed + self.fixed_bytes
+        return self._full_bytes(num_tokens) + self.window_bytes_per_token * windowed + self.fixed_bytes
+
+    def _full_bytes(self, num_tokens: int) -> int:
+        start = self.quantized_start
+        if start is None or num_tokens < start:
+            return self.full_bytes_per_token * num_tokens
+        return max(self.full_bytes_per_token * max(start - 1, 0), self.quantized_bytes_per_token * num_tokens)
 
     def prefill_transient_bytes(self, prefix_tokens: int, chunk_tokens: int) -> int:
         """Peak extra bytes while one chunk is prefilled against a prefix.
@@ -63,14 +84,20 @@ class KvLayout:
         return self.row_bytes(prompt_tokens + max_tokens) + self.prefill_peak_bytes(prompt_tokens, prefill_step_size)
 
 
-def measure_layout(model: nn.Module) -> KvLayout:
-    """Run one token through a fresh cache and read off each layer's bytes. Lease thread only."""
+def measure_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> KvLayout:
+    """Run one token through a fresh cache and read off each layer's bytes. Lease thread only.
+
+    Raises ValueError when `kv_scheme` cannot quantize this model's KV (a head dimension its group size does
+    not divide): at load, not in the middle of a request.
+    """
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    full = window_bytes = fixed = 0
+    full = window_bytes = fixed = quantized = 0
     window = 0
     for layer in cache:
+        if type(layer) is KVCache and kv_scheme.bits is not None:
+            quantized += _bytes_per_token(layer.to_quantized(group_size=kv_scheme.group_size, bits=kv_scheme.bits))
         if isinstance(layer, RotatingKVCache):
             window_bytes += _bytes_per_token(layer)
             window = max(window, layer.max_size)
@@ -86,13 +113,15 @@ def measure_layout(model: nn.Module) -> KvLayout:
         full_bytes_per_token=full, window_bytes_per_token=window_bytes, window=window,
         fixed_bytes=fixed, num_heads=num_heads, hidden_size=hidden, activation_bytes=dtype_bytes,
         batchable=all(hasattr(c, "merge") for c in cache),
+        quantized_bytes_per_token=quantized,
+        quantized_start=kv_scheme.start if kv_scheme.bits is not None else None,
     )
 
 
-def _bytes_per_token(layer: KVCache | RotatingKVCache) -> int:
+def _bytes_per_token(layer: KVCache | RotatingKVCache | QuantizedKVCache) -> int:
     # Buffers are preallocated in steps; the per-token cost is bytes / capacity.
-    keys, values = layer.keys, layer.values
-    return (keys.nbytes + values.nbytes) // keys.shape[2]
+    parts = [*layer.keys, *layer.values] if isinstance(layer, QuantizedKVCache) else [layer.keys, layer.values]
+    return sum(p.nbytes for p in parts) // parts[0].shape[2]
 
 
 def _activation_bytes(model: nn.Module) -> int:

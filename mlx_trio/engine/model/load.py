@@ -22,6 +22,7 @@ from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
 from mlx_trio.engine.model.generic_tools import generic_chat
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer, compile_constraint
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import KvLayout, measure_layout, weights_bytes
 from mlx_trio.engine.model.output_format import read_output_format
 from mlx_trio.output_format import PLAIN, OutputFormat
@@ -47,6 +48,8 @@ class LoadedModel:
     output_format: OutputFormat = PLAIN
     # llguidance's tokenizer (built once: ~0.3 s for a 49k vocabulary); None if it cannot read ours.
     grammar_tokenizer: Any = None
+    # How its rows store KV (--kv-bits ...); `kv_layout` counts bytes in this format.
+    kv_scheme: KvScheme = KvScheme()
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -157,7 +160,8 @@ class LoadedModel:
             return self.tokenizer.apply_chat_template(generic_chat(messages, tools, system_role=False), **kwargs)
 
 
-def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> LoadedModel:
+def load_model(model: str | None = None, *, cache_dir: Path | None = None,
+               kv_scheme: KvScheme = KvScheme()) -> LoadedModel:
     """Resolve (converting the default model once if needed) and load with mlx-lm.
 
     Must run on the lease thread: weights are evaluated there.
@@ -177,10 +181,11 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None) -> Lo
         vocab_size=_vocab_size(loaded_model, config),
         context_length=_context_length(config),
         eos_token_ids=eos_token_ids,
-        kv_layout=measure_layout(loaded_model),
+        kv_layout=measure_layout(loaded_model, kv_scheme),
         weights_bytes=weights_bytes(loaded_model),
         output_format=read_output_format(tokenizer),
         grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
+        kv_scheme=kv_scheme,
     )
 
 

@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, make_prompt_cache
 
 from mlx_trio.engine.prompt_cache.identity import cache_layout
 from mlx_trio.engine.prompt_cache.host_entry import CLASSES, STATES, HostEntry
@@ -73,7 +74,10 @@ class CacheShapes:
     """
 
     layers: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
-    layout: str  # `cache_layout` of the same caches
+    layout: str  # `model_cache_layout` of the same caches: the class names and the KV format
+    # With quantized KV, a layer may also hold the quantized form of its cache (an entry stored after
+    # its row converted): per layer, that form's shapes, or None where a layer never converts.
+    quantized: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]] | None, ...] = ()
 
     @classmethod
     def of(cls, caches: Sequence[Any]) -> CacheShapes:
@@ -86,16 +90,27 @@ class CacheShapes:
         if len(got) != len(self.layers):
             return f"{len(got)} layers, the model has {len(self.layers)}"
         for i, (have, want) in enumerate(zip(got, self.layers)):
-            if have != want:
+            if have != want and not (self.quantized and have == self.quantized[i]):
                 return f"layer {i} holds {have}, the model's caches {want}"
         return None
 
 
-def cache_shapes(model: nn.Module) -> CacheShapes:
-    """The `CacheShapes` of `model`'s caches after one token. Lease thread; lazy, so nothing is computed."""
+def cache_shapes(model: nn.Module, kv_format: str = "", quantize: tuple[int, int] | None = None) -> CacheShapes:
+    """The `CacheShapes` of `model`'s caches after one token. Lease thread; lazy, so nothing is computed.
+
+    `kv_format` is `KvScheme.key()` (see `model_cache_layout`); `quantize` its (bits, group size)
+    when KV is quantized, so entries stored in the quantized form fit too.
+    """
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
-    return CacheShapes.of(caches)
+    plain = CacheShapes.of(caches)
+    layout = f"{plain.layout};{kv_format}" if kv_format else plain.layout
+    quantized: tuple[Any, ...] = ()
+    if quantize is not None:
+        bits, group_size = quantize
+        quantized = tuple(CacheShapes.of([c.to_quantized(group_size=group_size, bits=bits)]).layers[0]
+                          if type(c) is KVCache else None for c in caches)
+    return attrs.evolve(plain, layout=layout, quantized=quantized)
 
 
 def from_host(entry: HostEntry, shapes: CacheShapes | None = None) -> list[Any]:
@@ -127,15 +142,26 @@ def from_host(entry: HostEntry, shapes: CacheShapes | None = None) -> list[Any]:
     return caches
 
 
-def model_cache_layout(model: nn.Module) -> str:
-    """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays). Lease thread."""
-    return cache_layout(make_prompt_cache(model))
+def model_cache_layout(model: nn.Module, kv_format: str = "") -> str:
+    """`cache_layout` of the caches mlx-lm makes for `model` (empty: no arrays), and the KV format. Lease thread.
+
+    `kv_format` is `KvScheme.key()` (engine/kv/kv_scheme.py), so that a server restarted with other
+    `--kv-bits`, group size or start misses every file stored under the old one; bf16's is "" and adds
+    nothing: its layouts are what they were.
+    """
+    layout = cache_layout(make_prompt_cache(model))
+    return f"{layout};{kv_format}" if kv_format else layout
 
 
 def _compact_state(cache: Any) -> Any:
     if type(cache) is KVCache and cache.keys is not None and cache.keys.shape[2] > cache.offset:
         n = cache.offset
         return cache.keys[..., :n, :], cache.values[..., :n, :], n
+    if type(cache) is QuantizedKVCache and cache.keys is not None and cache.keys[0].shape[2] > cache.offset:
+        # Stored as quantized, cut to its offset like a KVCache: packed values, scales and biases as they are.
+        n = cache.offset
+        keys, values = tree_map(lambda x: x[..., :n, :], (cache.keys, cache.values))
+        return keys, values, n, cache.group_size, cache.bits
     return cache.state
 
 

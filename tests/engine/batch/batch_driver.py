@@ -9,6 +9,7 @@ import attrs
 
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -28,11 +29,20 @@ def token_ids(decoded: Decoded | None) -> list[int] | None:
 
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
-                 grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> dict[str, Outcome]:
-    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor."""
+                 grammar_tokenizer: Any = None, prefill_step_size: int = 8, kv_scheme: KvScheme = KvScheme(),
+                 converted_at: dict[str, int] | None = None) -> dict[str, Outcome]:
+    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
+
+    `converted_at` (quantized schemes) gets each row's token count when it first sat in a quantized batch.
+    """
     params = {a.request_id: a.params for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model)
+    batch = DecodeBatch(model, kv_scheme)
+
+    def note_format() -> None:
+        if converted_at is not None and batch.size and batch.is_quantized:
+            for rid in batch.request_ids:
+                converted_at.setdefault(rid, batch.num_fed(rid))
     pending = sorted(arrivals, key=lambda a: a.at_step)
 
     def record(rid: str, token: int, logprobs: SampledLogprobs | None) -> None:
@@ -63,7 +73,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
             for a in joiners:
                 pending.remove(a)
                 row = SoloRow(model, a.request_id, a.prompt_ids, a.params, prefill_step_size=prefill_step_size,
-                              grammar_tokenizer=grammar_tokenizer)
+                              grammar_tokenizer=grammar_tokenizer, kv_scheme=kv_scheme)
                 while row.prefill_chunk():
                     pass
                 record(a.request_id, row.first_token(), row.token0_logprobs)
@@ -71,9 +81,11 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                     row.close()
                 else:
                     batch.join_many([(row, row.token0)])
+                    note_format()
         if batch.size:
             ids = batch.request_ids
             record_all(ids, batch.step_decoded())
+            note_format()
         step += 1
     return out
 

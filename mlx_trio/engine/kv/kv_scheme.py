@@ -1,0 +1,89 @@
+"""The KV storage format (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) and when a cache converts to it.
+
+mlx-lm's serial rule (`maybe_quantize_kv_cache`, called by `generate_step`
+after every forward: each prefill chunk and each decode step): a layer
+converts to `QuantizedKVCache` once its offset reaches `start`. A solo row
+(engine/batch/solo_row.py) follows exactly that rule, so a lone row is
+token-identical to `generate_step(kv_bits=..., kv_group_size=...,
+quantized_kv_start=...)` with the same prefill chunks.
+
+A batch holds one format per layer (docs/design.md, "Quantized KV"): it is
+quantized as soon as any of its rows has reached `start`, or a quantized row
+joins it. The rows below `start` at that moment convert early. Every row is
+then token-identical to mlx-lm's serial run whose `quantized_kv_start` is
+the row's offset when its batch converted (capped at `start`), up to the
+reordered sums of padded attention that any batched row has.
+
+Which layers convert: full-attention ones (mlx-lm's `KVCache` and our
+batched `HostPaddedBatchKVCache`). Sliding-window layers stay bf16 (mlx-lm's
+`RotatingKVCache.to_quantized` raises; ours keep the window in bf16), and
+recurrent state (`ArraysCache`) is never quantized. `KvLayout` counts
+exactly that (engine/kv/layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.models.cache import KVCache
+
+from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.kv.quantized_batch_kv import BatchQuantizedKVCache
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+
+
+@attrs.frozen
+class KvScheme:
+    """How full-attention KV is stored: bf16 (`bits` None, today's behaviour) or quantized from `start` on."""
+
+    bits: int | None = None
+    group_size: int = 64
+    start: int = DEFAULT_QUANTIZED_KV_START  # mlx-lm's and mlx_lm.server's default
+
+    def __attrs_post_init__(self) -> None:
+        if self.bits is not None and self.bits not in BITS:
+            raise ValueError(f"kv_bits must be one of {BITS}, got {self.bits}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.start < 0:
+            raise ValueError(f"quantized_kv_start must be >= 0, got {self.start}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def key(self) -> str:
+        """A name for the prompt-cache identity: '' for bf16 (so bf16 keys stay what they were), else e.g. 'q8g64s5000'."""
+        return f"q{self.bits}g{self.group_size}s{self.start}" if self.bits is not None else ""
+
+    def convert_due(self, caches: list[Any]) -> None:
+        """mlx-lm's `maybe_quantize_kv_cache` on one row's serial caches, in place: layers at offset >= `start`."""
+        if self.bits is None:
+            return
+        for i, cache in enumerate(caches):
+            if type(cache) is KVCache and cache.offset >= self.start:
+                caches[i] = cache.to_quantized(group_size=self.group_size, bits=self.bits)
+
+    def due(self, num_tokens: int) -> bool:
+        """Whether a row holding `num_tokens` tokens is past the start (its batch must be quantized)."""
+        return self.bits is not None and num_tokens >= self.start
+
+    def convert_all(self, caches: list[Any]) -> None:
+        """Every convertible layer (serial or batched) to quantized storage, in place, whatever its offset (lazy)."""
+        if self.bits is None:
+            return
+        for i, cache in enumerate(caches):
+            if type(cache) is KVCache:
+                caches[i] = cache.to_quantized(group_size=self.group_size, bits=self.bits)
+            elif type(cache) is HostPaddedBatchKVCache:
+                caches[i] = BatchQuantizedKVCache.quantizing(cache, group_size=self.group_size, bits=self.bits)
+
+
+def is_quantized(caches: Sequence[Any]) -> bool:
+    """Whether any layer stores quantized KV (mlx-lm's attention tells them apart by `bits` the same way)."""
+    return any(hasattr(c, "bits") for c in caches)

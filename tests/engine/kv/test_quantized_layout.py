@@ -1,0 +1,79 @@
+"""KvLayout with quantized KV: the bytes admission projects are the bytes the rows hold, and more rows fit."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+from mlx_lm import load
+
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.kv.layout import measure_layout
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, TinyModelSpec, tiny_model
+
+LLAMA_Q = TinyModelSpec("llama", hidden_size=128, heads=2, kv_heads=1)
+
+
+@cache
+def _model(spec: TinyModelSpec) -> Any:
+    return load(str(tiny_model(spec)))[0]
+
+
+def _row_nbytes(model: Any, scheme: KvScheme, n: int) -> int:
+    """What a row's caches hold after prefilling `n` tokens (n a multiple of the 256-position buffer step)."""
+    row = SoloRow(model, "a", [(7 * i) % 500 + 3 for i in range(n + 1)], SamplingParams(), prefill_step_size=n,
+                  kv_scheme=scheme)
+    row.prefill_chunk()
+    try:
+        return row.nbytes
+    finally:
+        row.close()
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32), (4, 64)])
+def test_quantized_rows_hold_what_the_layout_projects(bits: int, group: int) -> None:
+    model = _model(LLAMA_Q)
+    scheme = KvScheme(bits=bits, group_size=group, start=0)
+    layout, bf16 = measure_layout(model, scheme), measure_layout(model)
+    assert layout.full_bytes_per_token == bf16.full_bytes_per_token
+    assert layout.row_bytes(512) == _row_nbytes(model, scheme, 512)
+    assert bf16.row_bytes(512) == _row_nbytes(model, KvScheme(), 512)
+    # Unquantized: the model's dtype a value (float32 here, bf16 for real models); quantized: `bits` plus a
+    # scale and a bias of that dtype per group.
+    value_bits = 8 * layout.activation_bytes
+    assert layout.quantized_bytes_per_token * value_bits == bf16.full_bytes_per_token * (bits + 2 * value_bits / group)
+
+
+def test_before_the_start_a_row_is_bf16_and_the_peak_counts_it() -> None:
+    model = _model(LLAMA_Q)
+    layout = measure_layout(model, KvScheme(bits=4, group_size=64, start=1000))
+    per, q = layout.full_bytes_per_token, layout.quantized_bytes_per_token
+    assert layout.row_bytes(999) == 999 * per
+    assert layout.row_bytes(1000) == 999 * per  # the bf16 row just before the start is larger
+    assert layout.row_bytes(8000) == 8000 * q > 999 * per
+
+
+def test_a_fixed_budget_admits_more_rows_quantized() -> None:
+    """At least bf16's 1.88x (8 bits) and 3.55x (4 bits, groups of 64); this float32 model gains more."""
+    model = _model(LLAMA_Q)
+    budget, context = 1 << 30, 8192
+    rows = {bits: budget // measure_layout(model, KvScheme(bits=bits, start=0)).row_bytes(context)
+            for bits in (None, 8, 4)}
+    assert rows[8] / rows[None] > 1.85 and rows[4] / rows[None] > 3.4
+
+
+def test_sliding_window_layers_stay_bf16_in_the_layout() -> None:
+    model = _model(TinyModelSpec("llama", hidden_size=128, heads=2, kv_heads=1, sliding_window=16))
+    layout, bf16 = measure_layout(model, KvScheme(bits=8, start=0)), measure_layout(model)
+    assert layout.window_bytes_per_token == bf16.window_bytes_per_token > 0
+    assert 0 < layout.quantized_bytes_per_token < bf16.full_bytes_per_token
+
+
+def test_a_group_that_does_not_divide_the_heads_fails_at_load() -> None:
+    with pytest.raises(ValueError):
+        measure_layout(_model(LLAMA), KvScheme(bits=8, group_size=64, start=0))  # 16-dim heads
+    with pytest.raises(ValueError):
+        KvScheme(bits=3)
