@@ -75,7 +75,10 @@ def decode_rates(model: Any, *, batches: list[int], context: int, steps: int, gr
     out = []
     for bits in FORMATS:
         scheme = KvScheme(bits=bits, group_size=group, start=0)
-        first = SoloRow(model, "prefill", prompt, params, prefill_step_size=prefill_step, kv_scheme=scheme)
+        # The shared prompt is prefilled unquantized and each row converts at its token-0 step: MLX's CUDA
+        # backend (0.32.4) has no quantized matmul for prefill-sized attention ("No implementation for
+        # problem shape: 2048x4096x64x32"; docs/benchmarks.md, ninth pass), and this table is about decode.
+        first = SoloRow(model, "prefill", prompt, params, prefill_step_size=prefill_step)
         while first.prefill_chunk():
             pass
         entry = cache_clone.snapshot(prompt[:-1], first.caches)

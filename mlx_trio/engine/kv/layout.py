@@ -88,8 +88,10 @@ def measure_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> KvLayo
     """Run one token through a fresh cache and read off each layer's bytes. Lease thread only.
 
     Raises ValueError when `kv_scheme` cannot quantize this model's KV (a head dimension its group size does
-    not divide): at load, not in the middle of a request.
+    not divide, or a backend that cannot attend over quantized KV): at load, not in the middle of a request.
     """
+    if kv_scheme.bits is not None:
+        _probe_quantized_attention(model, kv_scheme)
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
@@ -116,6 +118,26 @@ def measure_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> KvLayo
         quantized_bytes_per_token=quantized,
         quantized_start=kv_scheme.start if kv_scheme.bits is not None else None,
     )
+
+
+def _probe_quantized_attention(model: nn.Module, kv_scheme: KvScheme) -> None:
+    """A prefill and a decode step over quantized KV, evaluated; raises ValueError saying why they cannot run.
+
+    MLX's CUDA backend (0.32.4) has no `quantized_matmul` for attention's shapes ("No implementation for
+    problem shape: 1x8193x64x32", H200, docs/benchmarks.md, ninth pass): a server would fail its first
+    request instead of refusing the flag.
+    """
+    cache = make_prompt_cache(model)
+    try:
+        model(mx.array([[1, 2, 3]]), cache=cache)
+        cache = [c.to_quantized(group_size=kv_scheme.group_size, bits=kv_scheme.bits)
+                 if type(c) is KVCache else c for c in cache]
+        model(mx.array([[4, 5]]), cache=cache)
+        mx.eval(model(mx.array([[6]]), cache=cache))
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"--kv-bits {kv_scheme.bits} --kv-group-size {kv_scheme.group_size}: attention over "
+                         f"quantized KV cannot run on {mx.default_device()} with this MLX ({exc}); "
+                         "serve without --kv-bits") from exc
 
 
 def _bytes_per_token(layer: KVCache | RotatingKVCache | QuantizedKVCache) -> int:

@@ -77,3 +77,27 @@ def test_a_group_that_does_not_divide_the_heads_fails_at_load() -> None:
         measure_layout(_model(LLAMA), KvScheme(bits=8, group_size=64, start=0))  # 16-dim heads
     with pytest.raises(ValueError):
         KvScheme(bits=3)
+
+
+class _NoQuantizedAttention:
+    """The real model, but attention over quantized KV fails as MLX's CUDA backend (0.32.4) fails it."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.args = model.args
+        self.parameters = model.parameters
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        if cache and any(hasattr(c, "bits") for c in cache):
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x8193x64x32")
+        return self._model(inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_a_backend_that_cannot_attend_over_quantized_kv_is_refused_at_load_naming_the_flag() -> None:
+    model = _NoQuantizedAttention(_model(LLAMA_Q))
+    with pytest.raises(ValueError, match=r"--kv-bits 8 .*cannot run on .*serve without --kv-bits"):
+        measure_layout(model, KvScheme(bits=8, group_size=32, start=0))  # type: ignore[arg-type]
+    assert measure_layout(model, KvScheme()).quantized_bytes_per_token == 0  # bf16 never probes  # type: ignore[arg-type]
