@@ -8,7 +8,7 @@ times); end-to-end ends at `data: [DONE]`. Token counts come from the final
 usage chunk (`stream_options.include_usage`), because content chunks undercount.
 
 Every failure (connect error, reset, non-200 status, an in-band error, a
-stream cut before `[DONE]`, a timeout) becomes a failed `RequestResult`:
+stream cut before `[DONE]`, a 200 that streamed no text, a timeout) becomes a failed `RequestResult`:
 the bench counts failures and never crashes on them.
 """
 
@@ -118,6 +118,9 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, spec: RequestSpe
         return state.result(ok=False, error=state.error)
     if not state.done:
         return state.result(ok=False, error="stream ended before [DONE]")
+    if not state.chunk_times_s:
+        # A 200 that streamed no text served nothing: counting it as done would flatter its server.
+        return state.result(ok=False, error="HTTP 200 with no tokens")
     return state.result(ok=True, error=None)
 
 

@@ -148,11 +148,13 @@ class Summary:
     errors: tuple[tuple[str, int], ...] = ()
     # Set when a managed server process exited during this concurrency's rounds.
     server_died: bool = False
+    # The GPU's mean busy percentage over the rounds (nvidia-smi), None where it was not sampled.
+    gpu_busy_percent: float | None = None
 
 
 def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestResult]], *,
-              server_died: bool = False) -> Summary:
-    """Pool the results of each round (one list per round) into a `Summary`."""
+              server_died: bool = False, gpu_busy: Sequence[float] = ()) -> Summary:
+    """Pool the results of each round (one list per round) into a `Summary`; `gpu_busy`: each round's mean busy %."""
     results = [r for run in rounds for r in run]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
@@ -180,6 +182,7 @@ def summarize(server: str, concurrency: int, rounds: Sequence[Sequence[RequestRe
         prefill_stall_s=max(prefill_stalls) if prefill_stalls else None,
         cached_fraction_by_turn=cached_fraction_by_turn(results) if agent_loop else (),
         errors=tuple(errors), server_died=server_died,
+        gpu_busy_percent=sum(gpu_busy) / len(gpu_busy) if gpu_busy else None,
     )
 
 

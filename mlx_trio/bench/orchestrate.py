@@ -155,7 +155,8 @@ def _summaries(records: list[RunRecord]) -> list[metrics.Summary]:
     for record in records:
         groups.setdefault((record.concurrency, record.server), []).append(record)
     return [metrics.summarize(server, concurrency, [r.results for r in runs],
-                              server_died=any(r.server_died for r in runs))
+                              server_died=any(r.server_died for r in runs),
+                              gpu_busy=[r.gpu_busy_percent for r in runs if r.gpu_busy_percent is not None])
             for (concurrency, server), runs in groups.items()]
 
 

@@ -35,6 +35,10 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f}"
 
 
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
 def _x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
@@ -46,8 +50,9 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     agent_loop = any(s.cached_fraction_by_turn for s in summaries)
     latency = (_LATENCY_COLUMNS + (_LONG_PROMPT_COLUMNS if long_prompt else ())
                + (_AGENT_LOOP_COLUMNS if agent_loop else ()))
+    gpu = any(s.gpu_busy_percent is not None for s in summaries)
     header = ["conc", "server", "ok/failed", *(f"{name} ms" for name, _ in latency), "out tok/s",
-              "cached/prompt tok"]
+              "cached/prompt tok", *(["GPU busy %"] if gpu else [])]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     by_key = {(s.concurrency, s.server): s for s in summaries}
     for concurrency in dict.fromkeys(s.concurrency for s in summaries):
@@ -58,7 +63,8 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
             died = " (died)" if s.server_died else ""
             tok_s = "–" if s.output_tok_s is None else f"{s.output_tok_s:.1f}"
             cells = [str(concurrency), server + died, f"{s.num_ok}/{s.num_failed}",
-                     *(_ms(getattr(s, field)) for _, field in latency), tok_s, f"{s.cached_tokens}/{s.prompt_tokens}"]
+                     *(_ms(getattr(s, field)) for _, field in latency), tok_s, f"{s.cached_tokens}/{s.prompt_tokens}",
+                     *([_percent(s.gpu_busy_percent)] if gpu else [])]
             lines.append("| " + " | ".join(cells) + " |")
         first = by_key.get((concurrency, servers[0]))
         for other in servers[1:]:
@@ -70,7 +76,7 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
             shown = {field: r.get(field) if (getattr(b, field) or 0) >= MIN_RATIO_DENOMINATOR_S else None
                      for _, field in latency}
             cells = [str(concurrency), f"**{servers[0]}/{other}**", "",
-                     *(_x(shown[field]) for _, field in latency), _x(r["output_tok_s"]), ""]
+                     *(_x(shown[field]) for _, field in latency), _x(r["output_tok_s"]), "", *([""] if gpu else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -107,6 +113,7 @@ def document(summaries: Sequence[Summary], records: Sequence[RunRecord], meta: M
         "ratios": ratio_rows,
         "runs": [
             {"server": r.server, "concurrency": r.concurrency, "round": r.round, "server_died": r.server_died,
+             "gpu_busy_percent": r.gpu_busy_percent,
              "requests": [attrs.asdict(x, filter=lambda a, _: a.name != "text") for x in r.results]}
             for r in records
         ],
@@ -119,7 +126,7 @@ def records_from_document(doc: Mapping[str, Any]) -> list[RunRecord]:
     for run in doc["runs"]:
         results = tuple(RequestResult(**{**r, "itl_s": tuple(r["itl_s"])}) for r in run["requests"])
         records.append(RunRecord(run["server"], run["concurrency"], run["round"], results,
-                                 server_died=run["server_died"]))
+                                 server_died=run["server_died"], gpu_busy_percent=run.get("gpu_busy_percent")))
     return records
 
 

@@ -17,7 +17,7 @@ import attrs
 import httpx
 import trio
 
-from mlx_trio.bench import workloads
+from mlx_trio.bench import gpu_busy, workloads
 from mlx_trio.bench.client import RequestResult, RequestSpec, messages, stream_chat
 from mlx_trio.bench.progress import ProgressFactory, no_progress
 
@@ -63,6 +63,8 @@ class RunRecord:
     round: int
     results: tuple[RequestResult, ...]
     server_died: bool = False
+    # The GPU's mean busy percentage during the run (`gpu_busy`), None where nvidia-smi is absent.
+    gpu_busy_percent: float | None = None
 
 
 def run_seed(seed: int, concurrency_index: int, round_index: int) -> int:
@@ -169,12 +171,18 @@ async def _one_run(server: Server, workload: workloads.Workload, concurrency: in
                                      error=f"server down: {exc}"[:200])
                        for s in workload.sessions for t in range(len(s.turns)))
         return RunRecord(server.name, concurrency, round_index, failed, server_died=True)
+    busy: list[float] = []
     with progress(label, workload.num_requests) as bar:
-        results = await run_workload(server.url, workload, options, on_result=lambda r: bar.advance(r.ok))
+        async with trio.open_nursery() as nursery:
+            if gpu_busy.available():
+                nursery.start_soon(gpu_busy.sample, busy)
+            results = await run_workload(server.url, workload, options, on_result=lambda r: bar.advance(r.ok))
+            nursery.cancel_scope.cancel()
     died = server.exited()
     if died:
         log.warning("%s: the server process exited during the run", label)
-    return RunRecord(server.name, concurrency, round_index, tuple(results), server_died=died)
+    return RunRecord(server.name, concurrency, round_index, tuple(results), server_died=died,
+                     gpu_busy_percent=gpu_busy.mean(busy))
 
 
 class _Counter:

@@ -80,7 +80,7 @@ async def test_logit_bias_is_sent_with_string_keys() -> None:
 
 
 async def test_failures_become_failed_results_not_exceptions() -> None:
-    """A 5xx, a reset, an in-band error and a stream cut before [DONE] are each a failed result with a reason."""
+    """A 5xx, a reset, an in-band error, a stream cut before [DONE] and a 200 with no text each fail, with a reason."""
     def status_503(request: httpx.Request) -> httpx.Response:
         return httpx.Response(503, json={"error": {"message": "busy"}})
 
@@ -93,8 +93,11 @@ async def test_failures_become_failed_results_not_exceptions() -> None:
     def cut(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=f"data: {json.dumps(_chunk('x'))}\n\n".encode())
 
+    def no_tokens(request: httpx.Request) -> httpx.Response:  # a 200 whose stream holds only the role chunk
+        return httpx.Response(200, content=_sse(_chunk("", role=True), _chunk(finish="stop"), _usage(10, 0, 0)))
+
     reasons = {}
-    for handler in (status_503, reset, in_band, cut):
+    for handler in (status_503, reset, in_band, cut, no_tokens):
         result = await _one(handler)
         assert not result.ok
         reasons[handler.__name__] = result.error or ""
@@ -102,6 +105,7 @@ async def test_failures_become_failed_results_not_exceptions() -> None:
     assert "RemoteProtocolError" in reasons["reset"]
     assert "actor crashed" in reasons["in_band"]
     assert reasons["cut"] == "stream ended before [DONE]"
+    assert reasons["no_tokens"] == "HTTP 200 with no tokens"
 
 
 async def test_second_turn_resends_the_conversation_with_the_servers_answer() -> None:
