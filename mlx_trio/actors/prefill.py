@@ -199,11 +199,13 @@ class PrefillActor:
     async def _drop(self, job: _Job) -> None:
         """End a started prompt whose session left; keep its prefix in the prompt cache when long enough."""
         self._jobs.remove(job)
-        self._cancelled += 1
         try:
             await self._keep_prefix(job.cmd, job.row)
         finally:
             self._lane.end_request(job.cmd, row=job.row)
+            # Counted once it is ended (reservation released, row freed), so a reader of the count
+            # never sees a cancelled prompt that still holds its reservation.
+            self._cancelled += 1
 
     async def _keep_prefix(self, cmd: Generate, row: SoloRow) -> None:
         caching = self._lane.caching
