@@ -10,6 +10,7 @@ once. Counted in chunks (`PrefillStatistics.chunks`), never in seconds.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import attrs
@@ -17,6 +18,7 @@ import pytest
 import trio
 
 from mlx_trio import open_engine
+from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
 from mlx_trio.events import Finished, PromptProgress, TextDelta
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
@@ -72,7 +74,23 @@ async def test_a_short_request_is_not_held_behind_a_long_prefill_and_the_long_on
         assert stats.cancelled == 0 and stats.sized_chunks < stats.chunks  # alone, the long one ran full chunks
 
 
-async def test_a_prompt_dropped_mid_prefill_stops_at_the_next_chunk_and_frees_its_kv() -> None:
+def _slowed_chunks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every prefill chunk takes `seconds` longer on the lease thread: a slow device, as the engine sees it."""
+    chunk = ChunkedPrefill.chunk
+
+    def slow(self: ChunkedPrefill, limit: int | None = None) -> Any:
+        time.sleep(seconds)
+        return chunk(self, limit)
+
+    monkeypatch.setattr(ChunkedPrefill, "chunk", slow)
+
+
+@pytest.mark.parametrize("slowed", [False, True], ids=["cpu", "slowed-step"])
+async def test_a_prompt_dropped_mid_prefill_stops_at_the_next_chunk_and_frees_its_kv(
+        slowed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in chunks; with every chunk slowed by 0.3 s the count must be the same (nothing waits for time)."""
+    if slowed:
+        _slowed_chunks(monkeypatch, 0.3)
     async with open_engine(str(tiny_model(LONG_LLAMA)), batch=4, prefill_step_size=STEP) as engine:
         lane = engine.actors.lane
         prefill = lane.prefill
