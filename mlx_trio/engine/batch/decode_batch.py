@@ -26,6 +26,13 @@ Invariant: every row's KV cache holds exactly the tokens fed so far: its
 prompt, then every token that has been a forward's input (`BatchRow.num_fed`
 counts them). The register holds tokens sampled but not yet fed.
 
+**Speculative steps** (with a `Speculator`, engine/speculative/): while some
+row has a proposal, a step reads the register first, feeds every row its
+input and its proposal in one `[B, 1 + Kmax]` forward, keeps each row's
+longest verified prefix plus the target's own next token, and rolls each
+row's rejected tail out of the KV (engine/kv/row_rollback.py). Such a step
+is not pipelined (its proposals need the previous tokens on the host).
+
 Every method runs on the lease thread; none hands out a lazy array.
 """
 
@@ -38,12 +45,15 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, row_rollback
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
+from mlx_trio.engine.speculative import verify
+from mlx_trio.engine.speculative.speculator import SpeculationConfig, Speculator
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
@@ -65,10 +75,21 @@ class BatchRow:
 
 @attrs.frozen
 class Decoded:
-    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere)."""
+    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere).
 
-    token_ids: tuple[int, ...]
+    A speculative step emits up to `1 + Kmax` tokens per row: it is reported
+    as that many `Decoded` in a row, the `j`-th holding each row's `j`-th
+    token, None for a row that emitted fewer. `forwards` counts the model
+    forwards behind it (1 for the first of a step, 0 for the rest);
+    `proposed` / `accepted` are each row's proposal and accepted counts
+    (empty for a plain step).
+    """
+
+    token_ids: tuple[int | None, ...]
     logprobs: tuple[SampledLogprobs | None, ...]
+    forwards: int = 1
+    proposed: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
 
 
 # Takes consecutive steps' tokens on the lease thread as soon as they are read (DecodeBatch.steps_decoded).
@@ -86,8 +107,11 @@ class DecodeBatch:
     (the row set and its inputs are settled); `leave` works either way.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, speculation: SpeculationConfig | None = None) -> None:
         self._model = model
+        # Speculation needs caches whose rows can drop a tail (full attention only); else none.
+        self._speculator = (Speculator(speculation) if speculation is not None
+                            and row_rollback.supports_rollback(make_prompt_cache(model)) else None)
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
         self._caches: list[Any] = []
@@ -119,6 +143,11 @@ class DecodeBatch:
     @property
     def is_flushed(self) -> bool:
         return not self._unread
+
+    @property
+    def speculates(self) -> bool:
+        """Whether some row may decode speculatively (then `steps_decoded` runs speculative steps)."""
+        return self._speculator is not None and self._speculator.active
 
     @property
     def is_solo(self) -> bool:
@@ -167,6 +196,11 @@ class DecodeBatch:
         tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
         self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
         self._sampler.join([row.sampler for row in rows], [row.num_prompt_tokens for row in rows])
+        if self._speculator is not None:
+            self._speculator.join([
+                (row.request_id, (*row.prompt_ids, token0))
+                if row.params.speculative and row.sampler.is_plain_greedy else None
+                for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
             row.caches = []  # owned by the batch now (adopted or copied by merge)
@@ -181,7 +215,18 @@ class DecodeBatch:
         With `report`, every token these steps read goes to `report` in one
         call, made just before the last step is launched (see `step_decoded`),
         and the list returned holds only None.
+
+        While `speculates`, these are `count` speculative steps instead
+        (`step_speculative`): their tokens are returned (or reported, once,
+        after the last step) as one flat list.
         """
+        if self.speculates:
+            decoded = [d for _ in range(count) for d in self.step_speculative()]
+            if report is None:
+                return list(decoded)
+            if decoded:
+                report(decoded)
+            return [None] * count
         if report is None:
             return [self.step_decoded() for _ in range(count)]
         held = [d for d in (self.step_decoded() for _ in range(count - 1)) if d is not None]
@@ -238,6 +283,53 @@ class DecodeBatch:
             mx.clear_cache()
         return previous
 
+    def step_speculative(self) -> list[Decoded]:
+        """One speculative step: the register's tokens if unread, then each row's verified tokens.
+
+        Rows without a proposal (or with speculation off) emit one token, as a
+        plain step would. When no row has a proposal, this is a plain step
+        whose tokens are read by the next call (or `flush_decoded`).
+        """
+        if not self._rows:
+            raise RuntimeError("step_speculative() on an empty batch")
+        assert self._speculator is not None
+        out = [self._read()] if self._unread else []
+        proposals = self._speculator.proposals()
+        if not any(proposals):
+            self.step_decoded()
+            return out
+        assert self._inputs is not None
+        inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
+        logits = self._model(inputs, cache=self._caches)
+        # Position 0 is every row's plain step (any sampling); later positions matter for greedy rows only.
+        first, state, logprobs = self._sampler.sample(logits[:, 0, :], inputs[:, 0])
+        later = logits[:, 1:, :]
+        later = mx.argmax(later - mx.logsumexp(later, axis=-1, keepdims=True), axis=-1)
+        mx.eval(first, later, state, *(logprobs.arrays() if logprobs is not None else ()))
+        firsts = first.tolist()
+        self._sampler.accept(firsts)
+        verified = [[f, *rest] for f, rest in zip(firsts, later.tolist())]
+        accepted = [verify.accepted(p, v) for p, v in zip(proposals, verified)]
+        emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
+        width = inputs.shape[1]
+        row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        for row, a in zip(self._rows, accepted):
+            row.num_fed += 1 + a
+        self._speculator.extend(emitted)
+        self._inputs = mx.array([tokens[-1] for tokens in emitted], dtype=mx.uint32)
+        self._unread = False
+        self._unread_logprobs = None
+        self._num_steps += 1
+        if self._num_steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        records = logprobs.records() if logprobs is not None else (None,) * len(firsts)
+        longest = max(len(tokens) for tokens in emitted)
+        steps = [Decoded(tuple(tokens[j] if j < len(tokens) else None for tokens in emitted),
+                         records if j == 0 else (None,) * len(emitted), forwards=int(j == 0))
+                 for j in range(longest)]
+        steps[0] = attrs.evolve(steps[0], proposed=tuple(len(p) for p in proposals), accepted=tuple(accepted))
+        return [*out, *steps]
+
     def flush_decoded(self) -> Decoded | None:
         """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""
         if not self._unread:
@@ -260,6 +352,8 @@ class DecodeBatch:
         tokens = self._inputs.tolist()
         self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
         self._sampler.accept(tokens)
+        if self._speculator is not None:
+            self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
         records = logprobs.records() if logprobs is not None else (None,) * len(tokens)
         self._unread = False
@@ -300,6 +394,8 @@ class DecodeBatch:
                 batch_kv.share_offsets(self._caches)
         self._rows = [self._rows[i] for i in keep]
         self._sampler.keep(keep)
+        if self._speculator is not None:
+            self._speculator.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
         if self._unread_logprobs is not None:
             self._unread_logprobs = self._unread_logprobs.keep(keep)
@@ -342,6 +438,8 @@ class DecodeBatch:
         self._unread = False
         self._unread_logprobs = None
         self._sampler.close()
+        if self._speculator is not None:
+            self._speculator.close()
 
     def _index(self, request_id: str) -> int:
         for i, row in enumerate(self._rows):

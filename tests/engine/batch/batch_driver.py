@@ -9,6 +9,8 @@ import attrs
 
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -28,11 +30,21 @@ def token_ids(decoded: Decoded | None) -> list[int] | None:
 
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
-                 grammar_tokenizer: Any = None, prefill_step_size: int = 8) -> dict[str, Outcome]:
-    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor."""
+                 grammar_tokenizer: Any = None, prefill_step_size: int = 8,
+                 speculation: SpeculationConfig | None = None,
+                 entries: dict[str, CacheEntry | None] | None = None,
+                 steps: list[Decoded] | None = None) -> dict[str, Outcome]:
+    """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
+
+    With `speculation`, each step is `steps_decoded(1)` (speculative while a
+    row speculates). With `entries`, each leaving row's KV is put there
+    (`DecodeBatch.cache_entry`), keyed by request id. With `steps`, every
+    `Decoded` the steps returned is appended there.
+    """
     params = {a.request_id: a.params for a in arrivals}
+    params_prompt = {a.request_id: a.prompt_ids for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model)
+    batch = DecodeBatch(model, speculation)
     pending = sorted(arrivals, key=lambda a: a.at_step)
 
     def record(rid: str, token: int, logprobs: SampledLogprobs | None) -> None:
@@ -49,7 +61,8 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     def record_all(ids: list[str], decoded: Decoded | None) -> None:
         if decoded is not None:
             for rid, token, logprobs in zip(ids, decoded.token_ids, decoded.logprobs, strict=True):
-                record(rid, token, logprobs)
+                if token is not None:  # None: the row emitted fewer tokens in this speculative step
+                    record(rid, token, logprobs)
 
     step = 0
     while pending or batch.size:
@@ -59,6 +72,9 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                 record_all(batch.request_ids, batch.flush_decoded())
             leaving = [rid for rid in batch.request_ids if out[rid].finish_reason]
             if leaving:
+                if entries is not None:
+                    for rid in leaving:
+                        entries[rid] = batch.cache_entry(rid, (*params_prompt[rid], *out[rid].tokens))
                 batch.leave(leaving)
             for a in joiners:
                 pending.remove(a)
@@ -73,7 +89,10 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                     batch.join_many([(row, row.token0)])
         if batch.size:
             ids = batch.request_ids
-            record_all(ids, batch.step_decoded())
+            for decoded in batch.steps_decoded(1):
+                if steps is not None and decoded is not None:
+                    steps.append(decoded)
+                record_all(ids, decoded)
         step += 1
     return out
 

@@ -1,0 +1,86 @@
+"""The speculating rows of a decode batch: who proposes, each row's proposer, the counters.
+
+A `Speculator` is aligned with its `DecodeBatch`'s rows (join appends,
+`keep` filters, as the batch does) and holds one `RowProposer` per row that
+speculates, None for a row that does not (its request said
+`"speculative": false`, or it samples in a way verification does not
+cover yet: see `eligible`). Proposers see every token their row emits, in
+order (`extend`), and propose from there.
+
+Which rows may speculate: greedy rows without processors, grammar or
+logprobs (`RowSampler.is_plain_greedy`). Their verified token at each
+position is the argmax of the target's distribution there, so accepting
+the longest matching prefix emits exactly the tokens of plain decoding.
+Rows that sample, have penalties, a grammar or logprobs decode one token
+per step in the same forward (a proposal length of 0).
+Runs on the lease thread (pure Python).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import attrs
+
+from mlx_trio.engine.speculative.prompt_lookup import NgramLookup
+
+
+class RowProposer(Protocol):
+    """One row's proposal source: `extend` with each token the row emits, `propose` up to k next tokens."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, k: int) -> list[int]: ...
+
+
+# (request id, the row's tokens so far: its prompt then token 0) → its proposer.
+ProposerFactory = Callable[[str, Sequence[int]], RowProposer]
+
+
+@attrs.frozen
+class SpeculationConfig:
+    """How a batch speculates: `num_draft_tokens` proposals per row and step, from `proposers`."""
+
+    num_draft_tokens: int
+    proposers: ProposerFactory
+
+    @classmethod
+    def prompt_lookup(cls, num_draft_tokens: int, max_ngram: int) -> SpeculationConfig:
+        return cls(num_draft_tokens, lambda _rid, tokens: NgramLookup(tokens, max_ngram=max_ngram))
+
+
+class Speculator:
+    """Per-row proposers of one decode batch, aligned with its rows."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        if config.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {config.num_draft_tokens}")
+        self._config = config
+        self._rows: list[RowProposer | None] = []
+
+    @property
+    def active(self) -> bool:
+        """Some row speculates."""
+        return any(row is not None for row in self._rows)
+
+    def join(self, rows: Sequence[tuple[str, Sequence[int]] | None]) -> None:
+        """Append rows: (request id, prompt + token 0) for one that speculates, None for one that does not."""
+        self._rows += [None if row is None else self._config.proposers(*row) for row in rows]
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self._rows = [self._rows[i] for i in indices]
+
+    def close(self) -> None:
+        self._rows = []
+
+    def extend(self, emitted: Sequence[Sequence[int]]) -> None:
+        """Each row's tokens emitted by one step (batch order)."""
+        for row, tokens in zip(self._rows, emitted, strict=True):
+            if row is not None and tokens:
+                row.extend(tokens)
+
+    def proposals(self) -> list[list[int]]:
+        """Each row's proposal for the next verification (batch order; [] for rows that do not speculate)."""
+        k = self._config.num_draft_tokens
+        return [[] if row is None else row.propose(k)[:k] for row in self._rows]
