@@ -134,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
+    arg("--prompt-lookup", action="store_true",
+        help="speculative decoding by prompt lookup: greedy requests verify up to --num-draft-tokens tokens "
+             "per step that followed their last tokens earlier in their prompt or output (same tokens, fewer "
+             "steps when the answer repeats the prompt); a request may send \"speculative\": false")
+    arg("--prompt-lookup-ngram", type=positive_int, default=_ENGINE.prompt_lookup_ngram.default,
+        help="longest suffix (in tokens) prompt lookup matches (default: %(default)s)")
+    arg("--num-draft-tokens", type=positive_int, default=_ENGINE.num_draft_tokens.default,
+        help="tokens proposed per row and step when speculating (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -154,7 +162,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,
                           prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
-                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog)
+                          restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
+                          num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
+                          prompt_lookup_ngram=args.prompt_lookup_ngram)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

@@ -58,6 +58,12 @@ class EngineConfig:
     step_watchdog_s: float = 300.0
     # How long a request waits for a restarting engine before failing (engine_restarted).
     resume_timeout_s: float = 60.0
+    # Speculative decoding (mlx_lm.server's --num-draft-tokens): proposals verified per row and step.
+    num_draft_tokens: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # Prompt lookup (--prompt-lookup): propose what followed the row's last n tokens (n <= the ngram max)
+    # earlier in its prompt or output; greedy rows speculate, the others decode as before.
+    prompt_lookup: bool = False
+    prompt_lookup_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -164,6 +164,10 @@ class EngineActors:
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
+            "decode_steps": decode.decode_steps if decode else 0,
+            "decoded_tokens": decode.tokens_decoded if decode else 0,
+            "speculative_proposed": decode.proposed if decode else 0,
+            "speculative_accepted": decode.accepted if decode else 0,
         }
 
     def prompt_cache_counters(self) -> dict[str, Any]:

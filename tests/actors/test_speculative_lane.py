@@ -1,0 +1,96 @@
+"""--prompt-lookup through the whole lane: the same tokens as without it, fewer steps, counted in stats and usage.
+
+Every comparison is against the same engine without speculation (exact token
+ids). The tiny model's greedy output falls into repeats, which prompt lookup
+then proposes, so proposals are verified, accepted and rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.config import EngineConfig
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "Once upon a time there was a fox. Once upon a",
+           "the cat sat on the mat, the cat sat on the", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"]
+
+
+async def _completions(engine: Any, requests: list[dict[str, Any]]) -> list[Any]:
+    out: list[Any] = [None] * len(requests)
+
+    async def one(i: int) -> None:
+        out[i] = await engine.complete(**requests[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(requests)):
+            nursery.start_soon(one, i)
+    return out
+
+
+def _requests() -> list[dict[str, Any]]:
+    return [dict(prompt=PROMPTS[0], max_tokens=60), dict(prompt=PROMPTS[1], max_tokens=45),
+            dict(prompt=PROMPTS[2], max_tokens=50, speculative=False),
+            dict(prompt=PROMPTS[3], max_tokens=40, temperature=0.7, seed=3),
+            dict(prompt=PROMPTS[2], max_tokens=33, repetition_penalty=1.2)]
+
+
+@pytest.fixture(scope="module")
+def plain_ids() -> list[tuple[int, ...]]:
+    async def run() -> list[tuple[int, ...]]:
+        async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
+            return [(await engine.complete(**r)).token_ids for r in _requests()]
+    return trio.run(run)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+async def test_same_tokens_as_plain_decoding_and_the_counters_add_up(batch: int, plain_ids: Any) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, prompt_lookup=True, num_draft_tokens=3) as engine:
+        done = await _completions(engine, _requests())
+        assert [d.token_ids for d in done] == plain_ids
+        counters = engine.status()["counters"]
+    proposed, accepted = counters["speculative_proposed"], counters["speculative_accepted"]
+    assert 0 < accepted < proposed
+    # A request counts the steps it took tokens from; the lane also those run past a row's end (discarded).
+    assert 0 < sum(d.usage.speculative_proposed for d in done) <= proposed
+    assert 0 < sum(d.usage.speculative_accepted for d in done) <= accepted
+    # Only greedy rows without processors speculate (the others: speculative=False, sampled, penalised).
+    assert [d.usage.speculative_proposed > 0 for d in done][2:] == [False, False, False]
+    assert done[0].usage.speculative_proposed > 0 and done[1].usage.speculative_proposed > 0
+    # Token 0 of each request comes from its prefill; every other token from a decode step.
+    assert counters["decoded_tokens"] == sum(len(d.token_ids) - 1 for d in done)
+    # A row's every decoded token that was not an accepted proposal took a forward of its own.
+    assert counters["decode_steps"] >= max(len(d.token_ids) - 1 - d.usage.speculative_accepted for d in done)
+
+
+async def test_stop_strings_max_tokens_and_cancellation_inside_accepted_runs(plain_ids: Any) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_lookup=True) as engine:
+        plain = await engine.complete(PROMPTS[0], max_tokens=60)
+        assert plain.token_ids == plain_ids[0]
+        stop = plain.text[len(plain.text) // 2:][:4]
+        want = plain.text[:plain.text.index(stop)]
+        stopped = await engine.complete(PROMPTS[0], max_tokens=60, stop=stop)
+        assert stopped.text == want and stopped.finish_reason == "stop"
+        for n in (1, 2, 7, 13):
+            assert (await engine.complete(PROMPTS[0], max_tokens=n)).token_ids == plain_ids[0][:n]
+        async for _ in engine.generate(PROMPTS[0], max_tokens=60):
+            break  # leaves mid-run: the row is cancelled
+        assert (await engine.complete(PROMPTS[0], max_tokens=60)).token_ids == plain_ids[0]
+
+
+async def test_resume_after_a_decode_step_crash_gives_the_same_tokens(plain_ids: Any) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_lookup=True) as engine:
+        engine.faults.arm("decode-step", "raise")
+        again = await engine.complete(PROMPTS[0], max_tokens=60)
+        assert engine.faults.fired
+        assert again.token_ids == plain_ids[0]
+
+
+def test_the_settings_are_checked_when_the_config_is_built() -> None:
+    for bad in ({"num_draft_tokens": 0}, {"prompt_lookup_ngram": 0}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
