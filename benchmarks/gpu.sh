@@ -8,6 +8,8 @@
 #   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
 #   agentloop: --workload agent-loop: 8 agents, zero think time, 300-word tool results: per-turn cached
 #           fraction, TTFT, prefill stall (issue #19). Run it with PARTS="agentloop long".
+#   speculative: benchmarks/speculative.py (issue #23): "edit this file" (2k-token prompts), prompt lookup and
+#           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -282,6 +284,13 @@ for m in $MODELS; do
       --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
       --out "$RESULTS/agentloop-$m.json" --log-dir "/tmp/bench-logs-agentloop-$m" \
       || { echo "gpu.sh: agentloop part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-agentloop-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" speculative "*)
+    lim=$(budget "${SPEC_LIMIT_S:-150}")
+    echo; echo "### speculative, $m: prompt lookup and scripted proposals, B=1/4/16 (limit ${lim}s)"
+    enough "speculative $m" "$lim" && { PYTHONPATH=$PWD timeout -k 20 "$lim" $PY benchmarks/speculative.py \
+      --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 --json "$RESULTS/speculative-$m.json" \
+      || echo "gpu.sh: speculative part for $m ended with status $?"; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

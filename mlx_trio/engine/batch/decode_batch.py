@@ -31,7 +31,9 @@ row has a proposal, a step reads the register first, feeds every row its
 input and its proposal in one `[B, 1 + Kmax]` forward, keeps each row's
 longest verified prefix plus the target's own next token, and rolls each
 row's rejected tail out of the KV (engine/kv/row_rollback.py). Such a step
-is not pipelined (its proposals need the previous tokens on the host).
+is not pipelined (its proposals need the previous tokens on the host); so
+when no row has a proposal, plain pipelined steps run for a while (1, 2, 4,
+... up to `MAX_QUIET_STEPS`) before the next look.
 
 Every method runs on the lease thread; none hands out a lazy array.
 """
@@ -57,6 +59,9 @@ from mlx_trio.engine.speculative.speculator import SpeculationConfig, Speculator
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
+# After a speculative step finds no proposal anywhere, this many plain (pipelined) steps at most
+# run before proposals are looked for again (the wait doubles from 1 while none are found).
+MAX_QUIET_STEPS = 8
 _CLEAR_CACHE_EVERY = 256
 # A read of the register that waited longer than this for the device means the device is the
 # bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
@@ -125,6 +130,8 @@ class DecodeBatch:
         # While _unread: the logprobs of the unread tokens (None: no row asked).
         self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
+        # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
+        self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
         self._device_bound = False
 
@@ -221,7 +228,14 @@ class DecodeBatch:
         after the last step) as one flat list.
         """
         if self.speculates:
-            decoded = [d for _ in range(count) for d in self.step_speculative()]
+            decoded: list[Decoded] = []
+            for _ in range(count):
+                if self._quiet_steps:
+                    self._quiet_steps -= 1
+                    plain = self.step_decoded()
+                    decoded += [plain] if plain is not None else []
+                else:
+                    decoded += self.step_speculative()
             if report is None:
                 return list(decoded)
             if decoded:
@@ -296,8 +310,10 @@ class DecodeBatch:
         out = [self._read()] if self._unread else []
         proposals = self._speculator.proposals()
         if not any(proposals):
+            self._quiet_wait = self._quiet_steps = min(max(1, 2 * self._quiet_wait), MAX_QUIET_STEPS)
             self.step_decoded()
             return out
+        self._quiet_wait = 0
         assert self._inputs is not None
         inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
         logits = self._model(inputs, cache=self._caches)
