@@ -206,7 +206,7 @@ class DecodeBatch:
         if self._speculator is not None:
             self._speculator.join([
                 (row.request_id, (*row.prompt_ids, token0))
-                if row.params.speculative and row.sampler.is_plain_greedy else None
+                if row.params.speculative and not row.sampler.is_constrained else None
                 for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
@@ -317,17 +317,23 @@ class DecodeBatch:
         assert self._inputs is not None
         inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
         logits = self._model(inputs, cache=self._caches)
-        # Position 0 is every row's plain step (any sampling); later positions matter for greedy rows only.
-        first, state, logprobs = self._sampler.sample(logits[:, 0, :], inputs[:, 0])
-        later = logits[:, 1:, :]
-        later = mx.argmax(later - mx.logsumexp(later, axis=-1, keepdims=True), axis=-1)
-        mx.eval(first, later, state, *(logprobs.arrays() if logprobs is not None else ()))
-        firsts = first.tolist()
-        self._sampler.accept(firsts)
-        verified = [[f, *rest] for f, rest in zip(firsts, later.tolist())]
-        accepted = [verify.accepted(p, v) for p, v in zip(proposals, verified)]
-        emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
+        # Each position is sampled as the plain step at that point would be (its input joins the
+        # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
         width = inputs.shape[1]
+        drawn, state, logprobs, checkpoints = [], [], [], []
+        for j in range(width):
+            tokens, arrays, lp = self._sampler.sample(logits[:, j, :], inputs[:, j], constrain=j == 0)
+            drawn.append(tokens)
+            state += arrays
+            logprobs.append(lp)
+            checkpoints.append(self._sampler.checkpoint())
+        verified_tokens = mx.stack(drawn, axis=1)
+        mx.eval(verified_tokens, state, *(a for lp in logprobs if lp is not None for a in lp.arrays()))
+        verified = verified_tokens.tolist()
+        self._sampler.accept([v[0] for v in verified])
+        accepted = [verify.accepted(p, v) for p, v in zip(proposals, verified)]
+        self._sampler.rewind(checkpoints, accepted)
+        emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
         for row, a in zip(self._rows, accepted):
             row.num_fed += 1 + a
@@ -338,11 +344,13 @@ class DecodeBatch:
         self._num_steps += 1
         if self._num_steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        records = logprobs.records() if logprobs is not None else (None,) * len(firsts)
         longest = max(len(tokens) for tokens in emitted)
-        steps = [Decoded(tuple(tokens[j] if j < len(tokens) else None for tokens in emitted),
-                         records if j == 0 else (None,) * len(emitted), forwards=int(j == 0))
-                 for j in range(longest)]
+        steps = []
+        for j in range(longest):
+            records = logprobs[j].records() if logprobs[j] is not None else (None,) * len(emitted)
+            steps.append(Decoded(tuple(t[j] if j < len(t) else None for t in emitted),
+                                 tuple(r if j < len(t) else None for r, t in zip(records, emitted)),
+                                 forwards=int(j == 0)))
         steps[0] = attrs.evolve(steps[0], proposed=tuple(len(p) for p in proposals), accepted=tuple(accepted))
         return [*out, *steps]
 

@@ -162,11 +162,34 @@ class BatchSampler:
         for i, matcher in self._matchers:
             matcher.consume((tokens[i],))
 
-    def sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
+    def checkpoint(self) -> tuple[mx.array | None, mx.array | None]:
+        """Every row's device state (key, history) as of now, for `rewind`."""
+        return self._keys, self._history
+
+    def rewind(self, checkpoints: Sequence[tuple[mx.array | None, mx.array | None]], chosen: Sequence[int]) -> None:
+        """Row `b` takes its state from `checkpoints[chosen[b]]` (a speculative step keeps only some draws).
+
+        `sample` over a step's positions leaves a checkpoint after each; a
+        row that emits `n` tokens keeps the state after its first `n` draws,
+        so its key sequence and penalty history are those of plain decoding.
+        """
+        if all(c[0] is checkpoints[0][0] and c[1] is checkpoints[0][1] for c in checkpoints):
+            return  # no draw changed any state (every row greedy without penalties)
+        take = (mx.array(list(chosen)), mx.arange(len(chosen)))
+        if self._keys is not None:
+            self._keys = mx.stack([c[0] for c in checkpoints])[take]
+        if self._history is not None:
+            self._history = mx.stack([c[1] for c in checkpoints])[take]
+        mx.async_eval(*(a for a in (self._keys, self._history) if a is not None))
+
+    def sample(self, logits: mx.array, inputs: mx.array, *,
+               constrain: bool = True) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
         """Every row's next token `[B]` from `logits` `[B, V]` of the forward that fed `inputs` `[B]`.
 
         Also returns the state arrays to evaluate with the tokens (so no graph
         grows across steps) and the logprobs of the rows that ask (None if none).
+        `constrain=False` skips the grammar masks: a speculative step's later
+        positions, which constrained rows never use (they do not speculate).
         """
         if self._plan is None or self._plan.dtype != logits.dtype:
             width = 0 if self._history is None else self._history.shape[1]
@@ -180,7 +203,7 @@ class BatchSampler:
             self._history = mx.concatenate([self._history[:, 1:], inputs.astype(mx.int32)[:, None]], axis=1)
             state.append(self._history)
         logits = plan.process(logits, self._history)
-        if plan.constrained:
+        if plan.constrained and constrain:
             logits = mx.where(_grammar_mask(self._matchers, len(self._rows), logits.shape[-1]), logits,
                               mx.array(-mx.inf, dtype=logits.dtype))
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -3,16 +3,18 @@
 A `Speculator` is aligned with its `DecodeBatch`'s rows (join appends,
 `keep` filters, as the batch does) and holds one `RowProposer` per row that
 speculates, None for a row that does not (its request said
-`"speculative": false`, or it samples in a way verification does not
-cover yet: see `eligible`). Proposers see every token their row emits, in
-order (`extend`), and propose from there.
+`"speculative": false`, or it has a grammar). Proposers see every token
+their row emits, in order (`extend`), and propose from there.
 
-Which rows may speculate: greedy rows without processors, grammar or
-logprobs (`RowSampler.is_plain_greedy`). Their verified token at each
-position is the argmax of the target's distribution there, so accepting
-the longest matching prefix emits exactly the tokens of plain decoding.
-Rows that sample, have penalties, a grammar or logprobs decode one token
-per step in the same forward (a proposal length of 0).
+Every other row speculates, greedy or sampled: the batch draws the
+target's own token at each verified position with the row's sampler (its
+key, penalties, filters), and a proposal is accepted when it equals that
+draw. For a proposal that is one token (a point mass, as prompt lookup's
+are) this is the speculative sampling rule itself (accept with probability
+p(token), else a draw from p without it), and it emits exactly the tokens
+plain decoding would (docs/design.md §9.3). A constrained row decodes one
+token per step in the same forward (a proposal length of 0): its masks
+for later positions would need its grammar advanced through the proposal.
 Runs on the lease thread (pure Python).
 """
 

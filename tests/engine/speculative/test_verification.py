@@ -172,25 +172,50 @@ def test_random_proposals_keep_every_row_equal_to_the_plain_run(arrivals: list[A
     _assert_same_kv(kv, plain_kv)
 
 
-def test_rows_that_do_not_speculate_decode_one_token_in_the_same_forward() -> None:
-    """Sampled, penalised, logprob and opted-out rows next to speculating rows: all equal their plain run."""
+def test_sampled_penalised_and_logprob_rows_speculate_and_keep_their_tokens() -> None:
+    """Seeded sampling (filters, penalties, logit bias) and logprobs under random proposals: the plain tokens.
+
+    Each verified position draws with the key plain decoding would use there, so a seeded row
+    emits its plain tokens; logprobs are the target's, as plain decoding reports them.
+    """
     model, eos = _llama()
-    arrivals = _arrivals(SCHEDULE)
-    options = [dict(temperature=0.8, seed=5), dict(repetition_penalty=1.3), dict(logprobs=True, top_logprobs=2),
-               dict(speculative=False), {}]
+    options = [dict(temperature=0.8, seed=5, top_p=0.9), dict(repetition_penalty=1.3, logit_bias=((7, 2.0),)),
+               dict(logprobs=True, top_logprobs=2), dict(temperature=1.2, seed=9, top_k=20, min_p=0.05,
+                                                         presence_penalty=0.4, frequency_penalty=0.3), {}]
     arrivals = [Arrival(a.request_id, a.at_step, a.prompt_ids, SamplingParams(max_tokens=a.params.max_tokens, **o))
-                for a, o in zip(arrivals, options, strict=True)]
+                for a, o in zip(_arrivals(SCHEDULE), options, strict=True)]
     plain = run_schedule(model, arrivals, eos=eos)
+    for seed in range(2):
+        steps: list[Decoded] = []
+        got = run_schedule(model, arrivals, eos=eos, speculation=_oracle(plain, arrivals, seed), steps=steps)
+        assert _tokens(got) == _tokens(plain)
+        for outcome, want in ((got["r2"], plain["r2"]),):
+            assert [lp.top[0][0] for lp in outcome.logprobs] == [lp.top[0][0] for lp in want.logprobs]  # type: ignore
+            np.testing.assert_allclose([lp.logprob for lp in outcome.logprobs],  # type: ignore[union-attr]
+                                       [lp.logprob for lp in want.logprobs], atol=KV_TOLERANCE)  # type: ignore
+        assert sum(sum(d.accepted) for d in steps) > 0
+
+
+def test_opted_out_and_constrained_rows_decode_one_token_per_step_beside_speculating_rows() -> None:
+    from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
+    from mlx_trio.params import Constraint
+
+    model, tokenizer = load(str(tiny_model(LLAMA)))
+    grammar = build_grammar_tokenizer(tokenizer, tokenizer.eos_token_ids)
+    schema = '{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, ' \
+             '"required": ["a"], "additionalProperties": false}'
+    arrivals = [Arrival(a.request_id, 0, a.prompt_ids, params) for a, params in zip(_arrivals(SCHEDULE[:3]), [
+        SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, speculative=False),
+        SamplingParams(max_tokens=30, constraint=Constraint("json_schema", schema))])]
+    eos = tuple(tokenizer.eos_token_ids)
+    plain = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar)
     steps: list[Decoded] = []
-    got = run_schedule(model, arrivals, eos=eos, speculation=_oracle(plain, arrivals), steps=steps)
+    got = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar,
+                       speculation=_oracle(plain, arrivals, full=True), steps=steps)
     assert _tokens(got) == _tokens(plain)
-    got_logprobs = [lp.logprob for lp in got["r2"].logprobs if lp is not None]
-    assert len(got_logprobs) == len(plain["r2"].tokens)
-    np.testing.assert_allclose(got_logprobs, [lp.logprob for lp in plain["r2"].logprobs if lp is not None],
-                               atol=KV_TOLERANCE)
-    # Only r4 speculates: no step ever has a proposal for more than one row.
-    assert any(d.proposed for d in steps)
-    assert all(sum(1 for n in d.proposed if n) <= 1 for d in steps)
+    proposing = [d.proposed for d in steps if d.proposed]
+    assert proposing and all(p[0] > 0 for p in proposing[:3])
+    assert all(len(p) < 2 or p[1:] == (0,) * (len(p) - 1) for p in proposing)  # r1 and r2 never propose
 
 
 def test_sliding_window_models_do_not_speculate() -> None:
