@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
              "steps when the answer repeats the prompt); a request may send \"speculative\": false")
     arg("--prompt-lookup-ngram", type=positive_int, default=_ENGINE.prompt_lookup_ngram.default,
         help="longest suffix (in tokens) prompt lookup matches (default: %(default)s)")
+    arg("--draft-model", default=None,
+        help="speculative decoding with a draft model (directory or hub id) sharing the model's tokenizer: "
+             "it proposes --num-draft-tokens tokens per row and step, verified in the batch (default: none)")
     arg("--num-draft-tokens", type=positive_int, default=_ENGINE.num_draft_tokens.default,
         help="tokens proposed per row and step when speculating (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
@@ -164,7 +167,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           prompt_cache_ssd_bytes=args.prompt_cache_ssd_bytes, max_restarts=args.max_restarts,
                           restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
                           num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
-                          prompt_lookup_ngram=args.prompt_lookup_ngram)
+                          prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

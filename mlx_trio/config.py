@@ -64,6 +64,9 @@ class EngineConfig:
     # earlier in its prompt or output; greedy rows speculate, the others decode as before.
     prompt_lookup: bool = False
     prompt_lookup_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # A draft model (--draft-model: directory or hub id, same tokenizer): it proposes each row's next
+    # --num-draft-tokens tokens, batched; with it, --prompt-lookup is not used.
+    draft_model: str | None = None
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -343,8 +343,10 @@ class DecodeStepActor:
 
 
 def _speculation(lane: Lane) -> SpeculationConfig | None:
-    """How this lane's batch speculates (--prompt-lookup), or None."""
-    config = lane.config
+    """How this lane's batch speculates (--draft-model, else --prompt-lookup), or None."""
+    config, model = lane.config, lane.model
+    if model is not None and model.draft is not None:
+        return SpeculationConfig.draft(model.draft, config.num_draft_tokens, prefill_step_size=config.prefill_step_size)
     if not config.prompt_lookup:
         return None
     return SpeculationConfig.prompt_lookup(config.num_draft_tokens, config.prompt_lookup_ngram)

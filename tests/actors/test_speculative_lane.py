@@ -1,4 +1,4 @@
-"""--prompt-lookup through the whole lane: the same tokens as without it, fewer steps, counted in stats and usage.
+"""--prompt-lookup and --draft-model through the whole lane: the same tokens as without it, fewer steps, counted in stats and usage.
 
 Every comparison is against the same engine without speculation (exact token
 ids). The tiny model's greedy output falls into repeats, which prompt lookup
@@ -14,7 +14,8 @@ import trio
 
 from mlx_trio import open_engine
 from mlx_trio.config import EngineConfig
-from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from mlx_trio.errors import ModelLoadError
+from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "Once upon a time there was a fox. Once upon a",
            "the cat sat on the mat, the cat sat on the", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"]
@@ -94,3 +95,21 @@ def test_the_settings_are_checked_when_the_config_is_built() -> None:
     for bad in ({"num_draft_tokens": 0}, {"prompt_lookup_ngram": 0}):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
+
+
+async def test_a_draft_model_gives_the_same_tokens_and_its_own_proposals_are_all_accepted(plain_ids: Any) -> None:
+    """The tiny model as its own --draft-model: every greedy proposal is accepted; sampled rows keep their tokens."""
+    path = str(tiny_model(LLAMA))
+    async with open_engine(path, batch=4, draft_model=path, num_draft_tokens=3) as engine:
+        done = await _completions(engine, _requests())
+        assert [d.token_ids for d in done] == plain_ids
+    greedy = done[0].usage
+    assert greedy.speculative_accepted == greedy.speculative_proposed > 0
+
+
+async def test_a_draft_with_another_tokenizer_is_refused_at_start() -> None:
+    other = str(tiny_model(TinyModelSpec("llama", tools=True)))
+    with pytest.raises(ExceptionGroup) as info:  # open_engine's nursery wraps what wait_ready raised
+        async with open_engine(str(tiny_model(LLAMA)), draft_model=other):
+            pass
+    assert info.group_contains(ModelLoadError, match="another tokenizer")

@@ -55,7 +55,7 @@ from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
 from mlx_trio.engine.speculative import verify
-from mlx_trio.engine.speculative.speculator import SpeculationConfig, Speculator
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
@@ -115,7 +115,7 @@ class DecodeBatch:
     def __init__(self, model: nn.Module, speculation: SpeculationConfig | None = None) -> None:
         self._model = model
         # Speculation needs caches whose rows can drop a tail (full attention only); else none.
-        self._speculator = (Speculator(speculation) if speculation is not None
+        self._speculator = (speculation.speculator() if speculation is not None
                             and row_rollback.supports_rollback(make_prompt_cache(model)) else None)
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
@@ -205,8 +205,7 @@ class DecodeBatch:
         self._sampler.join([row.sampler for row in rows], [row.num_prompt_tokens for row in rows])
         if self._speculator is not None:
             self._speculator.join([
-                (row.request_id, (*row.prompt_ids, token0))
-                if row.params.speculative and not row.sampler.is_constrained else None
+                (row.request_id, (*row.prompt_ids, token0), row.params.speculative and not row.sampler.is_constrained)
                 for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))

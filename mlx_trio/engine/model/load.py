@@ -47,6 +47,8 @@ class LoadedModel:
     output_format: OutputFormat = PLAIN
     # llguidance's tokenizer (built once: ~0.3 s for a 49k vocabulary); None if it cannot read ours.
     grammar_tokenizer: Any = None
+    # --draft-model: the draft for speculative decoding (engine/model/draft_model.py), or None.
+    draft: nn.Module | None = None
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""

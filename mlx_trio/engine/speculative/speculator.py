@@ -15,16 +15,17 @@ p(token), else a draw from p without it), and it emits exactly the tokens
 plain decoding would (docs/design.md §9.3). A constrained row decodes one
 token per step in the same forward (a proposal length of 0): its masks
 for later positions would need its grammar advanced through the proposal.
-Runs on the lease thread (pure Python).
+Runs on the lease thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
+from mlx_trio.engine.speculative.draft import DraftSpeculator
 from mlx_trio.engine.speculative.prompt_lookup import NgramLookup
 
 
@@ -40,22 +41,54 @@ class RowProposer(Protocol):
 ProposerFactory = Callable[[str, Sequence[int]], RowProposer]
 
 
+class BatchProposer(Protocol):
+    """Proposals for every row of a decode batch, aligned with its rows (`Speculator`, `DraftSpeculator`)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def join(self, rows: Sequence[tuple[str, Sequence[int], bool]]) -> None: ...
+
+    def keep(self, indices: Sequence[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+    def extend(self, emitted: Sequence[Sequence[int]]) -> None: ...
+
+    def proposals(self) -> list[list[int]]: ...
+
+
 @attrs.frozen
 class SpeculationConfig:
-    """How a batch speculates: `num_draft_tokens` proposals per row and step, from `proposers`."""
+    """How a batch speculates: `num_draft_tokens` proposals per row and step, from `proposers` (one per row)
+    or from `draft_model` (a second model, batched: engine/speculative/draft.py)."""
 
     num_draft_tokens: int
-    proposers: ProposerFactory
+    proposers: ProposerFactory | None = None
+    draft_model: Any = None
+    prefill_step_size: int = 2048
 
     @classmethod
     def prompt_lookup(cls, num_draft_tokens: int, max_ngram: int) -> SpeculationConfig:
         return cls(num_draft_tokens, lambda _rid, tokens: NgramLookup(tokens, max_ngram=max_ngram))
+
+    @classmethod
+    def draft(cls, model: Any, num_draft_tokens: int, *, prefill_step_size: int = 2048) -> SpeculationConfig:
+        return cls(num_draft_tokens, draft_model=model, prefill_step_size=prefill_step_size)
+
+    def speculator(self) -> BatchProposer:
+        """A fresh proposer for one decode batch (lease thread)."""
+        if self.draft_model is not None:
+            return DraftSpeculator(self.draft_model, self.num_draft_tokens, prefill_step_size=self.prefill_step_size)
+        return Speculator(self)
 
 
 class Speculator:
     """Per-row proposers of one decode batch, aligned with its rows."""
 
     def __init__(self, config: SpeculationConfig) -> None:
+        if config.proposers is None:
+            raise ValueError("a per-row Speculator needs proposers")
         if config.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {config.num_draft_tokens}")
         self._config = config
@@ -66,9 +99,11 @@ class Speculator:
         """Some row speculates."""
         return any(row is not None for row in self._rows)
 
-    def join(self, rows: Sequence[tuple[str, Sequence[int]] | None]) -> None:
-        """Append rows: (request id, prompt + token 0) for one that speculates, None for one that does not."""
-        self._rows += [None if row is None else self._config.proposers(*row) for row in rows]
+    def join(self, rows: Sequence[tuple[str, Sequence[int], bool]]) -> None:
+        """Append rows: (request id, prompt + token 0, whether it speculates)."""
+        proposers = self._config.proposers
+        assert proposers is not None
+        self._rows += [proposers(rid, tokens) if speculates else None for rid, tokens, speculates in rows]
 
     def keep(self, indices: Sequence[int]) -> None:
         self._rows = [self._rows[i] for i in indices]
