@@ -14,9 +14,15 @@ per proposal source, on the same rows:
 * ``lookup``     ``--prompt-lookup`` (n-gram lookup over prompt + output, K=``--k``);
 * ``echo``       proposals are the true continuation: every proposal accepted,
                  K+1 tokens per forward (the ceiling: a model echoing the file);
-* ``edit``       the true continuation with one wrong token every ``--edit-every``
-                 positions (an echo with small edits: a rejection at each edit);
-* ``reject``     every proposal wrong: the cost of verifying K tokens for nothing (the floor).
+* ``edit``       the true continuation with a wrong token at one position in ``--edit-every``
+                 (seeded; an echo with small edits: a rejection at each edit);
+* ``reject``     every proposal wrong: the cost of verifying K tokens for nothing (the floor);
+* ``draft-self``  ``--draft-model`` = the model itself: every greedy proposal accepted, at the
+                 price of K draft forwards of the full model per step (the acceptance ceiling of
+                 a draft, not a speed one);
+* ``draft``      ``--draft-model`` = ``--draft PATH`` when given (a smaller same-tokenizer model);
+* at B=1 also ``mlx_lm spec``: mlx-lm's ``speculative_generate_step`` with the same-model draft,
+                 and ``mlx_lm plain``: its ``generate_step`` (the same tokens, checked).
 
 What random weights can and cannot show: a random model does not echo its
 prompt, so ``lookup``'s acceptance here is whatever the model's own greedy
@@ -109,6 +115,28 @@ def _run(model: Any, prompts: list[list[int]], tokens: int, speculation: Specula
             "tokens": [t[:tokens] for t in out]}
 
 
+def _mlx_lm(model: Any, prompt: list[int], tokens: int, k: int, prefill_step_size: int) -> dict[str, dict[str, Any]]:
+    """mlx-lm at B=1 on the same prompt: `generate_step`, and `speculative_generate_step` with the model as draft."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    out = {}
+    for name, steps in (
+        ("mlx_lm plain", lambda: generate_step(mx.array(prompt), model, max_tokens=tokens,
+                                               prefill_step_size=prefill_step_size)),
+        ("mlx_lm spec", lambda: speculative_generate_step(mx.array(prompt), model, model, num_draft_tokens=k,
+                                                          max_tokens=tokens, prefill_step_size=prefill_step_size)),
+    ):
+        got: list[int] = []
+        start = 0.0
+        for item in steps():
+            got.append(int(item[0]))
+            if len(got) == 1:
+                start = time.perf_counter()  # after token 0, as the decode window above
+        out[name] = {"tok_s": (tokens - 1) / (time.perf_counter() - start), "tokens": got[:tokens]}
+    mx.clear_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="mlx-lm model directory")
@@ -120,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ngram", type=int, default=3, help="--prompt-lookup-ngram")
     parser.add_argument("--edit-every", type=int, default=40)
     parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--draft", help="a draft model directory (same tokenizer) for the `draft` source")
     parser.add_argument("--json", help="write every number here")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -131,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.error("--model DIR or --tiny")
     model, _ = load(model_dir)
+    draft = load(args.draft)[0] if args.draft else None
     vocab = model.args.vocab_size if hasattr(model, "args") else 512
     vocab = min(vocab, 1000)  # ids the tokenizer surely has (the random file needs no meaning)
     rows = []
@@ -149,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             return SpeculationConfig(args.k, lambda rid, tokens: _Scripted(truth[rid], n0, tokens, wrong))
 
         sources = {"plain": None, "lookup": SpeculationConfig.prompt_lookup(args.k, args.ngram),
-                   "echo": scripted(lambda i: False), "edit": scripted(lambda i: i % args.edit_every == 0),
-                   "reject": scripted(lambda i: True)}
+                   "echo": scripted(lambda i: False), "edit": scripted(lambda i: random.Random(i).random() < 1 / args.edit_every),
+                   "reject": scripted(lambda i: True), "draft-self": SpeculationConfig.draft(model, args.k)}
+        if draft is not None:
+            sources["draft"] = SpeculationConfig.draft(draft, args.k)
         for name, speculation in sources.items():
             result = plain if name == "plain" else _run(model, prompts, args.tokens, speculation,
                                                         args.prefill_step_size)
@@ -161,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             rows.append({"B": B, "source": name, **{k: v for k, v in result.items() if k != "tokens"},
                          "exact": exact})
+        if B == 1:
+            for name, result in _mlx_lm(model, prompts[0], args.tokens, args.k, args.prefill_step_size).items():
+                exact = result["tokens"] == plain["tokens"][0]
+                print(f"| 1 | {name} | {result['tok_s']:.1f} | {result['tok_s'] / plain['tok_s']:.2f} | | | | "
+                      f"{'yes' if exact else 'NO'} |", flush=True)
+                rows.append({"B": 1, "source": name, "tok_s": result["tok_s"], "exact": exact})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_dir, "device": str(mx.default_device()), "args": vars(args), "rows": rows}, f,
