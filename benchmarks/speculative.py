@@ -60,8 +60,9 @@ from mlx_trio.params import SamplingParams
 class _Scripted:
     """Proposes the row's true continuation (from the plain run), with a wrong token where `wrong(i)` says."""
 
-    def __init__(self, truth: list[int], prompt_length: int, tokens: Sequence[int], wrong: Any) -> None:
+    def __init__(self, truth: list[int], prompt_length: int, tokens: Sequence[int], wrong: Any, vocab: int) -> None:
         self._truth, self._prompt_length, self._count, self._wrong = truth, prompt_length, len(tokens), wrong
+        self._vocab = vocab  # a wrong token is still a token: an id past the embedding reads garbage
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._count += len(tokens)
@@ -70,7 +71,7 @@ class _Scripted:
         start = self._count - self._prompt_length
         out = []
         for i in range(start, min(start + k, len(self._truth))):
-            out.append((self._truth[i] + 1) % 1000 + 3 if self._wrong(i) else self._truth[i])
+            out.append((self._truth[i] + 1) % self._vocab if self._wrong(i) else self._truth[i])
         return out
 
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         n0 = len(prompts[0])
 
         def scripted(wrong: Any) -> SpeculationConfig:
-            return SpeculationConfig(args.k, lambda rid, tokens: _Scripted(truth[rid], n0, tokens, wrong))
+            return SpeculationConfig(args.k, lambda rid, tokens: _Scripted(truth[rid], n0, tokens, wrong, vocab))
 
         sources = {"plain": None, "lookup": SpeculationConfig.prompt_lookup(args.k, args.ngram),
                    "echo": scripted(lambda i: False), "edit": scripted(lambda i: random.Random(i).random() < 1 / args.edit_every),

@@ -346,7 +346,8 @@ def _speculation(lane: Lane) -> SpeculationConfig | None:
     """How this lane's batch speculates (--draft-model, else --prompt-lookup), or None."""
     config, model = lane.config, lane.model
     if model is not None and model.draft is not None:
-        return SpeculationConfig.draft(model.draft, config.num_draft_tokens, prefill_step_size=config.prefill_step_size)
+        return SpeculationConfig.draft(model.draft, config.num_draft_tokens, prefill_step_size=config.prefill_step_size,
+                                       vocab_size=model.vocab_size)
     if not config.prompt_lookup:
         return None
     return SpeculationConfig.prompt_lookup(config.num_draft_tokens, config.prompt_lookup_ngram)

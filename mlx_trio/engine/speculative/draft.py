@@ -42,7 +42,9 @@ class DraftSpeculator:
     """The draft model's rows of one decode batch (the `Speculator` interface, batched)."""
 
     def __init__(self, model: nn.Module, num_draft_tokens: int, *,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE) -> None:
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, vocab_size: int | None = None) -> None:
+        # `vocab_size`: the target's; a draft whose head is wider (padded) never proposes an id past it,
+        # which the target's embedding would read out of bounds.
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if not row_rollback.supports_rollback(make_prompt_cache(model)):
@@ -50,6 +52,7 @@ class DraftSpeculator:
         self._model = model
         self._k = num_draft_tokens
         self._step = prefill_step_size
+        self._vocab = vocab_size
         self._caches: list[Any] = []
         self._solo = False
         self._pending: list[list[int]] = []
@@ -126,11 +129,11 @@ class DraftSpeculator:
         width = max(lengths)
         inputs = mx.array([p + [p[-1]] * (width - len(p)) for p in self._pending], dtype=mx.uint32)
         logits = self._model(inputs, cache=self._caches)
-        token = mx.argmax(logits[mx.arange(len(lengths)), mx.array(lengths) - 1], axis=-1)
+        token = self._argmax(logits[mx.arange(len(lengths)), mx.array(lengths) - 1])
         row_rollback.roll_back_rows(self._caches, [width - n for n in lengths])
         drafted = [token]
         for _ in range(self._k - 1):
-            token = mx.argmax(self._model(token[:, None], cache=self._caches)[:, -1, :], axis=-1)
+            token = self._argmax(self._model(token[:, None], cache=self._caches)[:, -1, :])
             drafted.append(token)
         proposals = mx.stack(drafted, axis=1)
         mx.eval(proposals, [c.state for c in self._caches])
@@ -138,4 +141,7 @@ class DraftSpeculator:
         self._fed = [row[:-1] for row in rows]
         self._pending = [[] for _ in rows]
         return [row if speculates else [] for row, speculates in zip(rows, self._speculates)]
+
+    def _argmax(self, logits: mx.array) -> mx.array:
+        return mx.argmax(logits[..., :self._vocab] if self._vocab is not None else logits, axis=-1)
 

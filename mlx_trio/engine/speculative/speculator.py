@@ -67,19 +67,23 @@ class SpeculationConfig:
     proposers: ProposerFactory | None = None
     draft_model: Any = None
     prefill_step_size: int = 2048
+    # The target's vocabulary size: a draft proposes no id past it (None: the draft's own head decides).
+    vocab_size: int | None = None
 
     @classmethod
     def prompt_lookup(cls, num_draft_tokens: int, max_ngram: int) -> SpeculationConfig:
         return cls(num_draft_tokens, lambda _rid, tokens: NgramLookup(tokens, max_ngram=max_ngram))
 
     @classmethod
-    def draft(cls, model: Any, num_draft_tokens: int, *, prefill_step_size: int = 2048) -> SpeculationConfig:
-        return cls(num_draft_tokens, draft_model=model, prefill_step_size=prefill_step_size)
+    def draft(cls, model: Any, num_draft_tokens: int, *, prefill_step_size: int = 2048,
+              vocab_size: int | None = None) -> SpeculationConfig:
+        return cls(num_draft_tokens, draft_model=model, prefill_step_size=prefill_step_size, vocab_size=vocab_size)
 
     def speculator(self) -> BatchProposer:
         """A fresh proposer for one decode batch (lease thread)."""
         if self.draft_model is not None:
-            return DraftSpeculator(self.draft_model, self.num_draft_tokens, prefill_step_size=self.prefill_step_size)
+            return DraftSpeculator(self.draft_model, self.num_draft_tokens, prefill_step_size=self.prefill_step_size,
+                                   vocab_size=self.vocab_size)
         return Speculator(self)
 
 

@@ -91,3 +91,16 @@ def test_sampled_rows_with_a_draft_keep_their_seeded_tokens() -> None:
     got = run_schedule(model, arrivals, eos=eos, speculation=SpeculationConfig.draft(model, K), steps=steps)
     assert _tokens(got) == _tokens(plain)
     assert 0 < sum(sum(d.accepted) for d in steps) < sum(sum(d.proposed) for d in steps)
+
+
+def test_a_draft_never_proposes_an_id_past_the_targets_vocabulary() -> None:
+    """A draft head wider than the target's embedding (padded vocabularies) is cut at the target's size."""
+    model, _, eos = _models()
+    arrivals = _arrivals([(0, 20, 24)])
+    plain = run_schedule(model, arrivals, eos=eos)
+    steps: list[Decoded] = []
+    # A vocabulary of 7 ids: every proposal is one of them, so most are rejected, and none reads past it.
+    got = run_schedule(model, arrivals, eos=eos, speculation=SpeculationConfig.draft(model, K, vocab_size=7),
+                       steps=steps)
+    assert _tokens(got) == _tokens(plain)
+    assert sum(sum(d.proposed) for d in steps) > 0
