@@ -205,7 +205,7 @@ class DecodeBatch:
         self._sampler.join([row.sampler for row in rows], [row.num_prompt_tokens for row in rows])
         if self._speculator is not None:
             self._speculator.join([
-                (row.request_id, (*row.prompt_ids, token0), row.params.speculative and not row.sampler.is_constrained)
+                (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
                 for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
@@ -307,7 +307,8 @@ class DecodeBatch:
             raise RuntimeError("step_speculative() on an empty batch")
         assert self._speculator is not None
         out = [self._read()] if self._unread else []
-        proposals = self._speculator.proposals()
+        # A token the grammar forbids is rejected before it is verified: the proposal ends before it.
+        proposals = self._sampler.allowed_proposals(self._speculator.proposals())
         if not any(proposals):
             self._quiet_wait = self._quiet_steps = min(max(1, 2 * self._quiet_wait), MAX_QUIET_STEPS)
             self.step_decoded()
@@ -319,9 +320,11 @@ class DecodeBatch:
         # Each position is sampled as the plain step at that point would be (its input joins the
         # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
         width = inputs.shape[1]
+        masks = self._sampler.masks_along(proposals, logits.shape[-1])
         drawn, state, logprobs, checkpoints = [], [], [], []
         for j in range(width):
-            tokens, arrays, lp = self._sampler.sample(logits[:, j, :], inputs[:, j], constrain=j == 0)
+            tokens, arrays, lp = self._sampler.sample(logits[:, j, :], inputs[:, j],
+                                                      mask=masks[j] if masks is not None else None)
             drawn.append(tokens)
             state += arrays
             logprobs.append(lp)
@@ -329,10 +332,10 @@ class DecodeBatch:
         verified_tokens = mx.stack(drawn, axis=1)
         mx.eval(verified_tokens, state, *(a for lp in logprobs if lp is not None for a in lp.arrays()))
         verified = verified_tokens.tolist()
-        self._sampler.accept([v[0] for v in verified])
         accepted = [verify.accepted(p, v) for p, v in zip(proposals, verified)]
         self._sampler.rewind(checkpoints, accepted)
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
+        self._sampler.accept_runs(emitted)
         row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
         for row, a in zip(self._rows, accepted):
             row.num_fed += 1 + a

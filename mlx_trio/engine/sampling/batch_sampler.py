@@ -162,6 +162,34 @@ class BatchSampler:
         for i, matcher in self._matchers:
             matcher.consume((tokens[i],))
 
+    def accept_runs(self, runs: Sequence[Sequence[int]]) -> None:
+        """Each row's tokens emitted by one speculative step (batch order): advance the grammars past them."""
+        for i, matcher in self._matchers:
+            for token in runs[i]:  # one by one: a run may go on past the grammar's end (EOS), as steps do
+                matcher.consume((token,))
+
+    def allowed_proposals(self, proposals: Sequence[list[int]]) -> list[list[int]]:
+        """`proposals` with each constrained row's cut before its first token the grammar forbids."""
+        out = list(proposals)
+        for i, matcher in self._matchers:
+            out[i] = out[i][:matcher.valid_prefix(out[i])]
+        return out
+
+    def masks_along(self, proposals: Sequence[list[int]], vocab_size: int) -> list[mx.array] | None:
+        """Per position of a speculative step `[B, V]` masks: each constrained row's grammar after its proposal so far.
+
+        None without constrained rows. Positions past a row's proposal allow
+        every token (their draws are never kept).
+        """
+        if not self._matchers:
+            return None
+        width = 1 + max(len(p) for p in proposals)
+        masks = np.ones((width, len(self._rows), vocab_size), dtype=np.bool_)
+        for i, matcher in self._matchers:
+            for j, allowed in enumerate(matcher.allowed_along(proposals[i], vocab_size)):
+                masks[j, i] = allowed
+        return [mx.array(m) for m in masks]
+
     def checkpoint(self) -> tuple[mx.array | None, mx.array | None]:
         """Every row's device state (key, history) as of now, for `rewind`."""
         return self._keys, self._history
@@ -183,13 +211,13 @@ class BatchSampler:
         mx.async_eval(*(a for a in (self._keys, self._history) if a is not None))
 
     def sample(self, logits: mx.array, inputs: mx.array, *,
-               constrain: bool = True) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
+               mask: mx.array | None = None) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
         """Every row's next token `[B]` from `logits` `[B, V]` of the forward that fed `inputs` `[B]`.
 
         Also returns the state arrays to evaluate with the tokens (so no graph
         grows across steps) and the logprobs of the rows that ask (None if none).
-        `constrain=False` skips the grammar masks: a speculative step's later
-        positions, which constrained rows never use (they do not speculate).
+        `mask` `[B, V]` replaces the grammars' masks as they stand (a
+        speculative step's later positions: `masks_along`).
         """
         if self._plan is None or self._plan.dtype != logits.dtype:
             width = 0 if self._history is None else self._history.shape[1]
@@ -203,9 +231,10 @@ class BatchSampler:
             self._history = mx.concatenate([self._history[:, 1:], inputs.astype(mx.int32)[:, None]], axis=1)
             state.append(self._history)
         logits = plan.process(logits, self._history)
-        if plan.constrained and constrain:
-            logits = mx.where(_grammar_mask(self._matchers, len(self._rows), logits.shape[-1]), logits,
-                              mx.array(-mx.inf, dtype=logits.dtype))
+        if plan.constrained:
+            if mask is None:
+                mask = _grammar_mask(self._matchers, len(self._rows), logits.shape[-1])
+            logits = mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1)
         if plan.draws is not None:

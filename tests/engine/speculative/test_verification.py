@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 from hypothesis import given, settings
@@ -196,26 +197,38 @@ def test_sampled_penalised_and_logprob_rows_speculate_and_keep_their_tokens() ->
         assert sum(sum(d.accepted) for d in steps) > 0
 
 
-def test_opted_out_and_constrained_rows_decode_one_token_per_step_beside_speculating_rows() -> None:
+def test_constrained_rows_speculate_only_what_the_grammar_allows_and_opted_out_rows_never() -> None:
+    """A JSON-schema row verifies only the proposals its grammar allows (a forbidden one is cut before the
+    forward), every verified position under the grammar's mask there; its output validates and equals the
+    plain run's, as every row's does. The row that sent `speculative: false` never has a proposal."""
+    import json
+
     from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
     from mlx_trio.params import Constraint
 
     model, tokenizer = load(str(tiny_model(LLAMA)))
     grammar = build_grammar_tokenizer(tokenizer, tokenizer.eos_token_ids)
-    schema = '{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, ' \
-             '"required": ["a"], "additionalProperties": false}'
-    arrivals = [Arrival(a.request_id, 0, a.prompt_ids, params) for a, params in zip(_arrivals(SCHEDULE[:3]), [
-        SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, speculative=False),
-        SamplingParams(max_tokens=30, constraint=Constraint("json_schema", schema))])]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "b": {"type": "string", "maxLength": 12}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=60, constraint=Constraint("json_schema", json.dumps(schema)))
+    arrivals = [Arrival(a.request_id, 0, a.prompt_ids, params) for a, params in zip(_arrivals(SCHEDULE[:4]), [
+        SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, speculative=False), constrained,
+        attrs.evolve(constrained, temperature=0.9, seed=4)])]
     eos = tuple(tokenizer.eos_token_ids)
     plain = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar)
-    steps: list[Decoded] = []
-    got = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar,
-                       speculation=_oracle(plain, arrivals, full=True), steps=steps)
-    assert _tokens(got) == _tokens(plain)
-    proposing = [d.proposed for d in steps if d.proposed]
-    assert proposing and all(p[0] > 0 for p in proposing[:3])
-    assert all(len(p) < 2 or p[1:] == (0,) * (len(p) - 1) for p in proposing)  # r1 and r2 never propose
+    for full in (True, False):
+        steps: list[Decoded] = []
+        got = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar,
+                           speculation=_oracle(plain, arrivals, full=full), steps=steps)
+        assert _tokens(got) == _tokens(plain)
+        for rid in ("r2", "r3"):
+            assert got[rid].finish_reason == "stop"
+            json.loads(tokenizer.decode([t for t in got[rid].tokens if t not in eos]))
+        proposing = [d.proposed for d in steps if d.proposed]
+        assert all(p[1] == 0 for p in proposing if len(p) > 1)  # r1: speculative=False
+        assert sum(p[2] for p in proposing if len(p) > 2) > 0  # the constrained row speculated
+        assert sum(sum(d.accepted) for d in steps) > 0
 
 
 def test_sliding_window_models_do_not_speculate() -> None:
