@@ -59,10 +59,10 @@ from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
+_CLEAR_CACHE_EVERY = 256
 # After a speculative step finds no proposal anywhere, this many plain (pipelined) steps at most
 # run before proposals are looked for again (the wait doubles from 1 while none are found).
 MAX_QUIET_STEPS = 8
-_CLEAR_CACHE_EVERY = 256
 # A read of the register that waited longer than this for the device means the device is the
 # bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
 DEVICE_BOUND_WAIT_S = 1e-4

@@ -71,3 +71,15 @@ def test_the_request_log_line_counts_accepted_proposals(caplog: pytest.LogCaptur
     spec, plain = (r.getMessage() for r in caplog.records)
     assert "completion=9 accepted=6/8 ttft=" in spec
     assert "accepted=" not in plain
+
+
+def test_the_speculative_flags_reach_the_engine_config() -> None:
+    from mlx_trio.cli import build_parser, configs_from_args
+
+    engine, _ = configs_from_args(build_parser().parse_args(
+        ["serve", "--prompt-lookup", "--prompt-lookup-ngram", "5", "--num-draft-tokens", "4", "--draft-model", "d"]))
+    assert (engine.prompt_lookup, engine.prompt_lookup_ngram, engine.num_draft_tokens, engine.draft_model) == (
+        True, 5, 4, "d")
+    plain, _ = configs_from_args(build_parser().parse_args(["serve"]))
+    assert (plain.prompt_lookup, plain.prompt_lookup_ngram, plain.num_draft_tokens, plain.draft_model) == (
+        False, 3, 3, None)
