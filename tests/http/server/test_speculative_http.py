@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.events import Finished, FinishReason, Usage
 from mlx_trio.http.server.metrics import RequestLog
+from mlx_trio.http.server.metrics import log as request_log
 from mlx_trio.params import SamplingParams
 from tests.http.fakes import FakeEngine
 from tests.http.http_helpers import serve_fake
@@ -63,7 +64,7 @@ async def test_stats_and_metrics_report_speculation() -> None:
 
 
 def test_the_request_log_line_counts_accepted_proposals(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="mlx_trio.http.requests")
+    caplog.set_level("INFO", logger=request_log.name)
     for rid, usage in (("spec", Usage(5, 9, speculative_proposed=8, speculative_accepted=6)), ("plain", Usage(5, 9))):
         log = RequestLog(rid, kind="chat", stream=False)
         log.saw(Finished(FinishReason.STOP, usage))
