@@ -41,7 +41,7 @@ from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
-from mlx_trio.engine.model.draft_model import load_draft_model
+from mlx_trio.engine.model.draft_model import with_draft_model
 from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
@@ -262,9 +262,8 @@ class EngineActors:
             model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir))
             log.info("model %s loaded from %s", model.model_id, model.path)
             if self.config.draft_model is not None:
-                draft = await lease.run(partial(load_draft_model, self.config.draft_model, model.tokenizer,
+                model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
                                                 cache_dir=self.config.cache_dir))
-                model = attrs.evolve(model, draft=draft)
                 log.info("draft model %s loaded", self.config.draft_model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
             await self._warm_up(lease, model)

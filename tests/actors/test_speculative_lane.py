@@ -124,3 +124,13 @@ async def test_a_draft_with_another_tokenizer_is_refused_at_start() -> None:
         async with open_engine(str(tiny_model(LLAMA)), draft_model=other):
             pass
     assert info.group_contains(ModelLoadError, match="another tokenizer")
+
+
+async def test_admission_counts_the_drafts_kv_and_weights() -> None:
+    path = str(tiny_model(LLAMA))
+    async with open_engine(path) as plain:
+        alone = plain.model
+    async with open_engine(path, draft_model=path) as drafted:
+        both = drafted.model
+    assert both.kv_layout.full_bytes_per_token == 2 * alone.kv_layout.full_bytes_per_token
+    assert both.weights_bytes == 2 * alone.weights_bytes

@@ -145,7 +145,9 @@ class DecodeBatch:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._caches)
+        """The rows' KV bytes, a draft model's included."""
+        drafts = self._speculator.nbytes if self._speculator is not None else 0
+        return sum(c.nbytes for c in self._caches) + drafts
 
     @property
     def is_flushed(self) -> bool:

@@ -13,14 +13,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.kv.layout import measure_layout, weights_bytes
 from mlx_trio.engine.kv.row_rollback import supports_rollback
 from mlx_trio.engine.model.default_model import resolve_model_path
+from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import ModelLoadError
+
+
+def with_draft_model(target: LoadedModel, path: str, *, cache_dir: Path | None = None) -> LoadedModel:
+    """`target` with the draft at `path` loaded (`load_draft_model`) and counted.
+
+    Admission's projections then include the draft's KV: a row's bytes per
+    token are the target's plus the draft's (every row has a draft row), and
+    `weights_bytes` includes the draft's weights, so the default KV budget
+    (device memory less weights) leaves room for them.
+    """
+    draft = load_draft_model(path, target.tokenizer, cache_dir=cache_dir)
+    layout = target.kv_layout
+    return attrs.evolve(target, draft=draft, weights_bytes=target.weights_bytes + weights_bytes(draft),
+                        kv_layout=attrs.evolve(layout, full_bytes_per_token=layout.full_bytes_per_token
+                                               + measure_layout(draft).full_bytes_per_token))
 
 
 def load_draft_model(path: str, target_tokenizer: Any, *, cache_dir: Path | None = None) -> nn.Module:

@@ -64,6 +64,10 @@ class DraftSpeculator:
     def active(self) -> bool:
         return any(self._speculates)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._caches)
+
     def join(self, rows: Sequence[tuple[str, Sequence[int], bool]]) -> None:
         """Append rows (request id, prompt + token 0, whether it speculates): each prefills its draft KV now."""
         if not rows:

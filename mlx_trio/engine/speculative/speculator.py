@@ -47,6 +47,11 @@ class BatchProposer(Protocol):
     @property
     def active(self) -> bool: ...
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the proposer holds for its rows (a draft's KV)."""
+        ...
+
     def join(self, rows: Sequence[tuple[str, Sequence[int], bool]]) -> None: ...
 
     def keep(self, indices: Sequence[int]) -> None: ...
@@ -102,6 +107,10 @@ class Speculator:
     def active(self) -> bool:
         """Some row speculates."""
         return any(row is not None for row in self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # host lists only
 
     def join(self, rows: Sequence[tuple[str, Sequence[int], bool]]) -> None:
         """Append rows: (request id, prompt + token 0, whether it speculates)."""

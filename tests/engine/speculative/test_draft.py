@@ -104,3 +104,20 @@ def test_a_draft_never_proposes_an_id_past_the_targets_vocabulary() -> None:
                        steps=steps)
     assert _tokens(got) == _tokens(plain)
     assert sum(sum(d.proposed) for d in steps) > 0
+
+
+def test_the_batch_counts_the_drafts_kv() -> None:
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
+
+    model, _, _ = _models()
+    sizes = []
+    for speculation in (None, SpeculationConfig.draft(model, K)):
+        batch = DecodeBatch(model, speculation)
+        row = SoloRow(model, "r0", tuple(range(3, 40)), SamplingParams(max_tokens=8))
+        while row.prefill_chunk():
+            pass
+        batch.join_many([(row, row.first_token())])
+        sizes.append(batch.nbytes)
+        batch.close()
+    assert sizes[1] > sizes[0] > 0
