@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
     arg("--prompt-lookup", action="store_true",
-        help="speculative decoding by prompt lookup: greedy requests verify up to --num-draft-tokens tokens "
-             "per step that followed their last tokens earlier in their prompt or output (same tokens, fewer "
+        help="speculative decoding by prompt lookup: each request verifies up to --num-draft-tokens tokens "
+             "per step that followed its last tokens earlier in its prompt or output (same tokens, fewer "
              "steps when the answer repeats the prompt); a request may send \"speculative\": false")
     arg("--prompt-lookup-ngram", type=positive_int, default=_ENGINE.prompt_lookup_ngram.default,
         help="longest suffix (in tokens) prompt lookup matches (default: %(default)s)")

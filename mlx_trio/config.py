@@ -61,7 +61,7 @@ class EngineConfig:
     # Speculative decoding (mlx_lm.server's --num-draft-tokens): proposals verified per row and step.
     num_draft_tokens: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     # Prompt lookup (--prompt-lookup): propose what followed the row's last n tokens (n <= the ngram max)
-    # earlier in its prompt or output; greedy rows speculate, the others decode as before.
+    # earlier in its prompt or output; the tokens are those of plain decoding (docs/design.md §9).
     prompt_lookup: bool = False
     prompt_lookup_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     # A draft model (--draft-model: directory or hub id, same tokenizer): it proposes each row's next

@@ -74,7 +74,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     # Whether this request may decode speculatively when the engine speculates (--prompt-lookup):
-    # a switch for the rare client that wants no proposals at all; greedy tokens are the same either way.
+    # a switch for the rare client that wants no proposals at all; greedy and seeded tokens are the same either way.
     speculative: bool = True
 
     @property

@@ -1,21 +1,21 @@
-"""The speculating rows of a decode batch: who proposes, each row's proposer, the counters.
+"""Which rows of a decode batch speculate, and their proposals: one proposer per row (prompt lookup).
 
 A `Speculator` is aligned with its `DecodeBatch`'s rows (join appends,
 `keep` filters, as the batch does) and holds one `RowProposer` per row that
-speculates, None for a row that does not (its request said
-`"speculative": false`, or it has a grammar). Proposers see every token
-their row emits, in order (`extend`), and propose from there.
+speculates, None for a row whose request said `"speculative": false`.
+Proposers see every token their row emits, in order (`extend`), and
+propose from there. A draft model proposes for all rows at once instead
+(`DraftSpeculator`, engine/speculative/draft.py); both are a `BatchProposer`,
+and `SpeculationConfig.speculator()` builds the one a batch uses.
 
-Every other row speculates, greedy or sampled: the batch draws the
-target's own token at each verified position with the row's sampler (its
-key, penalties, filters), and a proposal is accepted when it equals that
-draw. For a proposal that is one token (a point mass, as prompt lookup's
-are) this is the speculative sampling rule itself (accept with probability
-p(token), else a draw from p without it), and it emits exactly the tokens
-plain decoding would (docs/design.md §9.3). A constrained row decodes one
-token per step in the same forward (a proposal length of 0): its masks
-for later positions would need its grammar advanced through the proposal.
-Runs on the lease thread.
+Every other row speculates, greedy, sampled or constrained: the batch
+draws the target's own token at each verified position with the row's
+sampler (its key, penalties, filters, grammar mask), and a proposal is
+accepted when it equals that draw. For a proposal that is one token (a
+point mass, as prompt lookup's and a greedy draft's are) this is the
+speculative sampling rule itself (accept with probability p(token), else a
+draw from p without it), and it emits exactly the tokens plain decoding
+would (docs/design.md §9.3). Runs on the lease thread.
 """
 
 from __future__ import annotations
