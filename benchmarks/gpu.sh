@@ -11,6 +11,10 @@
 #   kvquant: benchmarks/kv_quant.py (issue #22): rows a 40 GiB --kv-budget admits at 8k/32k tokens for
 #           bf16 / 8-bit / 4-bit KV, and aggregate decode tok/s at B=8/32 of 8k-token rows per format.
 #           Run it with MODELS=1b PARTS=kvquant (about a minute after the model is built).
+#   speculative: benchmarks/speculative.py (issue #23): "edit this file" (2k-token prompts), prompt lookup and
+#           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
+#   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model
+#           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -292,6 +296,23 @@ for m in $MODELS; do
     echo; echo "### kv_quant, $m: quantized KV, admission and decode (limit ${lim}s)"
     enough "kvquant $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/kv_quant.py --model "$dir" \
       --json "$RESULTS/kvquant-$m.json" ${KVQUANT_ARGS:-} || echo "gpu.sh: kvquant part for $m ended with status $?"; }
+  ;; esac
+  case " $PARTS " in *" speculative "*)
+    lim=$(budget "${SPEC_LIMIT_S:-150}")
+    echo; echo "### speculative, $m: prompt lookup and scripted proposals, B=1/4/16 (limit ${lim}s)"
+    enough "speculative $m" "$lim" && { PYTHONPATH=$PWD timeout -k 20 "$lim" $PY benchmarks/speculative.py \
+      --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 --json "$RESULTS/speculative-$m.json" \
+      || echo "gpu.sh: speculative part for $m ended with status $?"; }
+  ;; esac
+  case " $PARTS " in *" spechttp "*)
+    lim=$(budget "${SPEC_HTTP_LIMIT_S:-240}")
+    echo; echo "### http, $m: agents workload, both servers with --draft-model (the model itself) (limit ${lim}s)"
+    enough "spechttp $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
+      --model "$dir" --workload agents --concurrency 1,4,16 --requests 16 --rounds 1 --output-tokens 128 \
+      --system-words "$SYSTEM_WORDS" --task-words 48 --followup-words 24 \
+      --ours-args "--batch 16 --draft-model $dir" --mlx-lm-args "--decode-concurrency 16 --draft-model $dir" \
+      --out "$RESULTS/spechttp-$m.json" --log-dir "/tmp/bench-logs-spechttp-$m" \
+      || { echo "gpu.sh: spechttp part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-spechttp-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

@@ -152,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--body-timeout", type=positive_float, default=attrs.fields(ServerConfig).body_timeout_s.default,
         help="seconds after a request's start by which its whole body must be in; a client that stalls or "
              "trickles it gets 408 (default: %(default)s)")
+    arg("--prompt-lookup", action="store_true",
+        help="speculative decoding by prompt lookup: each request verifies up to --num-draft-tokens tokens "
+             "per step that followed its last tokens earlier in its prompt or output (same tokens, fewer "
+             "steps when the answer repeats the prompt); a request may send \"speculative\": false")
+    arg("--prompt-lookup-ngram", type=positive_int, default=_ENGINE.prompt_lookup_ngram.default,
+        help="longest suffix (in tokens) prompt lookup matches (default: %(default)s)")
+    arg("--draft-model", default=None,
+        help="speculative decoding with a draft model (directory or hub id) sharing the model's tokenizer: "
+             "it proposes --num-draft-tokens tokens per row and step, verified in the batch (default: none)")
+    arg("--num-draft-tokens", type=positive_int, default=_ENGINE.num_draft_tokens.default,
+        help="tokens proposed per row and step when speculating (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -176,7 +187,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
                           prompt_cache_io_timeout_s=args.prompt_cache_io_timeout,
                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                          quantized_kv_start=args.quantized_kv_start)
+                          quantized_kv_start=args.quantized_kv_start,
+                          num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
+                          prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

@@ -70,6 +70,21 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
+    # Speculative decoding (mlx_lm.server's --num-draft-tokens): proposals verified per row and step.
+    num_draft_tokens: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # Prompt lookup (--prompt-lookup): propose what followed the row's last n tokens (n <= the ngram max)
+    # earlier in its prompt or output; the tokens are those of plain decoding (docs/design.md §9).
+    prompt_lookup: bool = False
+    prompt_lookup_ngram: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # A draft model (--draft-model: directory or hub id, same tokenizer): it proposes each row's next
+    # --num-draft-tokens tokens, batched; with it, --prompt-lookup is not used.
+    draft_model: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.kv_bits is not None and (self.prompt_lookup or self.draft_model is not None):
+            # A speculative step drops each row's rejected tail of KV; quantized rows cannot yet.
+            raise ValueError("--kv-bits cannot be combined with --prompt-lookup or --draft-model yet (speculation "
+                             "rolls back each row's KV, which quantized KV does not support): drop one of them")
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -36,6 +36,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # Speculative decoding (ours, not OpenAI's): proposals the target verified, and how many it accepted.
+    speculative_proposed: int = 0
+    speculative_accepted: int = 0
 
     @property
     def total_tokens(self) -> int:

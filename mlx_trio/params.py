@@ -73,6 +73,9 @@ class SamplingParams:
     # from the row's processed distribution: after logits processors and the grammar mask.
     logprobs: bool = False
     top_logprobs: int = 0
+    # Whether this request may decode speculatively when the engine speculates (--prompt-lookup):
+    # a switch for the rare client that wants no proposals at all; greedy and seeded tokens are the same either way.
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -154,7 +157,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not fits_a_float(value):  # a JSON body with one is refused earlier, in http/server/body.py
             raise InvalidParameter(name, f"must be a finite number in float range, got {value!r:.40}")
         return float(value)
-    if name == "logprobs":
+    if name in ("logprobs", "speculative"):
         if not isinstance(value, bool):
             raise InvalidParameter(name, f"must be a boolean, got {type(value).__name__} {value!r}")
         return value

@@ -29,6 +29,7 @@ from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.errors import ActorCrashed
 from mlx_trio.events import FinishReason
 
@@ -64,6 +65,9 @@ class RunningRow:
     request: Generate
     generated: list[int]  # token ids already sent, token 0 included
     done: bool = False
+    # Speculative proposals of this row the target verified / accepted (0 / 0 when it never speculated).
+    proposed: int = 0
+    accepted: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -81,6 +85,10 @@ class DecodeStepStatistics:
     tokens_decoded: int
     finished: int
     cancelled: int
+    # Model forwards of decode steps (a speculative step is one), and speculative proposals / acceptances.
+    decode_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
 
 
 class DecodeStepActor:
@@ -102,6 +110,7 @@ class DecodeStepActor:
         self._reports_sent = self._reports_handled = 0
         self._kv_bytes = 0
         self._steps = self._chains = self._tokens = self._finished = self._cancelled = 0
+        self._forwards = self._proposed = self._accepted = 0
         # What `_emit_reported` raised in Trio's run loop, re-raised in this actor's task.
         self._reported_error: BaseException | None = None
 
@@ -118,14 +127,16 @@ class DecodeStepActor:
         return DecodeStepStatistics(
             mailbox_depth=self._joins.statistics().current_buffer_used, active_rows=len(self._rows),
             kv_bytes=self._kv_bytes, steps=self._steps, chains=self._chains, tokens_decoded=self._tokens,
-            finished=self._finished, cancelled=self._cancelled,
+            finished=self._finished, cancelled=self._cancelled, decode_steps=self._forwards,
+            proposed=self._proposed, accepted=self._accepted,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[DecodeStepActor] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         try:
             self._model = await self._lane.wait_model()
-            self._batch = await self._lease.run(DecodeBatch, self._model.model, self._model.kv_scheme)
+            self._batch = await self._lease.run(DecodeBatch, self._model.model, self._model.kv_scheme,
+                                                _speculation(self._lane))
             while True:
                 if not self._rows:
                     # Idle: sleep until a row arrives (no busy loop, no lease jobs).
@@ -249,7 +260,7 @@ class DecodeStepActor:
         chain = self._chain
         if chain is None or self._reported_error is not None:
             return  # a report of a chain this actor no longer waits for: it failed or was cancelled
-        self._steps += len(steps)
+        self._steps += sum(d.forwards for d in steps)
         try:
             ended = self._emit(request_ids, steps)
             self._faults.check("decode-step")
@@ -266,6 +277,10 @@ class DecodeStepActor:
         """
         eos = self._model.eos_token_ids
         ended = False
+        for decoded in steps:
+            self._forwards += decoded.forwards
+            self._proposed += sum(decoded.proposed)
+            self._accepted += sum(decoded.accepted)
         for i, rid in enumerate(request_ids):
             row = self._rows.get(rid)
             if row is None or row.done:
@@ -273,8 +288,14 @@ class DecodeStepActor:
             tokens: list[int] = []
             logprobs: list[Any] = []
             reason = None
+            proposed, accepted = row.proposed, row.accepted
             for decoded in steps:
                 token = decoded.token_ids[i]
+                if decoded.proposed:
+                    row.proposed += decoded.proposed[i]
+                    row.accepted += decoded.accepted[i]
+                if token is None:
+                    continue  # the row emitted fewer tokens in this speculative step
                 tokens.append(token)
                 logprobs.append(decoded.logprobs[i])
                 row.generated.append(token)
@@ -287,7 +308,8 @@ class DecodeStepActor:
                     break
             try:
                 row.request.reply.send_nowait(TokensDecoded(
-                    rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None))
+                    rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None,
+                    proposed=row.proposed - proposed, accepted=row.accepted - accepted))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 row.done = ended = True
                 self._cancelled += 1
@@ -319,6 +341,17 @@ class DecodeStepActor:
             self._lane.end_request(join.request, _failed(join.request, error), row=join.row)
         self._joining = []
         self._kv_bytes = 0
+
+
+def _speculation(lane: Lane) -> SpeculationConfig | None:
+    """How this lane's batch speculates (--draft-model, else --prompt-lookup), or None."""
+    config, model = lane.config, lane.model
+    if model is not None and model.draft is not None:
+        return SpeculationConfig.draft(model.draft, config.num_draft_tokens, prefill_step_size=config.prefill_step_size,
+                                       vocab_size=model.vocab_size)
+    if not config.prompt_lookup:
+        return None
+    return SpeculationConfig.prompt_lookup(config.num_draft_tokens, config.prompt_lookup_ngram)
 
 
 def _failed(request: Generate, error: BaseException) -> GenerationEnded:

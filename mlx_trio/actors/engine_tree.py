@@ -42,6 +42,7 @@ from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
+from mlx_trio.engine.model.draft_model import with_draft_model
 from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
@@ -165,6 +166,10 @@ class EngineActors:
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
+            "decode_steps": decode.decode_steps if decode else 0,
+            "decoded_tokens": decode.tokens_decoded if decode else 0,
+            "speculative_proposed": decode.proposed if decode else 0,
+            "speculative_accepted": decode.accepted if decode else 0,
         }
 
     def prompt_cache_counters(self) -> dict[str, Any]:
@@ -260,6 +265,10 @@ class EngineActors:
             model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir,
                                             kv_scheme=kv_scheme_of(self.config)))
             log.info("model %s loaded from %s", model.model_id, model.path)
+            if self.config.draft_model is not None:
+                model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
+                                                cache_dir=self.config.cache_dir))
+                log.info("draft model %s loaded", self.config.draft_model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
             await self._warm_up(lease, model)
         except Exception as exc:

@@ -52,6 +52,9 @@ class TokensDecoded:
     token_ids: tuple[int, ...]
     # Parallel to token_ids, or None when the request does not ask for logprobs.
     logprobs: tuple[SampledLogprobs, ...] | None = None
+    # Speculative proposals verified for this row in the steps behind these tokens, and those accepted.
+    proposed: int = 0
+    accepted: int = 0
 
 
 @attrs.frozen

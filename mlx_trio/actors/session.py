@@ -77,11 +77,13 @@ class SessionActor:
             self.generated: list[int] = []
             self.resumes = 0
             self.cached_tokens = 0  # prompt tokens the first attempt took from the prompt cache
+            self.speculative = [0, 0]  # proposals verified and accepted, over every attempt
         else:
             self._text = resume_from._text
             self.generated = resume_from.generated
             self.resumes = resume_from.resumes + 1
             self.cached_tokens = resume_from.cached_tokens
+            self.speculative = resume_from.speculative
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
         self.failure: BaseException | None = None
@@ -159,6 +161,8 @@ class SessionActor:
                     self.cached_tokens = event.cached_tokens
                     await self._emit(PromptProgress(min(event.processed, total), total))
             elif isinstance(event, TokensDecoded):
+                self.speculative[0] += event.proposed
+                self.speculative[1] += event.accepted
                 if await self._tokens(event.token_ids, event.logprobs, text, eos):
                     return None
             elif isinstance(event, GenerationEnded):
@@ -224,5 +228,6 @@ class SessionActor:
 
     async def _finish(self, reason: FinishReason, *, stop_sequence: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(self._request.prompt_ids), completion_tokens=len(self.generated),
-                      cached_tokens=self.cached_tokens)
+                      cached_tokens=self.cached_tokens, speculative_proposed=self.speculative[0],
+                      speculative_accepted=self.speculative[1])
         await self._emit(Finished(reason, usage, stop_sequence))

@@ -101,7 +101,7 @@ def test_stats_and_status_shapes(http: httpx.Client) -> None:
     """/stats has the batch fields; /v1/status has the supervision tree with the http child in it."""
     stats = http.get("/stats").json()["batch"]
     assert set(stats) == {"configured", "mode", "active_rows", "pending_rows", "submitted_rows", "kv_bytes",
-                          "kv_budget_bytes"}
+                          "kv_budget_bytes", "decode_steps", "decoded_tokens"}
     assert stats["configured"] == 8 and stats["mode"] == "batch" and stats["kv_budget_bytes"] > 0
     status = http.get("/v1/status").json()
     children = {c["id"]: c for c in status["tree"]["children"]}

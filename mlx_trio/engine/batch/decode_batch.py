@@ -31,6 +31,15 @@ Invariant: every row's KV cache holds exactly the tokens fed so far: its
 prompt, then every token that has been a forward's input (`BatchRow.num_fed`
 counts them). The register holds tokens sampled but not yet fed.
 
+**Speculative steps** (with a `Speculator`, engine/speculative/): while some
+row has a proposal, a step reads the register first, feeds every row its
+input and its proposal in one `[B, 1 + Kmax]` forward, keeps each row's
+longest verified prefix plus the target's own next token, and rolls each
+row's rejected tail out of the KV (engine/kv/row_rollback.py). Such a step
+is not pipelined (its proposals need the previous tokens on the host); so
+when no row has a proposal, plain pipelined steps run for a while (1, 2, 4,
+... up to `MAX_QUIET_STEPS`) before the next look.
+
 Every method runs on the lease thread; none hands out a lazy array.
 """
 
@@ -43,17 +52,23 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, row_rollback
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
+from mlx_trio.engine.speculative import verify
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
 _CLEAR_CACHE_EVERY = 256
+# After a speculative step finds no proposal anywhere, this many plain (pipelined) steps at most
+# run before proposals are looked for again (the wait doubles from 1 while none are found).
+MAX_QUIET_STEPS = 8
 # A read of the register that waited longer than this for the device means the device is the
 # bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
 DEVICE_BOUND_WAIT_S = 1e-4
@@ -71,10 +86,21 @@ class BatchRow:
 
 @attrs.frozen
 class Decoded:
-    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere)."""
+    """One step's tokens in batch order, with the logprobs of the rows that ask (None elsewhere).
 
-    token_ids: tuple[int, ...]
+    A speculative step emits up to `1 + Kmax` tokens per row: it is reported
+    as that many `Decoded` in a row, the `j`-th holding each row's `j`-th
+    token, None for a row that emitted fewer. `forwards` counts the model
+    forwards behind it (1 for the first of a step, 0 for the rest);
+    `proposed` / `accepted` are each row's proposal and accepted counts
+    (empty for a plain step).
+    """
+
+    token_ids: tuple[int | None, ...]
     logprobs: tuple[SampledLogprobs | None, ...]
+    forwards: int = 1
+    proposed: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
 
 
 # Takes consecutive steps' tokens on the lease thread as soon as they are read (DecodeBatch.steps_decoded).
@@ -92,9 +118,14 @@ class DecodeBatch:
     (the row set and its inputs are settled); `leave` works either way.
     """
 
-    def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> None:
+    def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
+                 speculation: SpeculationConfig | None = None) -> None:
         self._model = model
         self._kv_scheme = kv_scheme
+        # Speculation needs caches whose rows can drop a tail (full attention, unquantized: quantized
+        # KV has no per-row roll yet); else none.
+        self._speculator = (speculation.speculator() if speculation is not None and not kv_scheme.quantized
+                            and row_rollback.supports_rollback(make_prompt_cache(model)) else None)
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
         self._caches: list[Any] = []
@@ -108,6 +139,8 @@ class DecodeBatch:
         # While _unread: the logprobs of the unread tokens (None: no row asked).
         self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
+        # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
+        self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
         self._device_bound = False
 
@@ -121,11 +154,18 @@ class DecodeBatch:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._caches)
+        """The rows' KV bytes, a draft model's included."""
+        drafts = self._speculator.nbytes if self._speculator is not None else 0
+        return sum(c.nbytes for c in self._caches) + drafts
 
     @property
     def is_flushed(self) -> bool:
         return not self._unread
+
+    @property
+    def speculates(self) -> bool:
+        """Whether some row may decode speculatively (then `steps_decoded` runs speculative steps)."""
+        return self._speculator is not None and self._speculator.active
 
     @property
     def is_solo(self) -> bool:
@@ -175,6 +215,10 @@ class DecodeBatch:
         tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
         self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
         self._sampler.join([row.sampler for row in rows], [row.num_prompt_tokens for row in rows])
+        if self._speculator is not None:
+            self._speculator.join([
+                (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
+                for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
             row.caches = []  # owned by the batch now (adopted or copied by merge)
@@ -189,7 +233,25 @@ class DecodeBatch:
         With `report`, every token these steps read goes to `report` in one
         call, made just before the last step is launched (see `step_decoded`),
         and the list returned holds only None.
+
+        While `speculates`, these are `count` speculative steps instead
+        (`step_speculative`): their tokens are returned (or reported, once,
+        after the last step) as one flat list.
         """
+        if self.speculates:
+            decoded: list[Decoded] = []
+            for _ in range(count):
+                if self._quiet_steps:
+                    self._quiet_steps -= 1
+                    plain = self.step_decoded()
+                    decoded += [plain] if plain is not None else []
+                else:
+                    decoded += self.step_speculative()
+            if report is None:
+                return list(decoded)
+            if decoded:
+                report(decoded)
+            return [None] * count
         if report is None:
             return [self.step_decoded() for _ in range(count)]
         held = [d for d in (self.step_decoded() for _ in range(count - 1)) if d is not None]
@@ -272,6 +334,66 @@ class DecodeBatch:
         """Whether the rows' full-attention KV is stored quantized."""
         return is_quantized(self._caches)
 
+    def step_speculative(self) -> list[Decoded]:
+        """One speculative step: the register's tokens if unread, then each row's verified tokens.
+
+        Rows without a proposal (or with speculation off) emit one token, as a
+        plain step would. When no row has a proposal, this is a plain step
+        whose tokens are read by the next call (or `flush_decoded`).
+        """
+        if not self._rows:
+            raise RuntimeError("step_speculative() on an empty batch")
+        assert self._speculator is not None
+        out = [self._read()] if self._unread else []
+        # A token the grammar forbids is rejected before it is verified: the proposal ends before it.
+        proposals = self._sampler.allowed_proposals(self._speculator.proposals())
+        if not any(proposals):
+            self._quiet_wait = self._quiet_steps = min(max(1, 2 * self._quiet_wait), MAX_QUIET_STEPS)
+            self.step_decoded()
+            return out
+        self._quiet_wait = 0
+        assert self._inputs is not None
+        inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
+        logits = self._model(inputs, cache=self._caches)
+        # Each position is sampled as the plain step at that point would be (its input joins the
+        # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
+        width = inputs.shape[1]
+        masks = self._sampler.masks_along(proposals, logits.shape[-1])
+        drawn, state, logprobs, checkpoints = [], [], [], []
+        for j in range(width):
+            tokens, arrays, lp = self._sampler.sample(logits[:, j, :], inputs[:, j],
+                                                      mask=masks[j] if masks is not None else None)
+            drawn.append(tokens)
+            state += arrays
+            logprobs.append(lp)
+            checkpoints.append(self._sampler.checkpoint())
+        verified_tokens = mx.stack(drawn, axis=1)
+        mx.eval(verified_tokens, state, *(a for lp in logprobs if lp is not None for a in lp.arrays()))
+        verified = verified_tokens.tolist()
+        accepted = [verify.accepted(p, v) for p, v in zip(proposals, verified)]
+        self._sampler.rewind(checkpoints, accepted)
+        emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
+        self._sampler.accept_runs(emitted)
+        row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        for row, a in zip(self._rows, accepted):
+            row.num_fed += 1 + a
+        self._speculator.extend(emitted)
+        self._inputs = mx.array([tokens[-1] for tokens in emitted], dtype=mx.uint32)
+        self._unread = False
+        self._unread_logprobs = None
+        self._num_steps += 1
+        if self._num_steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        longest = max(len(tokens) for tokens in emitted)
+        steps = []
+        for j in range(longest):
+            records = logprobs[j].records() if logprobs[j] is not None else (None,) * len(emitted)
+            steps.append(Decoded(tuple(t[j] if j < len(t) else None for t in emitted),
+                                 tuple(r if j < len(t) else None for r, t in zip(records, emitted)),
+                                 forwards=int(j == 0)))
+        steps[0] = attrs.evolve(steps[0], proposed=tuple(len(p) for p in proposals), accepted=tuple(accepted))
+        return [*out, *steps]
+
     def flush_decoded(self) -> Decoded | None:
         """Return the queued step's tokens (batch order) without queueing another; None if none are unread."""
         if not self._unread:
@@ -294,6 +416,8 @@ class DecodeBatch:
         tokens = self._inputs.tolist()
         self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
         self._sampler.accept(tokens)
+        if self._speculator is not None:
+            self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
         records = logprobs.records() if logprobs is not None else (None,) * len(tokens)
         self._unread = False
@@ -334,6 +458,8 @@ class DecodeBatch:
                 batch_kv.share_offsets(self._caches)
         self._rows = [self._rows[i] for i in keep]
         self._sampler.keep(keep)
+        if self._speculator is not None:
+            self._speculator.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
         if self._unread_logprobs is not None:
             self._unread_logprobs = self._unread_logprobs.keep(keep)
@@ -376,6 +502,8 @@ class DecodeBatch:
         self._unread = False
         self._unread_logprobs = None
         self._sampler.close()
+        if self._speculator is not None:
+            self._speculator.close()
 
     def _index(self, request_id: str) -> int:
         for i, row in enumerate(self._rows):

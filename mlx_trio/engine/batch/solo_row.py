@@ -94,6 +94,10 @@ class SoloRow:
         self._token0_logprobs: LogprobArrays | None = None
 
     @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self._prompt_ids
+
+    @property
     def prefill_remaining(self) -> int:
         """Prompt tokens still to prefill before token 0 can be sampled (excludes the last)."""
         return self._prefill.remaining

@@ -50,6 +50,8 @@ class LoadedModel:
     grammar_tokenizer: Any = None
     # How its rows store KV (--kv-bits ...); `kv_layout` counts bytes in this format.
     kv_scheme: KvScheme = KvScheme()
+    # --draft-model: the draft for speculative decoding (engine/model/draft_model.py), or None.
+    draft: nn.Module | None = None
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""

@@ -162,11 +162,62 @@ class BatchSampler:
         for i, matcher in self._matchers:
             matcher.consume((tokens[i],))
 
-    def sample(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
+    def accept_runs(self, runs: Sequence[Sequence[int]]) -> None:
+        """Each row's tokens emitted by one speculative step (batch order): advance the grammars past them."""
+        for i, matcher in self._matchers:
+            for token in runs[i]:  # one by one: a run may go on past the grammar's end (EOS), as steps do
+                matcher.consume((token,))
+
+    def allowed_proposals(self, proposals: Sequence[list[int]]) -> list[list[int]]:
+        """`proposals` with each constrained row's cut before its first token the grammar forbids."""
+        out = list(proposals)
+        for i, matcher in self._matchers:
+            out[i] = out[i][:matcher.valid_prefix(out[i])]
+        return out
+
+    def masks_along(self, proposals: Sequence[list[int]], vocab_size: int) -> list[mx.array] | None:
+        """Per position of a speculative step `[B, V]` masks: each constrained row's grammar after its proposal so far.
+
+        None without constrained rows. Positions past a row's proposal allow
+        every token (their draws are never kept).
+        """
+        if not self._matchers:
+            return None
+        width = 1 + max(len(p) for p in proposals)
+        masks = np.ones((width, len(self._rows), vocab_size), dtype=np.bool_)
+        for i, matcher in self._matchers:
+            for j, allowed in enumerate(matcher.allowed_along(proposals[i], vocab_size)):
+                masks[j, i] = allowed
+        return [mx.array(m) for m in masks]
+
+    def checkpoint(self) -> tuple[mx.array | None, mx.array | None]:
+        """Every row's device state (key, history) as of now, for `rewind`."""
+        return self._keys, self._history
+
+    def rewind(self, checkpoints: Sequence[tuple[mx.array | None, mx.array | None]], chosen: Sequence[int]) -> None:
+        """Row `b` takes its state from `checkpoints[chosen[b]]` (a speculative step keeps only some draws).
+
+        `sample` over a step's positions leaves a checkpoint after each; a
+        row that emits `n` tokens keeps the state after its first `n` draws,
+        so its key sequence and penalty history are those of plain decoding.
+        """
+        if all(c[0] is checkpoints[0][0] and c[1] is checkpoints[0][1] for c in checkpoints):
+            return  # no draw changed any state (every row greedy without penalties)
+        take = (mx.array(list(chosen)), mx.arange(len(chosen)))
+        if self._keys is not None:
+            self._keys = mx.stack([c[0] for c in checkpoints])[take]
+        if self._history is not None:
+            self._history = mx.stack([c[1] for c in checkpoints])[take]
+        mx.async_eval(*(a for a in (self._keys, self._history) if a is not None))
+
+    def sample(self, logits: mx.array, inputs: mx.array, *,
+               mask: mx.array | None = None) -> tuple[mx.array, list[mx.array], BatchLogprobs | None]:
         """Every row's next token `[B]` from `logits` `[B, V]` of the forward that fed `inputs` `[B]`.
 
         Also returns the state arrays to evaluate with the tokens (so no graph
         grows across steps) and the logprobs of the rows that ask (None if none).
+        `mask` `[B, V]` replaces the grammars' masks as they stand (a
+        speculative step's later positions: `masks_along`).
         """
         if self._plan is None or self._plan.dtype != logits.dtype:
             width = 0 if self._history is None else self._history.shape[1]
@@ -181,8 +232,9 @@ class BatchSampler:
             state.append(self._history)
         logits = plan.process(logits, self._history)
         if plan.constrained:
-            logits = mx.where(_grammar_mask(self._matchers, len(self._rows), logits.shape[-1]), logits,
-                              mx.array(-mx.inf, dtype=logits.dtype))
+            if mask is None:
+                mask = _grammar_mask(self._matchers, len(self._rows), logits.shape[-1])
+            logits = mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1)
         if plan.draws is not None:

@@ -144,6 +144,26 @@ class GrammarMatcher:
         if not self._matcher.consume_tokens(list(token_ids)):
             log.error("grammar matcher rejected tokens %s: %s", list(token_ids), self._matcher.get_error())
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading `token_ids` the grammar allows from here (nothing is consumed)."""
+        if not token_ids or self._matcher.is_stopped() or self._matcher.is_error():
+            return 0
+        return self._matcher.validate_tokens(list(token_ids))
+
+    def allowed_along(self, token_ids: Sequence[int], vocab_size: int) -> list[np.ndarray]:
+        """The allowed tokens now and after each of `token_ids` (a valid prefix): `len + 1` masks, state unchanged.
+
+        A speculative step samples each position of a proposal under the mask
+        the grammar would have there once the proposal before it is consumed.
+        """
+        masks = [self.allowed_on_host(vocab_size)]
+        for token in token_ids:
+            self._matcher.consume_token(token)
+            masks.append(self.allowed_on_host(vocab_size))
+        if token_ids:
+            self._matcher.rollback(len(token_ids))
+        return masks
+
     def allowed(self, vocab_size: int) -> mx.array:
         """`[vocab_size]` bool: the tokens the grammar allows next (host-computed, then uploaded)."""
         return mx.array(self.allowed_on_host(vocab_size))

@@ -30,7 +30,8 @@ from mlx_trio.http.server.body import is_int, json_type, optional_field, type_fi
 from mlx_trio.params import Constraint
 
 # Anthropic's sampling fields and ours (SamplingParams) where the names differ.
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop",
+             "speculative": "speculative"}  # ours: false turns speculative decoding off for the request
 # Blocks a model here cannot take; a 400 says so rather than dropping them.
 _UNSUPPORTED_BLOCKS = frozenset({"image", "document", "search_result", "server_tool_use", "web_search_tool_result",
                                  "container_upload"})

@@ -30,7 +30,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty", "repetition_context_size",
     "presence_penalty", "presence_context_size",
     "frequency_penalty", "frequency_context_size",
-    "logit_bias", "seed", "stop",
+    "logit_bias", "seed", "stop", "speculative",
 )
 # OpenAI's range for a logit bias; mlx-lm adds it to logits, so larger values only risk overflow.
 MAX_ABS_LOGIT_BIAS = 100.0

@@ -32,7 +32,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Passed to the engine under the same names (ours where OpenAI has none); the engine checks their values.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
                    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
-                   "logit_bias", "seed", "stop")
+                   "logit_bias", "seed", "stop", "speculative")
 # Accepted and echoed: they change nothing a local model does (see docs/api.md).
 _STRING_FIELDS = ("user", "prompt_cache_key", "safety_identifier", "service_tier", "prompt_cache_retention")
 _REFUSED = {"background": "background responses are not supported; send stream or wait for the answer",

@@ -60,15 +60,20 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/stats")
     async def stats() -> Response:
-        """`{"batch": {...}, "prompt_cache": {...}}`: the engine's counters where it reports them, else the HTTP layer's view."""
+        """`{"batch": {...}, "prompt_cache": {...}, "speculative": {...}}`: the engine's counters where it reports
+        them, else the HTTP layer's view. `speculative.acceptance` is accepted / proposed (0 before any proposal)."""
         status = state.engine.status()
         counters = status.get("counters", {})
         fallback = {
             "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,
             "submitted_rows": state.submitted_rows, "kv_bytes": 0, "kv_budget_bytes": None,
+            "decode_steps": 0, "decoded_tokens": 0,
         }
+        proposed, accepted = counters.get("speculative_proposed", 0), counters.get("speculative_accepted", 0)
         return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()},
-                              "prompt_cache": status.get("prompt_cache", {"enabled": False})})
+                              "prompt_cache": status.get("prompt_cache", {"enabled": False}),
+                              "speculative": {"proposed": proposed, "accepted": accepted,
+                                              "acceptance": accepted / proposed if proposed else 0.0}})
 
 
 def _degraded(state: AppState) -> dict[str, str]:

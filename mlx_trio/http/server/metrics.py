@@ -75,6 +75,8 @@ class RequestLog:
                 self._metrics.finished(usage)
         counts = (f"prompt={usage.prompt_tokens} cached={usage.cached_tokens} completion={usage.completion_tokens}"
                   if usage else "prompt=? completion=?")
+        if usage is not None and usage.speculative_proposed:
+            counts += f" accepted={usage.speculative_accepted}/{usage.speculative_proposed}"
         if self._first_token_s is None:
             timing = "ttft=- tok/s=-"
         else:

@@ -43,6 +43,14 @@ _ENGINE_GAUGES = {
     "lease_queue_depth": ("lease_queue_depth", "Jobs waiting for the GPU lease thread"),
 }
 
+# engine.status()["counters"] key → (counter name, help): totals since the decoder started.
+_ENGINE_COUNTERS = {
+    "decode_steps": ("decode_steps", "Model forwards of decode steps (a speculative step is one)"),
+    "decoded_tokens": ("decoded_tokens", "Tokens the decode steps emitted"),
+    "speculative_proposed": ("speculative_proposed_tokens", "Speculative proposals verified"),
+    "speculative_accepted": ("speculative_accepted_tokens", "Speculative proposals the target model accepted"),
+}
+
 
 class Metrics:
     """The instruments of one server. `status` is `Engine.status`; `gauges` adds HTTP-side gauges."""
@@ -101,6 +109,10 @@ class EngineCollector:
             value = counters.get(key)
             if isinstance(value, (int, float)):
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+        for key, (name, help_text) in _ENGINE_COUNTERS.items():
+            value = counters.get(key)
+            if isinstance(value, int):
+                yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
         restarts = CounterMetricFamily(f"{PREFIX}_actor_restarts", "Restarts of each supervised actor",
                                        labels=["actor", "kind"])
         up = GaugeMetricFamily(f"{PREFIX}_actor_up", "1 while the actor runs", labels=["actor", "kind"])

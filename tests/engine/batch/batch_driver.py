@@ -10,6 +10,8 @@ import attrs
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
@@ -30,14 +32,23 @@ def token_ids(decoded: Decoded | None) -> list[int] | None:
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  grammar_tokenizer: Any = None, prefill_step_size: int = 8, kv_scheme: KvScheme = KvScheme(),
-                 converted_at: dict[str, int] | None = None) -> dict[str, Outcome]:
+                 converted_at: dict[str, int] | None = None,
+                 speculation: SpeculationConfig | None = None,
+                 entries: dict[str, CacheEntry | None] | None = None,
+                 steps: list[Decoded] | None = None) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
 
     `converted_at` (quantized schemes) gets each row's token count when it first sat in a quantized batch.
+
+    With `speculation`, each step is `steps_decoded(1)` (speculative while a
+    row speculates). With `entries`, each leaving row's KV is put there
+    (`DecodeBatch.cache_entry`), keyed by request id. With `steps`, every
+    `Decoded` the steps returned is appended there.
     """
     params = {a.request_id: a.params for a in arrivals}
+    params_prompt = {a.request_id: a.prompt_ids for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model, kv_scheme)
+    batch = DecodeBatch(model, kv_scheme, speculation)
 
     def note_format() -> None:
         if converted_at is not None and batch.size and batch.is_quantized:
@@ -59,7 +70,8 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     def record_all(ids: list[str], decoded: Decoded | None) -> None:
         if decoded is not None:
             for rid, token, logprobs in zip(ids, decoded.token_ids, decoded.logprobs, strict=True):
-                record(rid, token, logprobs)
+                if token is not None:  # None: the row emitted fewer tokens in this speculative step
+                    record(rid, token, logprobs)
 
     step = 0
     while pending or batch.size:
@@ -69,6 +81,9 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                 record_all(batch.request_ids, batch.flush_decoded())
             leaving = [rid for rid in batch.request_ids if out[rid].finish_reason]
             if leaving:
+                if entries is not None:
+                    for rid in leaving:
+                        entries[rid] = batch.cache_entry(rid, (*params_prompt[rid], *out[rid].tokens))
                 batch.leave(leaving)
             for a in joiners:
                 pending.remove(a)
@@ -84,7 +99,10 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                     note_format()
         if batch.size:
             ids = batch.request_ids
-            record_all(ids, batch.step_decoded())
+            for decoded in batch.steps_decoded(1):
+                if steps is not None and decoded is not None:
+                    steps.append(decoded)
+                record_all(ids, decoded)
             note_format()
         step += 1
     return out
