@@ -300,7 +300,7 @@ for m in $MODELS; do
   case " $PARTS " in *" speculative "*)
     lim=$(budget "${SPEC_LIMIT_S:-150}")
     echo; echo "### speculative, $m: prompt lookup and scripted proposals, B=1/4/16 (limit ${lim}s)"
-    enough "speculative $m" "$lim" && { PYTHONPATH=$PWD timeout -k 20 "$lim" $PY benchmarks/speculative.py \
+    enough "speculative $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/speculative.py \
       --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 --json "$RESULTS/speculative-$m.json" \
       || echo "gpu.sh: speculative part for $m ended with status $?"; }
   ;; esac
