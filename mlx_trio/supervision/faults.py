@@ -18,12 +18,14 @@ class FaultKind(enum.Enum):
     RAISE = "raise"  # raise InjectedFault inside the actor (or inside a lease job for gpu-lease)
     HANG = "hang"  # a lease job that never finishes, until the watchdog gives up on it (cache-persistence: its next write)
     FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
+    KILL_LISTENER = "kill-listener"  # the HTTP server itself dies at its next request: every connection is cut
 
 
 # Where a kind can fire, when not everywhere: arming it anywhere else would be accepted and never fire.
 FIRES_ONLY_AT: dict[FaultKind, frozenset[str]] = {
     FaultKind.HANG: frozenset({"gpu-lease", "cache-persistence"}),
     FaultKind.FAIL_WRITE: frozenset({"cache-persistence"}),
+    FaultKind.KILL_LISTENER: frozenset({"http"}),
 }
 
 

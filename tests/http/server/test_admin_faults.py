@@ -87,7 +87,7 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"actor": "http", "kind": "explode"}, "kind", ["'raise'", "'hang'", "'fail-write'", "explode"]),
+    ({"actor": "http", "kind": "explode"}, "kind", ["'raise'", "'hang'", "'fail-write'", "'kill-listener'", "explode"]),
     ({"actor": "http"}, "kind", ["'raise'"]),
     ({"actor": 3, "kind": "raise"}, "actor", ["/v1/status"]),
     # The ids present are listed; supervisors (which check no faults) are not.
@@ -96,6 +96,7 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
     ({"actor": "engine", "kind": "raise"}, "actor", ["'engine'", "decode-step"]),
     # A kind that can never fire at that actor is refused, not accepted and silently never fired.
     ({"actor": "decode-step", "kind": "hang"}, "kind", ["fires only at", "gpu-lease", "'decode-step'"]),
+    ({"actor": "decode-step", "kind": "kill-listener"}, "kind", ["fires only at http", "'decode-step'"]),
 ])
 async def test_a_bad_fault_body_is_400_naming_the_field(body: dict[str, Any], param: str, words: list[str]) -> None:
     """An unknown kind or an actor id not in the status tree is a 400 naming the field; nothing is armed."""
@@ -124,8 +125,8 @@ def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
             for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
 
-async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
-    """An armed "http" fault crashes the server task (the request gets no answer), not just one request;
+async def test_a_killed_listener_restarts_the_http_child_on_the_same_port() -> None:
+    """A "kill-listener" fault kills the server task (the request gets no answer), not just one request;
     the supervisor restarts it on the same port, /v1/status shows 1 restart and metrics survive."""
     server = HttpServer(ServerConfig(port=0, enable_fault_injection=True, api_key="sekret"))
     engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
@@ -137,7 +138,7 @@ async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
         url, port = server.url, server.port
         async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, headers=KEY) as client:
             assert (await client.get("/health")).status_code == 200
-            armed = await client.post("/v1/admin/faults", json={"actor": "http", "kind": "raise"})
+            armed = await client.post("/v1/admin/faults", json={"actor": "http", "kind": "kill-listener"})
             assert armed.status_code == 200, armed.text
             with pytest.raises(httpx.TransportError):  # the connection is cut: no 500, no answer at all
                 await client.get("/v1/status")
@@ -155,7 +156,7 @@ async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
             assert http["restarts"] == 1 and http["state"] == "running"
             assert "InjectedFault" in http["last_error"]
             assert (await client.get("/v1/admin/faults")).json() == {
-                "armed": [], "fired": [{"actor": "http", "kind": "raise"}]}
+                "armed": [], "fired": [{"actor": "http", "kind": "kill-listener"}]}
             metrics = (await client.get("/metrics")).text
             assert _samples(metrics, "mlx_trio_actor_restarts_total")[(("actor", "http"), ("kind", "http"))] == 1
             # Counted before the crash: the HttpServer keeps its registry across restarts.
