@@ -7,9 +7,12 @@ module; tests talk to it over HTTP like any client would.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -98,6 +101,29 @@ class ServerThread:
             self._cancel = nursery.cancel_scope
             self.server = await nursery.start(serve, self._engine_config, self._server_config)
             self._ready.set()
+
+
+@asynccontextmanager
+async def cli_server(tmp_path: Path, *flags: str) -> AsyncIterator[tuple[subprocess.Popen[str], str]]:
+    """`mlx-trio serve` on the tiny model in a subprocess; yields it and its URL; kills it if still alive."""
+    runner = "import sys; from mlx_trio.cli import main; sys.exit(main())"
+    log = (tmp_path / "server.log").open("w")  # a file, not a pipe: a full pipe would stall the server
+    proc = subprocess.Popen(
+        [sys.executable, "-c", runner, "serve", "--model", str(tiny_engine_config().model), "--port", "0",
+         "--log-level", "INFO", *flags],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert proc.stdout is not None
+        with trio.fail_after(60):
+            line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert "serving" in line, line + (tmp_path / "server.log").read_text()
+        yield proc, line.split(" at ")[1].split("/v1")[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await trio.to_thread.run_sync(proc.wait)
+        log.close()
 
 
 def tiny_engine_config(**defaults: Any) -> EngineConfig:
