@@ -43,6 +43,25 @@ async def serve_fake(engine: FakeEngine | None = None,
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def served_engine(**config: Any) -> AsyncIterator[tuple[HttpServer, Any]]:
+    """A tiny real model with the HTTP server as its child (as `mlx-trio serve` runs it), in this Trio loop.
+
+    `config` goes to the `ServerConfig` (port 0); yields the server and the `mlx_trio.api.Engine`.
+    """
+    from mlx_trio.api import Engine  # noqa: PLC0415  (imports MLX: only the real-model tests pay for it)
+
+    server = HttpServer(ServerConfig(port=0, **config))
+    engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
+    server.attach(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        with trio.fail_after(60):
+            await engine.wait_ready()
+        yield server, engine
+        nursery.cancel_scope.cancel()
+
+
 class ServerThread:
     """`mlx_trio.cli.serve` (engine + HTTP child) in a thread with its own Trio loop."""
 

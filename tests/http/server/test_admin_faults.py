@@ -8,11 +8,9 @@ import httpx
 import pytest
 import trio
 from tests.http.fakes import FakeEngine
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, tiny_engine_config
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, served_engine
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_trio.api import Engine
-from mlx_trio.http import HttpServer, ServerConfig
 from mlx_trio.supervision.faults import FaultKind
 
 KEY = {"Authorization": "Bearer sekret"}
@@ -128,13 +126,7 @@ def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 async def test_a_killed_listener_restarts_the_http_child_on_the_same_port() -> None:
     """A "kill-listener" fault kills the server task (the request gets no answer), not just one request;
     the supervisor restarts it on the same port, /v1/status shows 1 restart and metrics survive."""
-    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True, api_key="sekret"))
-    engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
-    server.attach(engine)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        with trio.fail_after(30):
-            await engine.wait_ready()
+    async with served_engine(enable_fault_injection=True, api_key="sekret") as (server, _):
         url, port = server.url, server.port
         async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, headers=KEY) as client:
             assert (await client.get("/health")).status_code == 200
@@ -162,4 +154,3 @@ async def test_a_killed_listener_restarts_the_http_child_on_the_same_port() -> N
             # Counted before the crash: the HttpServer keeps its registry across restarts.
             requests = _samples(metrics, "mlx_trio_http_requests_total")
             assert requests[(("endpoint", "/v1/admin/faults"), ("method", "POST"), ("status", "200"))] == 1
-        nursery.cancel_scope.cancel()

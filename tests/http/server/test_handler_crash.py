@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import trio
 from tests.goldens import golden
 from tests.http.fakes import FakeEngine
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, sse_events, tiny_engine_config
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, served_engine, sse_events
 
-from mlx_trio.api import Engine
-from mlx_trio.http import HttpServer, ServerConfig
 
 RAISE_AT_HTTP = {"actor": "http", "kind": "raise"}
 # Greedy goldens of mlx-lm (goldens/tiny.json), each run more than once at the same time.
@@ -64,20 +61,6 @@ async def test_a_fault_in_a_running_stream_ends_it_with_an_error_event() -> None
         assert server.crashes.count == 1
 
 
-@asynccontextmanager
-async def _served_engine() -> AsyncIterator[tuple[HttpServer, Engine]]:
-    """A tiny real model with the HTTP server as its child (as `mlx-trio serve` runs it), fault injection on."""
-    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True))
-    engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
-    server.attach(engine)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        with trio.fail_after(60):
-            await engine.wait_ready()
-        yield server, engine
-        nursery.cancel_scope.cancel()
-
-
 def _body(case: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     chat = isinstance(case["prompt"], list)
     body = {**case["params"], "stream": True, "temperature": 0.0, "stream_options": {"include_usage": True},
@@ -123,7 +106,7 @@ async def test_a_handler_crash_among_eight_streams_fails_that_stream_only() -> N
     ends with an in-band `internal_error`, the other 7 stream exactly their goldens, /health stays 200, the
     `http` child is never restarted (its node counts the crash) and the same client goes on being served."""
     cases = [golden("llama", name) for name in GREEDY_CASES[:8]]
-    async with _served_engine() as (server, engine), httpx.AsyncClient(
+    async with served_engine(enable_fault_injection=True) as (server, engine), httpx.AsyncClient(
             base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
         results: list[tuple[str, int | None, dict[str, Any] | None]] = [("", None, None)] * len(cases)
         first_text = trio.Semaphore(0)
