@@ -3,6 +3,7 @@
 The server is a subprocess started with the flags a user would pass (`--batch 8`, `--max-restarts`,
 `--restart-period`, `--enable-fault-injection`, a `--prompt-cache-dir` so the cache-persistence actor
 runs); faults are armed over HTTP (`POST /v1/admin/faults`) at a random actor, one every 0.3 s.
+Half the prompts are greedy, half seeded sampling (a resume must carry its random draws on too).
 Afterwards: the server is alive (a /health 200 and a fresh request with its exact greedy text), no
 completed stream differs from its undisturbed run, no 5xx but the requests whose own handler crashed
 (one per `http` fault fired), no KV bytes, rows or sessions left.
@@ -46,9 +47,11 @@ class Tally:
     other: list[str] = attrs.field(factory=list)  # 4xx, transport errors, streams without an end
 
 
-def _body(prompt: str) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def _body(k: int) -> dict[str, Any]:
+    """Prompt `k`'s request: greedy for even `k`, seeded sampling (as deterministic) for odd."""
+    sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 100 + k} if k % 2 else {"temperature": 0.0}
+    return {"prompt": PROMPTS[k], "max_tokens": MAX_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
 
 
 @attrs.frozen
@@ -62,10 +65,10 @@ class Streamed:
     stream_id: str = ""
 
 
-async def _stream(client: httpx.AsyncClient, prompt: str) -> Streamed:
-    """POST one streamed completion and read it to its end."""
+async def _stream(client: httpx.AsyncClient, k: int) -> Streamed:
+    """POST prompt `k`'s streamed completion and read it to its end."""
     text, tokens, error, stream_id = "", None, None, ""
-    async with client.stream("POST", "/v1/completions", json=_body(prompt)) as response:
+    async with client.stream("POST", "/v1/completions", json=_body(k)) as response:
         if response.status_code != 200:
             await response.aread()
             return Streamed(response.status_code, error=response.json().get("error"))
@@ -88,10 +91,10 @@ async def _stream(client: httpx.AsyncClient, prompt: str) -> Streamed:
 
 
 async def _expected(client: httpx.AsyncClient) -> list[str]:
-    """Each prompt's undisturbed greedy text: one request at a time, before any fault."""
+    """Each prompt's undisturbed text: one request at a time, before any fault."""
     texts = []
-    for prompt in PROMPTS:
-        result = await _stream(client, prompt)
+    for k in range(len(PROMPTS)):
+        result = await _stream(client, k)
         assert (result.status, result.error, result.completion_tokens) == (200, None, MAX_TOKENS)
         texts.append(result.text)
     return texts
@@ -142,7 +145,7 @@ async def _soak(tmp_path: Path, *, duration_s: float, min_faults: int, clients: 
             for n in itertools.count(i):
                 k = n % len(PROMPTS)
                 try:
-                    result = await _stream(client, PROMPTS[k])
+                    result = await _stream(client, k)
                 except httpx.HTTPError as exc:
                     tally.other.append(f"transport: {exc!r}")
                     continue
@@ -180,7 +183,7 @@ async def _soak(tmp_path: Path, *, duration_s: float, min_faults: int, clients: 
         with trio.fail_after(30):
             while (await client.get("/health")).status_code != 200:
                 await trio.sleep(0.1)
-        assert await _stream(client, PROMPTS[3]) == Streamed(200, expected[3], MAX_TOKENS, stream_id=ANY)
+        assert await _stream(client, 2) == Streamed(200, expected[2], MAX_TOKENS, stream_id=ANY)
         with trio.fail_after(30):
             while True:
                 status = await _status(client)
