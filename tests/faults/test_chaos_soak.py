@@ -3,7 +3,8 @@
 The server is a subprocess started with the flags a user would pass (`--batch 8`, `--max-restarts`,
 `--restart-period`, `--enable-fault-injection`, a `--prompt-cache-dir` so the cache-persistence actor
 runs); faults are armed over HTTP (`POST /v1/admin/faults`) at a random actor, one every 0.3 s.
-Half the prompts are greedy, half seeded sampling (a resume must carry its random draws on too).
+Half the prompts are greedy, half seeded sampling (a resume must carry its random draws on too);
+a quarter of the requests are not streamed.
 Afterwards: the server is alive (a /health 200 and a fresh request with its exact greedy text), no
 completed stream differs from its undisturbed run, no 5xx but the requests whose own handler crashed
 (one per `http` fault fired), no KV bytes, rows or sessions left.
@@ -56,7 +57,7 @@ def _body(k: int) -> dict[str, Any]:
 
 @attrs.frozen
 class Streamed:
-    """One streamed completion as its client saw it."""
+    """One completion as its client saw it."""
 
     status: int
     text: str = ""
@@ -66,7 +67,15 @@ class Streamed:
 
 
 async def _stream(client: httpx.AsyncClient, k: int) -> Streamed:
-    """POST prompt `k`'s streamed completion and read it to its end."""
+    """POST prompt `k`'s completion and read it to its end; streamed but for every fourth prompt."""
+    if k % 4 == 2:
+        body = {key: value for key, value in _body(k).items() if key != "stream_options"}
+        response = await client.post("/v1/completions", json={**body, "stream": False})
+        payload = response.json()
+        if response.status_code != 200:
+            return Streamed(response.status_code, error=payload.get("error"))
+        return Streamed(200, payload["choices"][0]["text"], payload["usage"]["completion_tokens"],
+                        stream_id=payload["id"])
     text, tokens, error, stream_id = "", None, None, ""
     async with client.stream("POST", "/v1/completions", json=_body(k)) as response:
         if response.status_code != 200:
