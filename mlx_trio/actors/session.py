@@ -125,8 +125,20 @@ class SessionActor:
         self._scope.cancel()
 
     async def _attempt(self, text: TextStream) -> BaseException | None:
-        """Submit what remains of the request and relay it to the end; returns why the lane failed, if it did."""
+        """Submit what remains of the request and relay it to the end; returns why the lane failed, if it did.
+
+        A resumed request may have nothing left: the lane failed after sending
+        its last token (max_tokens reached, or an EOS) but before it said the
+        generation ended. It then finishes here, as the lane would have; a
+        resubmission would generate past the end (the lane always samples at
+        least one token, so `max_tokens` 0 means more than nothing).
+        """
         request, done = self._request, len(self.generated)
+        eos = self._model.eos_token_ids  # type: ignore[attr-defined]
+        if done and (self.generated[-1] in eos or done >= request.params.max_tokens):
+            # The decoder's order: an EOS ends with "stop" even when it is also the last allowed token.
+            await self._end(text, FinishReason.STOP if self.generated[-1] in eos else FinishReason.LENGTH)
+            return None
         target = await self._get_target()
         send, self._replies = trio.open_memory_channel[DecodeEvent](
             # Every event a request can produce fits, so the decoder never blocks on a slow client.
@@ -171,13 +183,17 @@ class SessionActor:
                     if isinstance(error, RequestError):
                         raise error
                     return error if error is not None else ActorCrashed("unknown error")
-                tail = text.finish()
-                if tail.text:
-                    await self._emit(TextDelta(tail.text, ()))
-                await self._finish(event.reason)
+                await self._end(text, event.reason)
                 return None
         # The channel closed without a GenerationEnded: the lane failed mid-request.
         return ActorCrashed("the lane stopped before the request finished")
+
+    async def _end(self, text: TextStream, reason: FinishReason) -> None:
+        """The generation ended (`reason`): the text the detokenizer held back, then `Finished`."""
+        tail = text.finish()
+        if tail.text:
+            await self._emit(TextDelta(tail.text, ()))
+        await self._finish(reason)
 
     async def _tokens(self, token_ids: tuple[int, ...], logprobs: tuple[SampledLogprobs, ...] | None,
                       text: TextStream, eos: frozenset[int]) -> bool:

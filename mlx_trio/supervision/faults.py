@@ -19,6 +19,7 @@ class FaultKind(enum.Enum):
     HANG = "hang"  # a lease job that never finishes, until the watchdog gives up on it (cache-persistence: its next write)
     FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
     STALL_IO = "stall-io"  # the next SSD file operation of cache-persistence blocks (a hung disk) past its timeout
+    KILL_LISTENER = "kill-listener"  # the HTTP server itself dies at its next request: every connection is cut
 
 
 # Where a kind can fire, when not everywhere: arming it anywhere else would be accepted and never fire.
@@ -26,6 +27,7 @@ FIRES_ONLY_AT: dict[FaultKind, frozenset[str]] = {
     FaultKind.HANG: frozenset({"gpu-lease", "cache-persistence"}),
     FaultKind.FAIL_WRITE: frozenset({"cache-persistence"}),
     FaultKind.STALL_IO: frozenset({"cache-persistence"}),
+    FaultKind.KILL_LISTENER: frozenset({"http"}),
 }
 
 

@@ -6,6 +6,8 @@ import pytest
 import trio
 
 from mlx_trio import open_engine
+from mlx_trio.actors.messages import Generate, TokensDecoded
+from mlx_trio.actors.session import SessionActor
 from mlx_trio.api import MAX_RESUMES
 from mlx_trio.errors import EngineRestarted
 from mlx_trio.events import Finished, TextDelta
@@ -93,3 +95,49 @@ async def test_restarts_while_a_request_only_queues_do_not_count_as_its_fruitles
             results["queued"] = (await engine.complete(PROMPTS[1], max_tokens=8)).token_ids
         assert len(engine.faults.fired) == MAX_RESUMES + 3
         assert results["queued"] == undisturbed and len(results["long"]) > 0
+
+
+class _LaneDyingAfterTheLastToken:
+    """A lane that sends every token a request may have, then fails before saying it ended."""
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+        self.submitted: list[Generate] = []
+
+    def submit_nowait(self, command: Generate) -> None:
+        self.submitted.append(command)
+        command.reply.send_nowait(TokensDecoded(command.request_id, self.tokens[: command.params.max_tokens]))
+        command.reply.close()  # no GenerationEnded: the session sees a lane failure
+
+
+@pytest.mark.parametrize(("last", "reason"), [("max_tokens", "length"), ("eos", "stop")])
+async def test_a_resume_after_the_last_token_finishes_without_generating_more(last: str, reason: str) -> None:
+    """The lane dies after the request's last token (its max_tokens-th, or an EOS) but before it ends the
+    request: the resumed attempt finishes there ("length" / "stop"), resubmitting nothing (before the fix
+    it asked for max_tokens 0, and the lane always samples a token: the soak saw 18 of 16 tokens)."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
+        model = engine.model
+        eos = min(model.eos_token_ids)
+        tokens = (11, 12, 13, eos) if last == "eos" else (11, 12, 13, 14)
+        request = engine.prepare(PROMPTS[0], max_tokens=6 if last == "eos" else 4)
+        lane = _LaneDyingAfterTheLastToken(tokens)
+
+        async def target() -> object:
+            return lane
+
+        events: list[object] = []
+        previous: SessionActor | None = None
+        for _ in range(2):
+            send, recv = trio.open_memory_channel[object](0)
+            previous = SessionActor(request, get_target=target, model=model, out=send, resume_from=previous)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(previous.run)
+                async with recv:
+                    events.extend([event async for event in recv])
+            if isinstance(events[-1], Finished):
+                break
+    assert len(lane.submitted) == 1
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.finish_reason == reason
+    assert finished.usage.completion_tokens == len(tokens)
+    assert previous is not None and previous.generated == list(tokens)

@@ -7,9 +7,12 @@ module; tests talk to it over HTTP like any client would.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -37,6 +40,25 @@ async def serve_fake(engine: FakeEngine | None = None,
         await nursery.start(server.run)
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             yield server, client
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def served_engine(**config: Any) -> AsyncIterator[tuple[HttpServer, Any]]:
+    """A tiny real model with the HTTP server as its child (as `mlx-trio serve` runs it), in this Trio loop.
+
+    `config` goes to the `ServerConfig` (port 0); yields the server and the `mlx_trio.api.Engine`.
+    """
+    from mlx_trio.api import Engine  # noqa: PLC0415  (imports MLX: only the real-model tests pay for it)
+
+    server = HttpServer(ServerConfig(port=0, **config))
+    engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
+    server.attach(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        with trio.fail_after(60):
+            await engine.wait_ready()
+        yield server, engine
         nursery.cancel_scope.cancel()
 
 
@@ -98,6 +120,29 @@ class ServerThread:
             self._cancel = nursery.cancel_scope
             self.server = await nursery.start(serve, self._engine_config, self._server_config)
             self._ready.set()
+
+
+@asynccontextmanager
+async def cli_server(tmp_path: Path, *flags: str) -> AsyncIterator[tuple[subprocess.Popen[str], str]]:
+    """`mlx-trio serve` on the tiny model in a subprocess; yields it and its URL; kills it if still alive."""
+    runner = "import sys; from mlx_trio.cli import main; sys.exit(main())"
+    log = (tmp_path / "server.log").open("w")  # a file, not a pipe: a full pipe would stall the server
+    proc = subprocess.Popen(
+        [sys.executable, "-c", runner, "serve", "--model", str(tiny_engine_config().model), "--port", "0",
+         "--log-level", "INFO", *flags],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert proc.stdout is not None
+        with trio.fail_after(60):
+            line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert "serving" in line, line + (tmp_path / "server.log").read_text()
+        yield proc, line.split(" at ")[1].split("/v1")[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await trio.to_thread.run_sync(proc.wait)
+        log.close()
 
 
 def tiny_engine_config(**defaults: Any) -> EngineConfig:

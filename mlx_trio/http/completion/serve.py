@@ -32,10 +32,11 @@ from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.completion.call import CompletionCall
 from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
-from mlx_trio.http.server.errors import ApiError, api_error, draining
+from mlx_trio.http.server.admin import handler_fault_point
+from mlx_trio.http.server.errors import INTERNAL_ERROR, ApiError, api_error, draining
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
-from mlx_trio.http.server.state import AppState, closing
+from mlx_trio.http.server.state import AppState, HandlerCrashes, closing
 from mlx_trio.output_format import PLAIN
 
 log = logging.getLogger("mlx_trio.http")
@@ -53,12 +54,13 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
     # A drain that times out cuts the wait for the next event: a 503 before the headers, else an in-band error.
-    events = state.drain.interruptible(state.engine.stream(prepared))
+    # An "http" fault fires at an event as it arrives: this handler crashes (`admin.handler_fault_point`).
+    events = handler_fault_point(state.engine.faults, state.drain.interruptible(state.engine.stream(prepared)))
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
         first = await _first_event(events, request_log)
-        frames = _stream(first, events, renderer, router, request_log, logprobs=call.wants_logprobs,
+        frames = _stream(first, events, renderer, router, request_log, state.crashes, logprobs=call.wants_logprobs,
                          prompt_tokens=len(getattr(prepared, "prompt_ids", ())))
         response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
@@ -125,9 +127,12 @@ async def _first_event(events: AsyncIterator[GenerationEvent], request_log: Requ
 
 
 async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], renderer: Renderer,
-                  router: OutputRouter, request_log: RequestLog, *, logprobs: bool,
+                  router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *, logprobs: bool,
                   prompt_tokens: int) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
+
+    A failure after the headers is the last event; an unexpected one (a crash
+    of this handler) is also counted in `crashes`.
 
     Closing this generator early (the client went away: quart closes the body
     iterator, or cancels the task writing it) closes `events`, which cancels
@@ -155,6 +160,8 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
                 yield frame
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
         error = _stream_failure(exc, renderer.id)
+        if error.code == INTERNAL_ERROR:
+            crashes.record(exc)
         outcome = error.code or error.type
         for frame in renderer.error(error):
             yield frame

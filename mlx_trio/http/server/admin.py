@@ -1,35 +1,45 @@
-"""Fault injection over HTTP, and the HTTP child's own fault point.
+"""Fault injection over HTTP, and the HTTP child's own fault points.
 
 `GET/POST /v1/admin/faults` exist only with `ServerConfig.enable_fault_injection`
 (`mlx-trio serve --enable-fault-injection`); otherwise they are 404 like any
 unknown path. They need the API key like every endpoint that serves data.
 
-The HTTP child is an actor like the others: at each request it checks
-`engine.faults.check("http")`. An armed fault crashes the whole server task
-(`AppState.crash`), not just the request that found it, so the supervisor
-restarts the child and the listening socket is bound again on the same port.
+The HTTP child is an actor like the others, whose work is many request
+handlers at once. A `raise` fault armed for "http" crashes one handler: the
+first to reach a fault point, which is a request arriving (`install_fault_point`;
+the admin routes excepted, so arming and listing faults never take one) or a
+running generation receiving its next event (`handler_fault_point`). That
+request alone fails, exactly as a bug in its handler would: a 500
+`internal_error` in its API's shape, or that error as its stream's last event;
+every other request goes on untouched, and the crash is counted
+(`AppState.crashes`, the `http` node's `stats`). A `kill-listener` fault kills
+the server itself at the next request (`AppState.crash`): every connection is
+cut, the supervisor restarts the child, and the socket is bound again on the
+same port.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import trio
 from quart import Quart, Response, request
 
+from mlx_trio.events import GenerationEvent
 from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import invalid_value
 from mlx_trio.http.server.info import json_response
 from mlx_trio.http.server.state import AppState
-from mlx_trio.supervision.faults import ArmedFault, FaultKind, InjectedFault
+from mlx_trio.supervision.faults import ArmedFault, FaultKind, Faults, InjectedFault
 
 log = logging.getLogger("mlx_trio.http")
 
 HTTP_ACTOR_ID = "http"
 # The SSD tier's actor (`actors/cache_persistence.py`; the http package may not import actors).
 PERSISTENCE_ID = "cache-persistence"
+ADMIN_PATH = "/v1/admin/"
 # Matches any session (see `mlx_trio.supervision.faults`).
 ANY_SESSION = "session"
 # Session ids named in an "unknown actor" message; there may be thousands.
@@ -37,16 +47,34 @@ MAX_SESSIONS_LISTED = 5
 
 
 def install_fault_point(app: Quart, state: AppState) -> None:
-    """Check the "http" fault first thing in every request."""
+    """Check the "http" faults first thing in every request but the admin ones."""
     @app.before_request
     async def http_fault_point() -> None:
-        try:
-            state.engine.faults.check(HTTP_ACTOR_ID)
-        except InjectedFault as exc:
-            log.error("%s: crashing the HTTP child", exc)
-            state.crash(exc)
+        faults = state.engine.faults
+        if request.path.startswith(ADMIN_PATH):
+            return
+        if faults.take(HTTP_ACTOR_ID, FaultKind.KILL_LISTENER):
+            log.error("fault injected into %s: killing the listener", HTTP_ACTOR_ID)
+            state.crash(InjectedFault(f"fault injected into {HTTP_ACTOR_ID} (kill-listener)"))
             # `HttpServer.run` now cancels hypercorn, this request's task with it: no response is sent.
             await trio.sleep_forever()
+        faults.check(HTTP_ACTOR_ID)  # raise: this handler crashes, a 500 through the error handlers
+
+
+async def handler_fault_point(faults: Faults, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+    """Yield `events`, checking the "http" fault as each arrives: an armed one crashes this handler.
+
+    What it raises (`InjectedFault`) ends the request as any bug in its handler
+    would. Closing this generator closes `events`.
+    """
+    try:
+        async for event in events:
+            faults.check(HTTP_ACTOR_ID)
+            yield event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def register_admin(app: Quart, state: AppState) -> None:

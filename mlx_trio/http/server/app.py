@@ -19,21 +19,21 @@ from mlx_trio.http.server.info import register_info
 from mlx_trio.http.anthropic.endpoint import register_messages
 from mlx_trio.http.server.prometheus import Metrics, register_metrics
 from mlx_trio.http.responses.endpoint import register_responses
-from mlx_trio.http.server.state import AppState, EngineLike
+from mlx_trio.http.server.state import AppState, EngineLike, HandlerCrashes
 from mlx_trio.http.server.status_page import register_root, register_status_page
 
 
 def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None = None,
-               metrics: Metrics | None = None) -> QuartTrio:
+               metrics: Metrics | None = None, crashes: HandlerCrashes | None = None) -> QuartTrio:
     """Build the OpenAI-compatible app for `engine`; serve it with `HttpServer`.
 
-    The handlers' shared `AppState` is `app.extensions["mlx_trio"]`. `drain`
-    and `metrics` are the server's, shared across restarts of its child; by
-    default the app gets fresh ones.
+    The handlers' shared `AppState` is `app.extensions["mlx_trio"]`. `drain`,
+    `metrics` and `crashes` are the server's, shared across restarts of its
+    child; by default the app gets fresh ones.
     """
     drain = drain if drain is not None else Drain()
     metrics = metrics if metrics is not None else server_metrics(engine, drain)
-    state = AppState(engine, config, drain, metrics)
+    state = AppState(engine, config, drain, metrics, crashes if crashes is not None else HandlerCrashes())
     app = QuartTrio("mlx_trio.http")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes  # quart raises 413 past it
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False  # preflights are answered by the CORS guard
@@ -41,7 +41,7 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     app.extensions["mlx_trio"] = state
     install_fault_point(app, state)  # first: a crash point sits before any other work of a request
     install_guards(app, config)
-    install_error_handlers(app, max_body_bytes=config.max_body_bytes)
+    install_error_handlers(app, max_body_bytes=config.max_body_bytes, on_crash=state.crashes.record)
     register_metrics(app, state)
     register_info(app, state)
     register_completions(app, state)

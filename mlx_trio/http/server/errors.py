@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +37,8 @@ from mlx_trio.errors import (
 log = logging.getLogger("mlx_trio.http")
 
 INVALID_REQUEST = "invalid_request_error"
+# The code of an unexpected exception: a bug, a crash of the handler that met it.
+INTERNAL_ERROR = "internal_error"
 
 
 @attrs.frozen
@@ -158,7 +160,7 @@ def api_error(exc: BaseException, *, max_body_bytes: int | None = None, path: st
         return ApiError(500, str(exc), "server_error", "engine_error")
     if isinstance(exc, HTTPException):
         return _from_http_exception(exc, max_body_bytes=max_body_bytes, path=path, method=method)
-    return ApiError(500, "internal server error", "server_error", "internal_error")
+    return ApiError(500, "internal server error", "server_error", INTERNAL_ERROR)
 
 
 def _retry_after(seconds: float) -> dict[str, str]:
@@ -202,8 +204,12 @@ def _json_bytes(payload: Any) -> bytes:
     return json.dumps(payload, ensure_ascii=False).encode()
 
 
-def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
+def install_error_handlers(app: Quart, *, max_body_bytes: int,
+                           on_crash: Callable[[BaseException], None] | None = None) -> None:
     """Route every exception a handler raises through `api_error` (the only mapping).
+
+    An unexpected exception (a bug: the 500 `internal_error`) is also passed to
+    `on_crash`, which counts it.
 
     Routing never redirects: werkzeug would answer a path with `//` with an
     HTML 308 that no API client follows; such a path is an unserved one, a 404.
@@ -220,6 +226,8 @@ def install_error_handlers(app: Quart, *, max_body_bytes: int) -> None:
                 log.warning("%s %s failed: %s", request.method, request.path, exc)
             else:  # a bug: keep the traceback
                 log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+                if on_crash is not None:
+                    on_crash(exc)
         else:  # the one line for a request refused before it reached the engine
             log.info("%s %s refused: %d %s%s", request.method, request.path, error.status, error.code,
                      f" ({error.param})" if error.param else "")

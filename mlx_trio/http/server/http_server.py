@@ -7,11 +7,14 @@ stops accepting, in-flight requests get `graceful_timeout_s` to finish, then
 are cancelled. The long, polite stop is `drain` (SIGTERM in `mlx-trio serve`),
 called before the tree is cancelled.
 
-A fault injected into the HTTP child (`admin.install_fault_point`) makes `run`
-raise: every connection is cut, the supervisor restarts the child, and the new
-incarnation binds the same port again (hypercorn sets SO_REUSEADDR; a port
-configured as 0 sticks to the one first bound). The drain state and the
-Prometheus metrics belong to the `HttpServer`, so they survive the restart.
+A crash of one request's handler (a bug, or a `raise` fault armed for "http":
+see `admin`) fails that request only; `statistics()` counts them, so the
+status tree shows them on the `http` node. `run` raises only when the
+listener itself dies (the `kill-listener` fault stands for that): every
+connection is cut, the supervisor restarts the child, and the new incarnation
+binds the same port again (hypercorn sets SO_REUSEADDR; a port configured as 0
+sticks to the one first bound). The drain state, the Prometheus metrics and
+the handler-crash count belong to the `HttpServer`, so they survive the restart.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from mlx_trio.http.server.asgi import CountInFlight, DrainRequestBody, WriteTime
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.drain import Drain, DrainReport
 from mlx_trio.http.server.prometheus import Metrics
-from mlx_trio.http.server.state import AppState, EngineLike
+from mlx_trio.http.server.state import AppState, EngineLike, HandlerCrashes
 from mlx_trio.supervision import ChildSpec
 
 log = logging.getLogger("mlx_trio.http")
@@ -52,6 +55,7 @@ class HttpServer:
         self._engine = engine
         self._state: AppState | None = None
         self.drain_state = Drain()
+        self.crashes = HandlerCrashes()
         self._metrics: Metrics | None = None
         # Invariant: `port` is the bound port while `run` serves; None before and between restarts.
         self.port: int | None = None
@@ -92,6 +96,10 @@ class HttpServer:
             self._metrics = server_metrics(self.engine, self.drain_state)
         return self._metrics
 
+    def statistics(self) -> dict[str, object]:
+        """The `http` node's `stats` in the status tree: the requests whose handler crashed."""
+        return {"handler_crashes": self.crashes.count, "last_handler_error": self.crashes.last_error}
+
     async def drain(self, timeout_s: float | None = None) -> DrainReport:
         """Stop admitting completions and wait for running ones, up to `timeout_s`; then cut the rest.
 
@@ -104,9 +112,10 @@ class HttpServer:
     async def run(self, *, task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report `started(self)`, serve until cancelled; then stop (bounded) and return.
 
-        Raises the injected error if a handler crashed the child (`AppState.crash`).
+        Raises the injected error if the listener was killed (`AppState.crash`).
         """
-        app = create_app(self.engine, self.config, drain=self.drain_state, metrics=self.metrics)
+        app = create_app(self.engine, self.config, drain=self.drain_state, metrics=self.metrics,
+                         crashes=self.crashes)
         state = self._state = app.extensions["mlx_trio"]
         shutdown = trio.Event()
         serve_scope = trio.CancelScope(shield=True)

@@ -16,6 +16,7 @@ from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.drain import Drain
 from mlx_trio.http.server.prometheus import Metrics
 from mlx_trio.output_format import OutputFormat
+from mlx_trio.supervision.child import describe_error
 from mlx_trio.supervision.faults import Faults
 
 
@@ -64,6 +65,24 @@ async def closing(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[Async
 
 
 @attrs.define
+class HandlerCrashes:
+    """Requests whose own handler crashed: an unexpected exception, answered 500 `internal_error`
+    (in its API's shape, in-band once a stream's headers are out). Trio-thread only.
+
+    Each crash ends its own request only; hypercorn runs every request in a task
+    of its own, so nothing else is touched. Owned by the `HttpServer`, so the
+    count survives restarts of its child; shown as the `http` node's `stats`.
+    """
+
+    count: int = 0
+    last_error: str | None = None
+
+    def record(self, error: BaseException) -> None:
+        self.count += 1
+        self.last_error = describe_error(error)
+
+
+@attrs.define
 class AppState:
     """What one incarnation of the app shares: engine, config, counters, drain, metrics, crash signal.
 
@@ -75,13 +94,15 @@ class AppState:
     config: ServerConfig
     drain: Drain
     metrics: Metrics
+    # Belongs to the `HttpServer` like `drain`; a fresh one for an app built alone.
+    crashes: HandlerCrashes = attrs.field(factory=HandlerCrashes)
     started_at: int = attrs.field(factory=lambda: int(time.time()))
     # Requests handed to the engine since start (the /stats `submitted_rows`).
     submitted_rows: int = 0
     # Set when this incarnation's server task is being stopped (hypercorn's own graceful shutdown).
     stopping: bool = False
-    # A handler that must crash the HTTP child sets these; `HttpServer.run` raises the error
-    # from the server task, so the supervisor restarts the child (see `crash`).
+    # A listener that must die (the `kill-listener` fault) sets these; `HttpServer.run` raises the
+    # error from the server task, so the supervisor restarts the child (see `crash`).
     crash_error: BaseException | None = None
     crashed: trio.Event = attrs.field(factory=trio.Event)
 
@@ -95,13 +116,13 @@ class AppState:
         self.stopping = value
 
     def crash(self, error: BaseException) -> None:
-        """Make the server task raise `error`: an exception raised in a handler only fails its request.
+        """Make the server task raise `error`, as when the listener itself dies.
 
-        Hypercorn runs each request in its own task and turns what a handler
-        raises into a 500, so a handler cannot crash the server by raising.
-        It stashes the error here instead; `HttpServer.run` waits on `crashed`,
-        cancels hypercorn (every connection is cut, as when a process dies)
-        and raises the error from the supervised task.
+        An exception raised in a handler only fails its request (`crashes`
+        counts it): hypercorn runs each request in its own task. To kill the
+        whole server a handler stashes the error here instead; `HttpServer.run`
+        waits on `crashed`, cancels hypercorn (every connection is cut, as when
+        a process dies) and raises the error from the supervised task.
         """
         if self.crash_error is None:
             self.crash_error = error

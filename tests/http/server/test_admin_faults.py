@@ -8,11 +8,10 @@ import httpx
 import pytest
 import trio
 from tests.http.fakes import FakeEngine
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, tiny_engine_config
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, served_engine
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_trio.api import MAX_RESUMES, Engine
-from mlx_trio.http import HttpServer, ServerConfig
+from mlx_trio.api import MAX_RESUMES
 from mlx_trio.supervision.faults import FaultKind
 
 KEY = {"Authorization": "Bearer sekret"}
@@ -107,7 +106,7 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"actor": "http", "kind": "explode"}, "kind", ["'raise'", "'hang'", "'fail-write'", "explode"]),
+    ({"actor": "http", "kind": "explode"}, "kind", ["'raise'", "'hang'", "'fail-write'", "'kill-listener'", "explode"]),
     ({"actor": "http"}, "kind", ["'raise'"]),
     ({"actor": 3, "kind": "raise"}, "actor", ["/v1/status"]),
     # The ids present are listed; supervisors (which check no faults) are not.
@@ -119,6 +118,7 @@ async def test_a_fail_write_fault_can_be_armed_for_the_cache_persistence_actor()
     ({"actor": "session-req-1", "kind": "stall-io"}, "kind", ["fires only at", "cache-persistence"]),
     # A kind that can never fire at that actor is refused, not accepted and silently never fired.
     ({"actor": "decode-step", "kind": "hang"}, "kind", ["fires only at", "gpu-lease", "'decode-step'"]),
+    ({"actor": "decode-step", "kind": "kill-listener"}, "kind", ["fires only at http", "'decode-step'"]),
 ])
 async def test_a_bad_fault_body_is_400_naming_the_field(body: dict[str, Any], param: str, words: list[str]) -> None:
     """An unknown kind or an actor id not in the status tree is a 400 naming the field; nothing is armed."""
@@ -147,20 +147,14 @@ def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
             for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
 
-async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
-    """An armed "http" fault crashes the server task (the request gets no answer), not just one request;
+async def test_a_killed_listener_restarts_the_http_child_on_the_same_port() -> None:
+    """A "kill-listener" fault kills the server task (the request gets no answer), not just one request;
     the supervisor restarts it on the same port, /v1/status shows 1 restart and metrics survive."""
-    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True, api_key="sekret"))
-    engine = Engine(tiny_engine_config(), extra_children=[server.child_spec])
-    server.attach(engine)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        with trio.fail_after(30):
-            await engine.wait_ready()
+    async with served_engine(enable_fault_injection=True, api_key="sekret") as (server, _):
         url, port = server.url, server.port
         async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, headers=KEY) as client:
             assert (await client.get("/health")).status_code == 200
-            armed = await client.post("/v1/admin/faults", json={"actor": "http", "kind": "raise"})
+            armed = await client.post("/v1/admin/faults", json={"actor": "http", "kind": "kill-listener"})
             assert armed.status_code == 200, armed.text
             with pytest.raises(httpx.TransportError):  # the connection is cut: no 500, no answer at all
                 await client.get("/v1/status")
@@ -178,26 +172,19 @@ async def test_a_fault_in_the_http_child_restarts_it_on_the_same_port() -> None:
             assert http["restarts"] == 1 and http["state"] == "running"
             assert "InjectedFault" in http["last_error"]
             assert (await client.get("/v1/admin/faults")).json() == {
-                "armed": [], "fired": [{"actor": "http", "kind": "raise"}]}
+                "armed": [], "fired": [{"actor": "http", "kind": "kill-listener"}]}
             metrics = (await client.get("/metrics")).text
             assert _samples(metrics, "mlx_trio_actor_restarts_total")[(("actor", "http"), ("kind", "http"))] == 1
             # Counted before the crash: the HttpServer keeps its registry across restarts.
             requests = _samples(metrics, "mlx_trio_http_requests_total")
             assert requests[(("endpoint", "/v1/admin/faults"), ("method", "POST"), ("status", "200"))] == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_sessions_that_crash_before_any_progress_are_a_503_engine_restarted() -> None:
     """MAX_RESUMES + 1 session crashes before the first token, armed over HTTP: the documented 503
     engine_restarted with Retry-After (not a 500 actor_crashed), streamed or not; then the server serves."""
-    engine = Engine(tiny_engine_config())
-    server = HttpServer(ServerConfig(port=0, enable_fault_injection=True), engine)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.run)
-        await nursery.start(engine.run)
-        with trio.fail_after(30):
-            await engine.wait_ready()
+    async with served_engine(enable_fault_injection=True) as (server, _):
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             for stream in (False, True):
                 for _ in range(MAX_RESUMES + 1):
@@ -207,4 +194,3 @@ async def test_sessions_that_crash_before_any_progress_are_a_503_engine_restarte
                 assert_openai_error(response, 503, code="engine_restarted")
                 assert response.headers["retry-after"] == "1"
             assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
-        nursery.cancel_scope.cancel()

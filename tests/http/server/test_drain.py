@@ -7,16 +7,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 from tests.http.fakes import FakeEngine
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, serve_fake, sse_events, tiny_engine_config
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, cli_server, serve_fake, sse_events
 
 # The tiny model's EOS (<|im_end|>): banned, so a stream runs to max_tokens.
 NO_EOS = {"2": -100}
@@ -95,29 +92,6 @@ async def _append(into: list[Any], awaitable: Any) -> None:
     into.append(await awaitable)
 
 
-@asynccontextmanager
-async def _cli_server(tmp_path: Path, *flags: str) -> AsyncIterator[tuple[subprocess.Popen[str], str]]:
-    """`mlx-trio serve` on the tiny model in a subprocess; yields it and its URL; kills it if still alive."""
-    runner = "import sys; from mlx_trio.cli import main; sys.exit(main())"
-    log = (tmp_path / "server.log").open("w")  # a file, not a pipe: a full pipe would stall the server
-    proc = subprocess.Popen(
-        [sys.executable, "-c", runner, "serve", "--model", str(tiny_engine_config().model), "--port", "0",
-         "--log-level", "INFO", *flags],
-        stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).parents[3],
-    )
-    try:
-        assert proc.stdout is not None
-        with trio.fail_after(60):
-            line = await trio.to_thread.run_sync(proc.stdout.readline)
-        assert "serving" in line, line + (tmp_path / "server.log").read_text()
-        yield proc, line.split(" at ")[1].split("/v1")[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        await trio.to_thread.run_sync(proc.wait)
-        log.close()
-
-
 async def _sigterm_with_two_streams(proc: subprocess.Popen[str], url: str,
                                     max_tokens: int) -> tuple[list[list[str]], httpx.Response, httpx.Response]:
     """Start two streams, SIGTERM the server mid-stream, probe a completion and /health while it drains."""
@@ -139,7 +113,7 @@ async def _sigterm_with_two_streams(proc: subprocess.Popen[str], url: str,
 
 async def test_sigterm_drains_running_streams_then_exits_0(tmp_path: Path) -> None:
     """The real CLI: after SIGTERM two running streams finish normally while new requests get 503; exit 0."""
-    async with _cli_server(tmp_path) as (proc, url):
+    async with cli_server(tmp_path) as (proc, url):
         results, health, refused = await _sigterm_with_two_streams(proc, url, max_tokens=1200)
         with trio.fail_after(30):
             assert await trio.to_thread.run_sync(proc.wait) == 0
@@ -157,7 +131,7 @@ async def test_sigterm_drains_running_streams_then_exits_0(tmp_path: Path) -> No
 
 async def test_sigterm_past_the_shutdown_timeout_cuts_streams_then_exits_0(tmp_path: Path) -> None:
     """With a short --shutdown-timeout, streams still running end with an error event and [DONE]; exit 0."""
-    async with _cli_server(tmp_path, "--shutdown-timeout", "0.5") as (proc, url):
+    async with cli_server(tmp_path, "--shutdown-timeout", "0.5") as (proc, url):
         start_s = trio.current_time()
         results, _, refused = await _sigterm_with_two_streams(proc, url, max_tokens=4000)
         with trio.fail_after(30):
@@ -176,7 +150,7 @@ async def test_sigterm_with_a_client_that_never_reads_exits_0(tmp_path: Path) ->
     Without it the blocked write (shielded inside hypercorn) kept the process alive after SIGTERM for ever.
     Big events (20 top logprobs each) fill the socket buffers within the tiny model's context.
     """
-    async with _cli_server(tmp_path, "--shutdown-timeout", "0.5") as (proc, url):
+    async with cli_server(tmp_path, "--shutdown-timeout", "0.5") as (proc, url):
         port = int(url.rsplit(":", 1)[1])
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

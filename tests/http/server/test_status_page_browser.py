@@ -105,6 +105,9 @@ def test_the_page_shows_the_tree_rows_kv_and_a_restart(browser: sync_api.Browser
         # The button on the page arms the same faults: here, the prefill actor's.
         page.click('li[data-actor="prefill"] > .node button[data-fault="prefill"]')
         page.wait_for_selector('li[data-actor="prefill"][data-restarts="1"]', timeout=WAIT_MS)
+        # The http node's button crashes one request's handler: counted there, the server is not restarted.
+        page.click('li[data-actor="http"] > .node button[data-fault="http"]')
+        page.wait_for_selector('li[data-actor="http"][data-handler-crashes="1"][data-restarts="0"]', timeout=WAIT_MS)
     page.close()
 
 
