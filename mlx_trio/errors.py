@@ -41,6 +41,25 @@ class ContextTooLong(RequestError):
         self.message = message
 
 
+class ModelNotFound(RequestError):
+    """The request names a model (or adapter) this server does not serve (HTTP 404, `model_not_found`).
+
+    `served` lists the names it does serve: the base model first, then its adapters.
+    """
+
+    status_code = 404
+
+    def __init__(self, model: str, served: tuple[str, ...]) -> None:
+        names = ", ".join(repr(name) for name in served)
+        super().__init__(f"the model {model!r} does not exist; this server serves {names}")
+        self.model = model
+        self.served = served
+
+
+class AdapterError(RequestError):
+    """An adapter directory cannot be served on this base model: unreadable, or shapes that do not match."""
+
+
 class Overloaded(MlxTrioError):
     """The server is healthy but its bounded queue is full; retry later (HTTP 503)."""
 

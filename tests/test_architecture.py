@@ -44,8 +44,10 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/prompt_cache": frozenset(),
     "engine/kv": frozenset({"engine/prompt_cache"}),  # cache_clone copies host entries
     "engine/model": frozenset({"engine/kv", "engine/sampling"}),  # load measures the KV layout, builds the grammar
-    "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative"}),
+    "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
+                               "engine/adapters"}),  # each row's forward uses its adapter
     "engine/speculative": frozenset({"engine/kv"}),  # a draft model's KV joins, leaves and rolls back by row
+    "engine/adapters": frozenset(),
     "http": frozenset({"http/server", "http/server/app"}),
     "http/server/app": frozenset({"http/server", "http/openai", "http/anthropic", "http/responses"}),
     "http/openai": frozenset({"http/server", "http/completion"}),

@@ -30,7 +30,7 @@ where the goldens are checked bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import os
@@ -42,7 +42,6 @@ import os
 os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from mlx_trio.engine.kv.kv_scheme import KvScheme
@@ -87,10 +86,11 @@ def trims_exactly(caches: Sequence[Any]) -> bool:
 class ChunkedPrefill:
     """The prompt tokens whose KV is not in `caches` yet, and how to feed them."""
 
-    def __init__(self, model: nn.Module, caches: list[Any], prompt_ids: Sequence[int], step_size: int, *,
+    def __init__(self, model: Callable[..., Any], caches: list[Any], prompt_ids: Sequence[int], step_size: int, *,
                  start: int = 0, split_at: int | None = None, grid: int | None = 0,
                  kv_scheme: KvScheme = KvScheme()) -> None:
         # `start`: prompt tokens whose KV `caches` already hold (a prompt-cache hit).
+        # `model`: the row's forward (the model, or the model with the row's adapter: engine/adapters/forward.py).
         # `split_at`: a prompt position no chunk may straddle, so that the caches hold
         # exactly that prefix after some chunk (where a boundary snapshot is taken).
         # `grid`: the shape grid's step (module docstring; None: `resolve_grid`'s default); 0, or caches

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mlx_trio.engine.adapters.forward import rows_selected
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 
@@ -93,7 +94,8 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     while active:
         # The fewest tokens any row has left: every forward ends at least one row's prompt.
         n = min(row.prefill_remaining for row in active)
-        model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
+        with rows_selected([row.adapter for row in active]).applied():  # each row with its own adapter
+            model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
         mx.eval([c.state for c in caches])
         done = [i for i, row in enumerate(active) if not row.prefill_remaining]
         _hand_back([active[i] for i in done], caches, done)
@@ -105,7 +107,8 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
         mx.clear_cache()
     lasts = [row.last_input() for row in rows]
     caches = _merge(rows)
-    logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
+    with rows_selected([row.adapter for row in rows]).applied():
+        logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
     arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
     mx.eval(arrays, [c.state for c in caches])
     _hand_back(rows, caches, range(len(rows)))

@@ -54,6 +54,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, rows_selected
+from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, row_rollback
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
@@ -143,6 +145,10 @@ class DecodeBatch:
         self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
         self._device_bound = False
+        # Each row's hold on its adapter (None: a base row), aligned with _rows, and the selection
+        # every step's forward sets from them (engine/adapters/): recomputed at each join and leave.
+        self._adapters: list[AdapterUse | None] = []
+        self._selected: Selected = BASE_ROWS
 
     @property
     def request_ids(self) -> list[str]:
@@ -221,7 +227,10 @@ class DecodeBatch:
                 for row, token0 in joiners])
         for row in rows:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
+            self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
+            row.adapter = None  # the batch releases it when the row leaves
+        self._selected = rows_selected(self._adapters)
         # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join.
         mx.eval(self._caches_state())
@@ -291,7 +300,8 @@ class DecodeBatch:
             # A grammar's mask for this step needs the previous token consumed: read it first.
             previous = self._read()
         inputs = self._inputs
-        logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+        with self._selected.applied():
+            logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
@@ -354,7 +364,8 @@ class DecodeBatch:
         self._quiet_wait = 0
         assert self._inputs is not None
         inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
-        logits = self._model(inputs, cache=self._caches)
+        with self._selected.applied():  # the target verifies with each row's adapter (the draft proposes without)
+            logits = self._model(inputs, cache=self._caches)
         # Each position is sampled as the plain step at that point would be (its input joins the
         # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
         width = inputs.shape[1]
@@ -457,6 +468,10 @@ class DecodeBatch:
                     batch_caches.filter_layer(cache, keep)
                 batch_kv.share_offsets(self._caches)
         self._rows = [self._rows[i] for i in keep]
+        kept = set(keep)
+        release_all([use for i, use in enumerate(self._adapters) if i not in kept])
+        self._adapters = [self._adapters[i] for i in keep]
+        self._selected = rows_selected(self._adapters)
         self._sampler.keep(keep)
         if self._speculator is not None:
             self._speculator.keep(keep)
@@ -496,6 +511,9 @@ class DecodeBatch:
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""
         self._rows = []
+        release_all(self._adapters)
+        self._adapters = []
+        self._selected = BASE_ROWS
         self._caches = []
         self._solo = False
         self._inputs = None

@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.adapters.forward import adapted
+from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
@@ -56,6 +58,7 @@ class SoloRow:
         resumed_tokens: int = 0,
         prefill_grid: int | None = 0,
         kv_scheme: KvScheme = KvScheme(),
+        adapter: AdapterUse | None = None,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
@@ -65,11 +68,14 @@ class SoloRow:
         # (engine/batch/chunked_prefill.py; 0 = mlx-lm's chunks, None = on a GPU only).
         # `kv_scheme`: the KV format, converted to after each forward as mlx-lm's generate_step does
         # (engine/kv/kv_scheme.py).
+        # `adapter`: the row's hold on its adapter's slot (None: the base model); every forward of this
+        # row uses it, and `DecodeBatch.join_many` takes it.
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
             raise ValueError("a cache hit must leave the last prompt token to compute")
-        self._model = model
+        self.adapter = adapter
+        self._model = adapted(model, adapter)
         self.request_id = request_id
         self.params = params
         self.kv_scheme = kv_scheme
@@ -83,7 +89,7 @@ class SoloRow:
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
         self.num_prompt_tokens = len(prompt_ids)
         self.snapshot_at = snapshot_at
-        self._prefill = ChunkedPrefill(model, self.caches, prompt_ids, prefill_step_size,
+        self._prefill = ChunkedPrefill(self._model, self.caches, prompt_ids, prefill_step_size,
                                        start=self.cached_tokens, split_at=snapshot_at, grid=prefill_grid,
                                        kv_scheme=kv_scheme)
         self.token0: int | None = None
@@ -166,7 +172,10 @@ class SoloRow:
         return self.token0
 
     def close(self) -> None:
-        """Drop the row's caches (in the lease thread, which owns them); also done by `join`."""
+        """Drop the row's caches and its hold on its adapter (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
+        if self.adapter is not None:
+            self.adapter.release()
+            self.adapter = None
         self._prefill.release()
 

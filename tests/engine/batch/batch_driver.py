@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import attrs
@@ -35,7 +35,8 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  converted_at: dict[str, int] | None = None,
                  speculation: SpeculationConfig | None = None,
                  entries: dict[str, CacheEntry | None] | None = None,
-                 steps: list[Decoded] | None = None) -> dict[str, Outcome]:
+                 steps: list[Decoded] | None = None,
+                 adapter_of: Callable[[str], Any] | None = None) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
 
     `converted_at` (quantized schemes) gets each row's token count when it first sat in a quantized batch.
@@ -44,6 +45,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     row speculates). With `entries`, each leaving row's KV is put there
     (`DecodeBatch.cache_entry`), keyed by request id. With `steps`, every
     `Decoded` the steps returned is appended there.
+    `adapter_of(request_id)`: the row's `AdapterUse` (None: a base row), taken when its prefill starts.
     """
     params = {a.request_id: a.params for a in arrivals}
     params_prompt = {a.request_id: a.prompt_ids for a in arrivals}
@@ -88,7 +90,8 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
             for a in joiners:
                 pending.remove(a)
                 row = SoloRow(model, a.request_id, a.prompt_ids, a.params, prefill_step_size=prefill_step_size,
-                              grammar_tokenizer=grammar_tokenizer, kv_scheme=kv_scheme)
+                              grammar_tokenizer=grammar_tokenizer, kv_scheme=kv_scheme,
+                              adapter=adapter_of(a.request_id) if adapter_of is not None else None)
                 while row.prefill_chunk():
                     pass
                 record(a.request_id, row.first_token(), row.token0_logprobs)
