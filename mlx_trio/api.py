@@ -29,13 +29,15 @@ import attrs
 import trio
 
 from mlx_trio.actors.engine_tree import EngineActors
+from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import SNAPSHOT_MIN_TOKENS
 from mlx_trio.actors.messages import Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
+from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.load import LoadedModel
-from mlx_trio.errors import (ActorCrashed, ContextTooLong, EngineDown, EngineFailure, EngineRestarted, InvalidParameter,
-                             MlxTrioError)
+from mlx_trio.errors import (ActorCrashed, AdapterError, ContextTooLong, EngineDown, EngineFailure, EngineRestarted,
+                             InvalidParameter, MlxTrioError, ModelNotFound)
 from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.logprobs import TokenLogprob
@@ -59,6 +61,8 @@ ROOT_MAX_RESTARTS = 1_000_000
 ROOT_BACKOFF = Backoff(first_s=0.05, max_s=1.0, quick_s=2.0)
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+# The name every client may use for the base model (as the HTTP API's "default").
+DEFAULT_MODEL_NAME = "default"
 
 
 class Engine:
@@ -70,6 +74,8 @@ class Engine:
         self.faults = Faults()
         self.actors = EngineActors(config, self.faults)
         self._request_ids = itertools.count(1)
+        # Adapters being unloaded: requests may no longer name them.
+        self._unloading: set[str] = set()
         # Sessions are temporary: a crashed session fails its own request only.
         self._sessions = Supervisor("sessions", strategy=Strategy.ONE_FOR_ONE, max_restarts=1_000_000, period_s=1.0)
         # `extra_children` (the HTTP server) start after the engine, so they can
@@ -127,8 +133,13 @@ class Engine:
 
     def prepare(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                 tools: Sequence[Mapping[str, Any]] | None = None, clamp_max_tokens: bool = True,
-                **sampling: Any) -> Request:
+                model: str | None = None, **sampling: Any) -> Request:
         """Validate and tokenize; raises `InvalidParameter` / `ContextTooLong` naming the field.
+
+        `model` picks an adapter by its name (`lora_modules`); None, the base
+        model's id or "default" is the base model. On an engine that serves
+        adapters any other name is `ModelNotFound`; on one that serves none,
+        every name is the base model (clients send names of their own).
 
         `tools` (OpenAI function tools) go to the chat template, or, where it
         has no tool format, into the chat in the generic one. Chat roles, message
@@ -141,6 +152,7 @@ class Engine:
         lowered to that room (the answer then ends with "length" when it fills
         the context), or, with `clamp_max_tokens=False`, `ContextTooLong`.
         """
+        adapter = self._adapter_named(model)
         params = _merge_params(self.config.defaults, sampling).validate(vocab_size=self.model.vocab_size)
         if params.constraint is not None:
             self.model.check_constraint(params.constraint)
@@ -160,7 +172,64 @@ class Engine:
         if len(ids) >= SNAPSHOT_MIN_TOKENS:  # shorter prompts never store a snapshot
             boundary = self.model.message_boundary(prompt, ids, chat_template_kwargs=chat_template_kwargs,
                                                    tools=tools)
-        return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary)
+        return Request(f"req-{next(self._request_ids)}", tuple(ids), params, snapshot_at=boundary, adapter=adapter)
+
+    # -- adapters ---------------------------------------------------------------
+
+    def served_adapters(self) -> tuple[str, ...]:
+        """The adapters a request may name, in load order (empty when none are served)."""
+        adapters = self.actors.lane.adapters
+        return adapters.names if adapters is not None else ()
+
+    def served_models(self) -> tuple[str, ...]:
+        """The base model's id, then every served adapter's name."""
+        return (self.model_id, *self.served_adapters())
+
+    def _adapter_named(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names; None for the base model. Raises `ModelNotFound`."""
+        adapters = self.actors.lane.adapters
+        if model is None or adapters is None or model in (self.model_id, DEFAULT_MODEL_NAME):
+            return None
+        if model in adapters.names and model not in self._unloading:
+            return model
+        raise ModelNotFound(model, self.served_models())
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` from now on (a lease job); raises `AdapterError`.
+
+        Only on an engine that serves adapters (`lora_modules` or `enable_lora_admin`).
+        A name in use by running requests must be unloaded first.
+        """
+        adapters = self._adapters()
+        if name in (self.model_id, DEFAULT_MODEL_NAME):
+            raise AdapterError(f"{name!r} is the base model's name")
+        await self._lease().run(adapters.load, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`: new requests naming it get `ModelNotFound` at once; returns once every
+        request using it has ended and its slot is freed. Raises `ModelNotFound` if it is not served."""
+        adapters = self._adapters()
+        if name not in adapters.names:
+            raise ModelNotFound(name, self.served_models())
+        self._unloading.add(name)
+        try:
+            while adapters.in_use(name) or any(cmd.adapter == name for cmd in self.actors.lane.in_flight()):
+                await trio.sleep(0.01)
+            await self._lease().run(adapters.unregister, name)
+        finally:
+            self._unloading.discard(name)
+
+    def _adapters(self) -> ResidentAdapters:
+        adapters = self.actors.lane.adapters
+        if adapters is None:
+            raise EngineFailure("this engine serves no adapters (start it with lora_modules or enable_lora_admin)")
+        return adapters
+
+    def _lease(self) -> GpuLease:
+        lease = self.actors.lane.lease
+        if lease is None:
+            raise EngineFailure("the engine is restarting")
+        return lease
 
     def count_tokens(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                      tools: Sequence[Mapping[str, Any]] | None = None, **_sampling: Any) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import attrs
@@ -13,6 +14,15 @@ from mlx_trio.params import SamplingParams
 DEFAULT_PREFILL_CHUNK_MS = 100.0
 # Prompts prefilled at once, chunks interleaved (--prompt-concurrency; mlx_lm.server's default).
 DEFAULT_PROMPT_CONCURRENCY = 8
+# Adapters resident at once (--max-loras: one per row of the default --batch) and their largest
+# rank (--max-lora-rank, vLLM's default).
+DEFAULT_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 16
+
+
+def _lora_modules(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple((str(name), str(path)) for name, path in items)
 
 
 @attrs.frozen
@@ -79,12 +89,24 @@ class EngineConfig:
     # A draft model (--draft-model: directory or hub id, same tokenizer): it proposes each row's next
     # --num-draft-tokens tokens, batched; with it, --prompt-lookup is not used.
     draft_model: str | None = None
+    # LoRA/DoRA adapters (mlx-lm adapter directories) served by name next to the base model
+    # (--lora-modules NAME=PATH), at most `max_loras` resident at once (LRU beyond), of rank at
+    # most `max_lora_rank`; `enable_lora_admin` lets adapters be loaded and unloaded at run time.
+    lora_modules: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_lora_modules)
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    enable_lora_admin: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.kv_bits is not None and (self.prompt_lookup or self.draft_model is not None):
             # A speculative step drops each row's rejected tail of KV; quantized rows cannot yet.
             raise ValueError("--kv-bits cannot be combined with --prompt-lookup or --draft-model yet (speculation "
                              "rolls back each row's KV, which quantized KV does not support): drop one of them")
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether adapters may be served: some are configured, or they can be loaded at run time."""
+        return bool(self.lora_modules) or self.enable_lora_admin
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -198,6 +198,8 @@ class DecodeStepActor:
             row = self._rows[rid]
             if not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
                 continue
+            if row.request.adapter is not None:
+                continue  # its KV is the adapter's: never served to another (see PrefillActor._caching)
             tokens = row.request.prompt_ids + tuple(row.generated)
             entry = await self._lease.run(batch.cache_entry, rid, tokens)
             if entry is not None:

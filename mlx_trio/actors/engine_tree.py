@@ -42,11 +42,12 @@ from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
+from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
 from mlx_trio.engine.model.load import LoadedModel, load_model
 from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
-from mlx_trio.errors import EngineFailure, MlxTrioError, ModelLoadError
+from mlx_trio.errors import AdapterError, EngineFailure, MlxTrioError, ModelLoadError
 from mlx_trio.events import CacheDivergence
 from mlx_trio.supervision import Backoff, ChildSpec, Retrying, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
@@ -269,6 +270,8 @@ class EngineActors:
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
                                                 cache_dir=self.config.cache_dir))
                 log.info("draft model %s loaded", self.config.draft_model)
+            if self.config.serves_adapters:
+                self.lane.adapters = await self._load_adapters(lease, model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
             await self._warm_up(lease, model)
         except Exception as exc:
@@ -278,6 +281,20 @@ class EngineActors:
             self.lane.settle_model(None, error)
             return
         self.lane.settle_model(model)
+
+    async def _load_adapters(self, lease: GpuLease, model: LoadedModel) -> ResidentAdapters:
+        """The served adapters (`--lora-modules`); one that cannot be served is logged and left out."""
+        config = self.config
+        adapters = ResidentAdapters(model.model, max_loras=config.max_loras, max_rank=config.max_lora_rank)
+        for name, path in config.lora_modules:
+            try:
+                weights = await lease.run(adapters.load, name, path)
+            except AdapterError as exc:
+                log.error("not serving adapter %s: %s", name, exc)
+                continue
+            log.info("adapter %s (%s, rank %d, %d layers) from %s", name, weights.kind, weights.rank,
+                     len(weights.layers), path)
+        return adapters
 
     async def _warm_up(self, lease: GpuLease, model: LoadedModel) -> None:
         """Compile the lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""

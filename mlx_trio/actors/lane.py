@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mlx_trio.actors.gpu_lease import GpuLease
     from mlx_trio.actors.prefill import PrefillActor
     from mlx_trio.actors.prompt_caching import PromptCaching
+    from mlx_trio.engine.adapters.resident import ResidentAdapters
     from mlx_trio.engine.model.load import LoadedModel
 
 
@@ -61,6 +62,9 @@ class Lane:
     persistence: CachePersistenceActor | None = None
     # The prompt cache outlives actor restarts; created once the KV budget is known (None: off).
     caching: PromptCaching | None = None
+    # The served adapters, set with the model when the config serves any (None: the base model only);
+    # like the model, they outlive restarts. Used on the lease thread, but for its `names`.
+    adapters: ResidentAdapters | None = None
 
     @property
     def row_cap(self) -> int:

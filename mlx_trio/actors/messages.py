@@ -32,6 +32,8 @@ class Request:
     params: SamplingParams
     # The prompt's last message boundary in tokens (chats only): a prompt-cache snapshot point.
     snapshot_at: int | None = None
+    # The adapter (a --lora-modules name) every forward of this request uses; None: the base model.
+    adapter: str | None = None
 
 
 @attrs.frozen
@@ -99,6 +101,8 @@ class Generate:
     # How many tokens at the end of prompt_ids this request generated before a resume:
     # a constrained request's grammar consumes them, so it continues where it stood.
     resumed_tokens: int = 0
+    # The request's adapter (None: the base model); a resume keeps it.
+    adapter: str | None = None
 
 
 @attrs.frozen

@@ -43,7 +43,8 @@ from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.errors import LeaseClosed
+from mlx_trio.engine.adapters.resident import ResidentAdapters
+from mlx_trio.errors import AdapterError, LeaseClosed
 from mlx_trio.events import FinishReason
 from mlx_trio.supervision.faults import InjectedFault
 
@@ -208,11 +209,20 @@ class PrefillActor:
             self._cancelled += 1
 
     async def _keep_prefix(self, cmd: Generate, row: SoloRow) -> None:
-        caching = self._lane.caching
+        caching = self._caching(cmd)
         if caching is None or row.fed - row.cached_tokens < SNAPSHOT_MIN_TOKENS or caching.has(cmd.prompt_ids[:row.fed]):
             return
         caching.store(await self._lease.run(row.snapshot))  # a lazy clone: shares the row's buffers
         self._partial_puts += 1
+
+    def _caching(self, cmd: Generate) -> PromptCaching | None:
+        """The prompt cache for this request: none for a request with an adapter.
+
+        Its KV was computed with the adapter's weights, so it must never serve
+        the base model or another adapter; until entries are keyed by adapter
+        (issue #24), such requests neither read nor fill the cache.
+        """
+        return self._lane.caching if cmd.adapter is None else None
 
     def _startable(self) -> bool:
         """Whether a backlog request may start; the first that may is moved to the head.
@@ -279,12 +289,12 @@ class PrefillActor:
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
         busy = self._busy
-        caching = self._lane.caching
         budget = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
         hits: list[CacheHit | None] = []
         used = 0.0
         first_hit: CacheHit | None = None
         for i, cmd in enumerate(list(self._backlog)):
+            caching = self._caching(cmd)
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
             cached = hit.usable if hit is not None else 0
@@ -344,12 +354,13 @@ class PrefillActor:
 
     def _row_maker(self, cmd: Generate, hit: CacheHit | None,
                    snapshot_at: int | None = None) -> Callable[[], SoloRow]:
-        """Makes the request's `SoloRow` (on the lease thread: it builds caches)."""
-        return partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
+        """Makes the request's `SoloRow` (on the lease thread: it builds caches and takes the adapter's slot)."""
+        make = partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
                        prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
                        resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid,
                        kv_scheme=self._model.kv_scheme)
+        return make if cmd.adapter is None else partial(_with_adapter, self._lane.adapters, cmd.adapter, make)
 
     def _failed(self, cmd: Generate, exc: Exception, hit: CacheHit | None) -> GenerationEnded:
         """A prefill error is this request's alone: count and log it; the event tells its session.
@@ -367,7 +378,7 @@ class PrefillActor:
     async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
         """Send token 0, then end the request there or pass the row to the decoder; frees what does not join."""
         rid, joined = cmd.request_id, False
-        caching = self._lane.caching
+        caching = self._caching(cmd)
         ended: GenerationEnded | None = None
         try:
             token0 = row.token0
@@ -395,7 +406,7 @@ class PrefillActor:
 
     async def _start_job(self, cmd: Generate, hit: CacheHit | None) -> None:
         """Make the request's row (from its prompt-cache hit, made by `_cohort`); its chunks then interleave."""
-        caching = self._lane.caching
+        caching = self._caching(cmd)
         row: SoloRow | None = None
         try:
             row = await self._lease.run(self._row_maker(cmd, hit, self._snapshot_point(cmd, hit, caching)))
@@ -426,7 +437,7 @@ class PrefillActor:
         """
         cmd, row = job.cmd, job.row
         rid, total = cmd.request_id, len(cmd.prompt_ids)
-        caching = self._lane.caching
+        caching = self._caching(cmd)
         ended: GenerationEnded | None = None
         self._last_request = rid
         try:
@@ -467,6 +478,18 @@ class PrefillActor:
         await self._hand_on(cmd, row)
 
 
+def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:
+    """`make(adapter=...)` holding `name`'s slot (written into one first if needed); lease thread only."""
+    if adapters is None:
+        raise AdapterError(f"adapter {name!r} is not loaded: this server serves no adapters")
+    use = adapters.acquire(name)
+    try:
+        return make(adapter=use)
+    except BaseException:
+        use.release()
+        raise
+
+
 def next_job(jobs: list[_Job]) -> _Job:
     """The job whose chunk runs next: one passed over `AGING_CHUNKS` times, else the fewest tokens left.
 
@@ -485,7 +508,7 @@ def next_job(jobs: list[_Job]) -> _Job:
 def _awaits_snapshot(cmd: Generate, job: _Job) -> bool:
     """Whether `job` will store a snapshot of a prefix of `cmd`'s prompt that it has not stored yet."""
     at = job.row.snapshot_at
-    return (at is not None and job.row.fed < at < len(cmd.prompt_ids)
+    return (at is not None and cmd.adapter == job.cmd.adapter and job.row.fed < at < len(cmd.prompt_ids)
             and cmd.prompt_ids[:at] == job.cmd.prompt_ids[:at])
 
 

@@ -147,7 +147,7 @@ class SessionActor:
         command = Generate(
             request.request_id, request.prompt_ids + tuple(self.generated),
             attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
-            send, rng_draws=done, resumed_tokens=done, snapshot_at=request.snapshot_at,
+            send, rng_draws=done, resumed_tokens=done, snapshot_at=request.snapshot_at, adapter=request.adapter,
         )
         with self._replies:
             try:

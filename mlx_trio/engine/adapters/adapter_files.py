@@ -58,10 +58,12 @@ class AdapterWeights:
         return self.kind == "dora"
 
 
-def read_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int) -> AdapterWeights:
+def read_adapter(name: str, path: str | Path, model: nn.Module | Mapping[str, nn.Module], *,
+                 max_rank: int) -> AdapterWeights:
     """The adapter at `path`, served as `name`; raises `AdapterError` naming the adapter and what is wrong.
 
-    Checked against `model`: every module it names exists and is a (quantized)
+    Checked against `model` (or its modules by path, as the base model has
+    them): every module it names exists and is a (quantized)
     `Linear`, and every tensor has the shape that module needs; its rank is at
     most `max_rank` (the resident slots are sized by it).
     """
@@ -81,7 +83,7 @@ def read_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int
         tensors = mx.load(str(root / WEIGHTS_FILE))
     except Exception as exc:
         raise AdapterError(f"adapter {name!r} ({root}): cannot read {WEIGHTS_FILE}: {exc}") from exc
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules()) if isinstance(model, nn.Module) else model
     grouped: dict[str, dict[str, mx.array]] = {}
     for key, value in tensors.items():
         module, _, leaf = key.rpartition(".")

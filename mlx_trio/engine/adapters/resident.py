@@ -24,14 +24,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlx_trio.engine.adapters.adapter_files import AdapterWeights, linear_dims
+from mlx_trio.engine.adapters.adapter_files import AdapterWeights, linear_dims, read_adapter
 from mlx_trio.engine.adapters.row_lora import LayerSlots, PerRow, RowLoraLinear, RowSelection, base_weight, choice_of
+from mlx_trio.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from mlx_trio.errors import AdapterError, Overloaded
 
-# vLLM's default --max-lora-rank.
-DEFAULT_MAX_LORA_RANK = 16
-# Adapters resident at once by default: one per row of the default --batch.
-DEFAULT_MAX_LORAS = 8
 
 
 @attrs.define(eq=False)
@@ -74,6 +71,20 @@ class ResidentAdapters:
 
     def known(self, name: str) -> AdapterWeights | None:
         return self._known.get(name)
+
+    def load(self, name: str, path: str) -> AdapterWeights:
+        """Read the adapter at `path` (checked against this model) and serve it as `name`; raises `AdapterError`."""
+        weights = read_adapter(name, path, self.base_modules(), max_rank=self.max_rank)
+        self.register(weights)
+        return weights
+
+    def base_modules(self) -> dict[str, nn.Module]:
+        """The model's modules by path, the wrapped layers as the base model has them (their `linear`)."""
+        modules = dict(self._model.named_modules())
+        for path, layer in self._layers.items():
+            modules[path] = layer.linear
+            modules.pop(f"{path}.linear", None)
+        return modules
 
     def register(self, weights: AdapterWeights) -> None:
         """Serve `weights` under its name (replacing an older revision no row holds); not resident until acquired."""

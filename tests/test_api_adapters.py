@@ -1,0 +1,116 @@
+"""Adapters through the embeddable API: `open_engine(lora_modules=...)`, `model=NAME`, per-row in one batch.
+
+Each request's greedy tokens equal mlx-lm's `load(model, adapter_path=...)` +
+`generate_step` for its adapter (the base model's for base requests), alone
+(`batch=1`) and batched with rows of another adapter and base rows; the
+prompt cache never serves one adapter's KV to another or to the base; a
+resume after a decode-step crash keeps the request's adapter; an unknown name
+is `ModelNotFound` naming the served models; runtime load and unload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.errors import AdapterError, ModelNotFound
+from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
+from tests.engine.adapters.test_row_lora import MAX_TOKENS, _adapter_dir, _mlx_lm_tokens, _prompt
+
+
+def _modules(*names: str) -> dict[str, str]:
+    return {name: str(_adapter_dir("llama", name)) for name in names}
+
+
+async def _tokens(engine, prompt: tuple[int, ...], model: str | None, max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+    done = await engine.complete(list(prompt), model=model, max_tokens=max_tokens)
+    return done.token_ids
+
+
+def _want(name: str | None, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    return _mlx_lm_tokens("llama", name, prompt)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+async def test_requests_name_adapters_and_each_equals_mlx_lm(batch: int) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, lora_modules=_modules("qv", "dora")) as engine:
+        assert engine.served_adapters() == ("qv", "dora")
+        plan = [("qv", 1), (None, 2), ("dora", 3), ("qv", 4), (None, 5), ("dora", 6)]
+        got: dict[int, tuple[int, ...]] = {}
+
+        async def one(name: str | None, i: int) -> None:
+            got[i] = await _tokens(engine, _prompt(i), name)
+
+        async with trio.open_nursery() as nursery:
+            for name, i in plan:
+                nursery.start_soon(one, name, i)
+        for name, i in plan:
+            assert got[i] == _want(name, _prompt(i)), (name, i)
+        # The base model keeps its own name (and "default").
+        assert await _tokens(engine, _prompt(2), engine.model_id) == _want(None, _prompt(2))
+        assert await _tokens(engine, _prompt(2), "default") == _want(None, _prompt(2))
+
+
+async def test_an_unknown_model_name_is_model_not_found_naming_the_served_ones() -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=2, lora_modules=_modules("qv")) as engine:
+        with pytest.raises(ModelNotFound) as info:
+            await engine.complete("hi", model="nope", max_tokens=2)
+        assert info.value.served == (engine.model_id, "qv") and "'nope'" in str(info.value)
+    async with open_engine(str(tiny_model(LLAMA)), batch=2) as engine:  # no adapters: any name is the base
+        assert await _tokens(engine, _prompt(1), "gpt-4o", 4) == _want(None, _prompt(1))[:4]
+
+
+async def test_the_prompt_cache_never_crosses_adapters() -> None:
+    long_prompt = tuple((3 * j + 1) % 500 + 3 for j in range(300))
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, lora_modules=_modules("qv", "mlp")) as engine:
+        for name in (None, "qv", "mlp", None, "qv"):
+            assert await _tokens(engine, long_prompt, name, 6) == _want(name, long_prompt)[:6], name
+        stats = engine.actors.lane.prefill.statistics()
+        # Only the repeated base request read the cache: the adapters never did.
+        assert 0 < stats.cached_tokens < 2 * len(long_prompt)
+
+
+async def test_a_resume_after_a_decode_step_crash_keeps_the_adapter() -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, lora_modules=_modules("qv")) as engine:
+        prompt = _prompt(7)
+        tokens: list[int] = []
+        armed = False
+        async for event in engine.generate(list(prompt), model="qv", max_tokens=MAX_TOKENS):
+            tokens.extend(getattr(event, "token_ids", ()))
+            if len(tokens) >= 3 and not armed:
+                engine.faults.arm("decode-step", "raise")
+                armed = True
+        assert engine.faults.fired
+        assert tuple(tokens) == _want("qv", prompt)
+
+
+async def test_load_and_unload_at_run_time(tmp_path) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, enable_lora_admin=True) as engine:
+        assert engine.served_adapters() == ()
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "qv")))
+        assert await _tokens(engine, _prompt(1), "qv") == _want("qv", _prompt(1))
+        narrow = tiny_model(TinyModelSpec("llama", hidden_size=32, heads=2, kv_heads=1))
+        from mlx_trio.testing.tiny_adapters import write_adapter
+        with pytest.raises(AdapterError, match="the base model needs"):
+            await engine.load_adapter("bad", str(write_adapter(narrow, tmp_path / "bad", seed=1)))
+        # An unload waits for the rows using the adapter; a request after it is ModelNotFound.
+        def using() -> bool:
+            return any(cmd.adapter == "qv" for cmd in engine.actors.lane.in_flight())
+
+        while using():  # the first request's row may still be leaving
+            await trio.sleep(0.001)
+        async with trio.open_nursery() as nursery:
+            results: list[tuple[int, ...]] = []
+
+            async def run() -> None:
+                results.append(await _tokens(engine, _prompt(2), "qv"))
+
+            nursery.start_soon(run)
+            while not using():
+                await trio.sleep(0.001)
+            await engine.unload_adapter("qv")
+            assert results == [_want("qv", _prompt(2))]
+        with pytest.raises(ModelNotFound):
+            await engine.complete("hi", model="qv", max_tokens=2)
+        assert await _tokens(engine, _prompt(1), None) == _want(None, _prompt(1))
