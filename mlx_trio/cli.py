@@ -165,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens proposed per row and step when speculating (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
+    arg("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+        help="LoRA/DoRA adapters (mlx-lm adapter directories) served next to the base model; a request "
+             "selects one with model=NAME (default: none)")
+    arg("--max-loras", type=positive_int, default=_ENGINE.max_loras.default,
+        help="adapters resident at once; beyond, the least recently used one no request holds is replaced "
+             "(default: %(default)s)")
+    arg("--max-lora-rank", type=positive_int, default=_ENGINE.max_lora_rank.default,
+        help="largest adapter rank served (default: %(default)s)")
+    arg("--enable-lora-admin", action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) to change adapters at run time")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="log verbosity (default: %(default)s)")
     bench_cli.add_parser(commands)
@@ -189,7 +199,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                           quantized_kv_start=args.quantized_kv_start,
                           num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
-                          prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model)
+                          prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model,
+                          lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                          enable_lora_admin=args.enable_lora_admin)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
@@ -197,8 +209,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           enable_fault_injection=args.enable_fault_injection,
                           strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
                           responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout,
-                          body_timeout_s=args.body_timeout)
+                          body_timeout_s=args.body_timeout,
+                          enable_lora_admin=args.enable_lora_admin)
     return engine, server
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """`NAME=PATH` of --lora-modules (vLLM's form)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def check_port(host: str, port: int) -> None:

@@ -58,6 +58,9 @@ class FakeEngine:
                 "counters": {"active_rows": self.active, "pending_rows": 0, "lease_queue_depth": 0,
                              "lease_busy_fraction": 0.0, "kv_bytes": self.kv_bytes}}
 
+    def served_adapters(self) -> tuple[str, ...]:
+        return ()
+
     @property
     def model_id(self) -> str:
         if not self.loaded:
@@ -65,7 +68,8 @@ class FakeEngine:
         return "fake-model"
 
     def prepare(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                tools: Any = None, clamp_max_tokens: bool = True, **sampling: Any) -> FakeRequest:
+                tools: Any = None, clamp_max_tokens: bool = True, model: str | None = None,
+                **sampling: Any) -> FakeRequest:
         """One token per word (per message for a chat); the engine's context policy over `context_length`."""
         if not self.loaded:
             raise EngineFailure("the model is not loaded yet")

@@ -63,7 +63,7 @@ def parse_count_tokens(body: Mapping[str, Any], *, template_defaults: Mapping[st
                        keep_billing_header: bool = False) -> CompletionCall:
     """The prompt part of a Messages body (`count_tokens` takes no `max_tokens`): system, messages, tools,
     thinking, and `output_config.format` (the one sampling field count_tokens takes)."""
-    optional_field(body, "model", str)
+    model = optional_field(body, "model", str)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidParameter("messages", f"must be a non-empty list of messages, got {json_type(raw)}")
@@ -76,7 +76,7 @@ def parse_count_tokens(body: Mapping[str, Any], *, template_defaults: Mapping[st
     return CompletionCall(chat=True, prompt=template_messages(messages),
                           sampling={"constraint": constraint} if constraint is not None else {},
                           chat_template_kwargs=template_kwargs({**body, **_thinking(body)}, template_defaults),
-                          stream=False, include_usage=True, tools=tools)
+                          stream=False, include_usage=True, tools=tools, model=model)
 
 
 def _system(system: Any, keep_billing_header: bool) -> list[dict[str, Any]]:

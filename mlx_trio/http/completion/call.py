@@ -36,6 +36,8 @@ class CompletionCall:
     stream: bool
     include_usage: bool
     tools: ToolsRequest = NO_TOOLS
+    # The body's `model`: an adapter's name selects it; the base model's name, "default" or None is the base.
+    model: str | None = None
 
     @property
     def prompt_field(self) -> str:

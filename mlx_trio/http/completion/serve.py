@@ -34,6 +34,7 @@ from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
 from mlx_trio.http.server.admin import handler_fault_point
 from mlx_trio.http.server.errors import INTERNAL_ERROR, ApiError, api_error, draining
+from mlx_trio.http.server.info import DEFAULT_MODEL_ALIAS
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.server.state import AppState, HandlerCrashes, closing
@@ -82,9 +83,20 @@ async def prepare(state: AppState, call: CompletionCall) -> Any:
     """
     try:
         return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call),
+                                                   **model_kwargs(state, call),
                                                    clamp_max_tokens=not state.config.strict_max_tokens)
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
+
+
+def model_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
+    """`model` for `Engine.prepare` when the body names something other than the base model (an adapter).
+
+    The base model is the name this server reports (`--served-model-name` or the engine's id) or "default".
+    """
+    if call.model is None or call.model in (state.model_name(), DEFAULT_MODEL_ALIAS):
+        return {}
+    return {"model": call.model}
 
 
 def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def _text_prompt(prompt: Any) -> str | list[int]:
 
 def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
             template_defaults: Mapping[str, Any]) -> CompletionCall:
-    optional_field(body, "model", str)
+    model = optional_field(body, "model", str)
     optional_field(body, "user", str)
     stream = bool(optional_field(body, "stream", bool))
     include_usage = False
@@ -169,7 +169,7 @@ def _common(body: Mapping[str, Any], *, chat: bool, prompt: Any,
         sampling["constraint"] = constraint
     return CompletionCall(chat=chat, prompt=prompt, sampling=sampling,
                           chat_template_kwargs=template_kwargs(body, template_defaults) if chat else None,
-                          stream=stream, include_usage=include_usage)
+                          stream=stream, include_usage=include_usage, model=model)
 
 
 def _check_seed(seed: Any) -> None:

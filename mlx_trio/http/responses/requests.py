@@ -100,7 +100,7 @@ def parse_responses(body: Mapping[str, Any], *, template_defaults: Mapping[str, 
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, False):
             raise InvalidParameter(name, why)
-    optional_field(body, "model", str)
+    model = optional_field(body, "model", str)
     optional_field(body, "previous_response_id", str)
     for name in _STRING_FIELDS:
         optional_field(body, name, str)
@@ -128,7 +128,7 @@ def parse_responses(body: Mapping[str, Any], *, template_defaults: Mapping[str, 
     call = ResponsesCompletionCall(chat=True, prompt=messages, sampling=sampling,
                                    chat_template_kwargs=template_kwargs(body, template_defaults),
                                    stream=bool(optional_field(body, "stream", bool)), include_usage=True,
-                                   tools=tools.request, forced_tool=tools.forced_name)
+                                   tools=tools.request, forced_tool=tools.forced_name, model=model)
     return ResponsesCall(call, tools, input_items, context, _echo(body, instructions), store)
 
 

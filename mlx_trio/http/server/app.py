@@ -16,6 +16,7 @@ from mlx_trio.http.server.drain import Drain
 from mlx_trio.http.server.errors import install_error_handlers
 from mlx_trio.http.server.guards import install_guards
 from mlx_trio.http.server.info import register_info
+from mlx_trio.http.server.lora_admin import register_lora_admin
 from mlx_trio.http.anthropic.endpoint import register_messages
 from mlx_trio.http.server.prometheus import Metrics, register_metrics
 from mlx_trio.http.responses.endpoint import register_responses
@@ -48,6 +49,7 @@ def create_app(engine: EngineLike, config: ServerConfig, *, drain: Drain | None 
     register_messages(app, state)
     register_responses(app, state)
     register_admin(app, state)
+    register_lora_admin(app, state)
     register_status_page(app, state)
     register_root(app, state)
     return app

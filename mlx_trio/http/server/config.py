@@ -77,3 +77,5 @@ class ServerConfig:
     responses_store_bytes: int = attrs.field(default=DEFAULT_RESPONSES_STORE_BYTES, validator=attrs.validators.ge(0))
     write_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
     body_timeout_s: float = attrs.field(default=DEFAULT_BODY_TIMEOUT_S, validator=attrs.validators.gt(0.0))
+    # Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora-admin; 404 otherwise).
+    enable_lora_admin: bool = False

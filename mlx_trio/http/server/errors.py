@@ -30,6 +30,7 @@ from mlx_trio.errors import (
     EngineRestarted,
     InvalidParameter,
     MlxTrioError,
+    ModelNotFound,
     Overloaded,
     RequestError,
 )
@@ -136,6 +137,8 @@ def api_error(exc: BaseException, *, max_body_bytes: int | None = None, path: st
     """Map any exception to what the client sees. Unknown exceptions are 500s without details."""
     if isinstance(exc, HttpError):
         return exc.error
+    if isinstance(exc, ModelNotFound):
+        return ApiError(404, str(exc), INVALID_REQUEST, "model_not_found", "model")
     if isinstance(exc, InvalidParameter):
         return ApiError(400, str(exc), INVALID_REQUEST, "invalid_value", exc.field)
     if isinstance(exc, ContextTooLong):

@@ -44,13 +44,17 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [_model_object(state)]})
+        """The base model, then each served adapter (vLLM's shape: `parent` is the base model's id)."""
+        adapters = [_adapter_object(state, name) for name in state.engine.served_adapters()]
+        return json_response({"object": "list", "data": [_model_object(state), *adapters]})
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
         # "default" too: the docs tell clients to send model="default", and some look the model up first.
+        if model_id in state.engine.served_adapters():
+            return json_response(_adapter_object(state, model_id))
         if model_id not in (state.model_name(), DEFAULT_MODEL_ALIAS):
-            raise model_not_found(model_id, state.model_name())
+            raise model_not_found(model_id, ", ".join([state.model_name(), *state.engine.served_adapters()]))
         return json_response(_model_object(state))
 
     @app.get("/v1/status")
@@ -80,6 +84,10 @@ def _degraded(state: AppState) -> dict[str, str]:
     """What runs degraded, and why: for now the SSD tier, from `Engine.status()`."""
     ssd = state.engine.status().get("prompt_cache", {}).get("ssd", {})
     return {"prompt_cache_ssd": ssd.get("reason") or "degraded"} if ssd.get("degraded") else {}
+
+
+def _adapter_object(state: AppState, name: str) -> dict[str, Any]:
+    return {**_model_object(state), "id": name, "parent": state.model_name(), "root": state.model_name()}
 
 
 def _model_object(state: AppState) -> dict[str, Any]:

@@ -47,6 +47,12 @@ class EngineLike(Protocol):
 
     def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
 
+    def served_adapters(self) -> tuple[str, ...]: ...  # adapter names a body's `model` may give (may be empty)
+
+    async def load_adapter(self, name: str, path: str) -> None: ...  # only with --enable-lora-admin
+
+    async def unload_adapter(self, name: str) -> None: ...  # returns once no request uses it
+
 
 @asynccontextmanager
 async def closing(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[AsyncIterator[GenerationEvent]]:
