@@ -62,13 +62,18 @@ async def test_an_unknown_model_name_is_model_not_found_naming_the_served_ones()
 
 
 async def test_the_prompt_cache_never_crosses_adapters() -> None:
+    """Each adapter reuses its own entries only: same prompt under base, qv, mlp, then each again."""
     long_prompt = tuple((3 * j + 1) % 500 + 3 for j in range(300))
     async with open_engine(str(tiny_model(LLAMA)), batch=4, lora_modules=_modules("qv", "mlp")) as engine:
-        for name in (None, "qv", "mlp", None, "qv"):
+        prefill = engine.actors.lane.prefill
+        cached: list[int] = []
+        for name in (None, "qv", "mlp", None, "qv", "mlp"):
+            before = prefill.statistics().cached_tokens
             assert await _tokens(engine, long_prompt, name, 6) == _want(name, long_prompt)[:6], name
-        stats = engine.actors.lane.prefill.statistics()
-        # Only the repeated base request read the cache: the adapters never did.
-        assert 0 < stats.cached_tokens < 2 * len(long_prompt)
+            cached.append(prefill.statistics().cached_tokens - before)
+        # The first request of each (base, qv, mlp) found nothing: another's KV never served it.
+        # A repeat found its own prompt (all but the last token).
+        assert cached == [0, 0, 0, len(long_prompt) - 1, len(long_prompt) - 1, len(long_prompt) - 1]
 
 
 async def test_a_resume_after_a_decode_step_crash_keeps_the_adapter() -> None:

@@ -190,16 +190,14 @@ class DecodeStepActor:
         A lone row hands its caches over without a copy; a batched row with a
         long enough prompt is extracted before the filter drops it.
         """
-        caching = self._lane.caching
         batch = self._batch
-        if caching is None or batch is None:
+        if self._lane.caching is None or batch is None:
             return
         for rid in leaving:
             row = self._rows[rid]
-            if not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
+            caching = self._lane.caching_for(row.request)  # a row with an adapter: its namespace
+            if caching is None or not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
                 continue
-            if row.request.adapter is not None:
-                continue  # its KV is the adapter's: never served to another (see PrefillActor._caching)
             tokens = row.request.prompt_ids + tuple(row.generated)
             entry = await self._lease.run(batch.cache_entry, rid, tokens)
             if entry is not None:

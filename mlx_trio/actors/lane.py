@@ -25,6 +25,8 @@ import attrs
 import trio
 
 from mlx_trio.actors.messages import Generate, GenerationEnded
+from mlx_trio.actors.prompt_caching import AdapterCaching
+from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import MlxTrioError
 from mlx_trio.supervision.faults import Faults
@@ -93,6 +95,14 @@ class Lane:
             await trio.sleep_forever()
         assert self.model is not None
         return self.model
+
+    def caching_for(self, request: Generate) -> PromptCaching | AdapterCaching | None:
+        """The prompt cache as `request` uses it: its adapter's namespace of it, or the cache itself (None: off)."""
+        if self.caching is None or request.adapter is None:
+            return self.caching
+        if self.adapters is None or self.adapters.known(request.adapter) is None:
+            return None  # its prefill fails: the adapter is gone
+        return AdapterCaching(self.caching, adapter_namespace(request.adapter, self.adapters.revision(request.adapter)))
 
     # -- requests --------------------------------------------------------------
 

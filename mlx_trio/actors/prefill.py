@@ -39,7 +39,7 @@ from mlx_trio.actors.chunk_sizer import ChunkSizer, timed
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
-from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
@@ -215,14 +215,9 @@ class PrefillActor:
         caching.store(await self._lease.run(row.snapshot))  # a lazy clone: shares the row's buffers
         self._partial_puts += 1
 
-    def _caching(self, cmd: Generate) -> PromptCaching | None:
-        """The prompt cache for this request: none for a request with an adapter.
-
-        Its KV was computed with the adapter's weights, so it must never serve
-        the base model or another adapter; until entries are keyed by adapter
-        (issue #24), such requests neither read nor fill the cache.
-        """
-        return self._lane.caching if cmd.adapter is None else None
+    def _caching(self, cmd: Generate) -> PromptCaching | AdapterCaching | None:
+        """The prompt cache as this request uses it (a request with an adapter: that adapter's namespace)."""
+        return self._lane.caching_for(cmd)
 
     def _startable(self) -> bool:
         """Whether a backlog request may start; the first that may is moved to the head.

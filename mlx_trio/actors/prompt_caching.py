@@ -23,10 +23,12 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from mlx_trio.engine.kv import cache_clone
 from mlx_trio.engine.prompt_cache.divergence import Divergences
+from mlx_trio.engine.prompt_cache.namespace import in_namespace
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
 
 if TYPE_CHECKING:
@@ -74,12 +76,13 @@ class PromptCaching:
         if event is not None:
             event.set()
 
-    async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
+    async def lookup(self, prompt: Sequence[int], *, ram_only: bool = False) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore.
 
         Waits first (at most `PENDING_PUT_WAIT_S` in all) for pending puts
         that would serve it better than the cache does now, then for queued
-        SSD writes that would.
+        SSD writes that would. `ram_only` (namespaced keys, `AdapterCaching`):
+        no SSD tier, and no divergence report (its tokens are not text).
         """
         deadline = trio.current_time() + PENDING_PUT_WAIT_S
         awaited = self.cache.awaited_by(prompt)
@@ -92,12 +95,13 @@ class PromptCaching:
                         await event.wait()
         # After the wait: a follow-up turn that waited for its previous turn's put is no miss.
         shared = self.cache.shared_prefixes(prompt)  # one pass over the entries for both
-        self.divergences.note((), prompt, shared=shared)
+        if not ram_only:
+            self.divergences.note((), prompt, shared=shared)
         hit = self.cache.lookup(prompt, shared=shared)
         if hit is not None:
             return hit
         persistence, lease = self._lane.persistence, self._lane.lease
-        if persistence is None or lease is None:
+        if persistence is None or lease is None or ram_only:
             return None
         # At most all but the last token: a lookup must leave that one to compute.
         restored = await persistence.restore(prompt, max_len=len(prompt) - 1,
@@ -115,11 +119,11 @@ class PromptCaching:
     def has(self, tokens: Sequence[int]) -> bool:
         return tokens in self.cache
 
-    def store(self, entry: CacheEntry) -> None:
+    def store(self, entry: CacheEntry, *, ram_only: bool = False) -> None:
         """Put `entry` in RAM and queue it for the SSD tier (a full write queue drops it, never blocks)."""
         # Offer first: a put may evict (and free) the entry at once when it is too big for RAM.
         persistence = self._lane.persistence
-        if persistence is not None:
+        if persistence is not None and not ram_only:
             # Entries are never written again, so the writer may read them while RAM serves them.
             persistence.offer_nowait(list(entry.caches), entry.tokens)
         self.cache.put(entry)
@@ -147,3 +151,34 @@ class PromptCaching:
         if lease is not None:
             # Queued after every job that may still clone the entry (the lease is FIFO).
             lease.free_nowait(partial(entry.caches.clear))
+
+
+class AdapterCaching:
+    """The prompt cache as the requests of one adapter revision see it: the same calls, keys in its namespace.
+
+    Every token sequence (prompts, entries, expected puts) is moved into the
+    adapter's namespace (engine/prompt_cache/namespace.py), so its entries
+    serve only its own requests and never the base model's or another
+    adapter's. They share the RAM tier's bytes and LRU with every other
+    entry; they are not written to the SSD tier, whose files hold 32-bit
+    token ids.
+    """
+
+    def __init__(self, caching: PromptCaching, namespace: int) -> None:
+        self._caching = caching
+        self._namespace = namespace
+
+    def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        return in_namespace(tokens, self._namespace)
+
+    async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
+        return await self._caching.lookup(self._key(prompt), ram_only=True)
+
+    def has(self, tokens: Sequence[int]) -> bool:
+        return self._caching.has(self._key(tokens))
+
+    def store(self, entry: CacheEntry) -> None:
+        self._caching.store(attrs.evolve(entry, tokens=self._key(entry.tokens)), ram_only=True)
+
+    def expect_put(self, key: str, prefix: Sequence[int]) -> None:
+        self._caching.expect_put(key, self._key(prefix))
