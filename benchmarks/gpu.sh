@@ -15,6 +15,8 @@
 #           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
+#   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
+#           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -29,7 +31,7 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (150), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -50,6 +52,7 @@ OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
 SYSTEM_WORDS=${SYSTEM_WORDS:-600}
 HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
 LONG_LIMIT_S=${LONG_LIMIT_S:-120}
+LORA_LIMIT_S=${LORA_LIMIT_S:-150}
 ENGINE_LIMIT_S=${ENGINE_LIMIT_S:-200}  # per stack
 # Every part is cut to end by this many seconds after the start: a device call may run 600 s at most.
 DEADLINE_S=${DEADLINE_S:-570}
@@ -322,6 +325,12 @@ for m in $MODELS; do
       --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
       --log-dir "/tmp/bench-logs-long-$m" \
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" lora "*)
+    lim=$(budget "$LORA_LIMIT_S")
+    echo; echo "### lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server (limit ${lim}s)"
+    enough "lora $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/lora.py --model "$dir" --batch 8 --rank 16 \
+      --vs-mlx-lm --json "$RESULTS/lora-$m.json" || echo "gpu.sh: lora part for $m ended with status $?"; }
   ;; esac
 done
 echo; echo "== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"
