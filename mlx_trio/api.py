@@ -31,7 +31,7 @@ import trio
 from mlx_trio.actors.engine_tree import EngineActors
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.prefill import SNAPSHOT_MIN_TOKENS
-from mlx_trio.actors.messages import Request
+from mlx_trio.actors.messages import Generate, Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.adapters.resident import ResidentAdapters
@@ -213,11 +213,16 @@ class Engine:
             raise ModelNotFound(name, self.served_models())
         self._unloading.add(name)
         try:
-            while adapters.in_use(name) or any(cmd.adapter == name for cmd in self.actors.lane.in_flight()):
+            while adapters.in_use(name) or any(cmd.adapter == name for cmd in self._requests()):
                 await trio.sleep(0.01)
             await self._lease().run(adapters.unregister, name)
         finally:
             self._unloading.discard(name)
+
+    def _requests(self) -> list[Generate]:
+        """Every request the lane holds: queued in admission, prefilling, waiting to join, or decoding."""
+        lane = self.actors.lane
+        return [*(lane.admission.queued() if lane.admission is not None else []), *lane.in_flight()]
 
     def _adapters(self) -> ResidentAdapters:
         adapters = self.actors.lane.adapters

@@ -93,6 +93,10 @@ class AdmissionActor:
         self._submitted += 1
         self._wake.set()
 
+    def queued(self) -> list[Generate]:
+        """The requests submitted and not admitted yet, in arrival order."""
+        return list(self._pending)
+
     def _check_fits_alone(self, cmd: Generate) -> None:
         assert self._project is not None
         need = self._project(cmd) + self._transient(cmd)
