@@ -146,7 +146,8 @@ def mlx_lm_server_rates(args: argparse.Namespace, model_dir: Path, adapters: lis
 
         async def one(client: httpx.AsyncClient, prompt: str, adapter: str | None, counts: list[int]) -> None:
             # `model` given: mlx_lm.server ignores `adapters` for its "default_model".
-            body = {"model": str(model_dir), "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "logit_bias": bias,
+            body = {"model": str(model_dir), "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0,
+                    "logit_bias": bias,
                     **({"adapters": adapter} if adapter else {})}
             response = await client.post(f"{url}/v1/completions", json=body)
             response.raise_for_status()

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,13 +188,21 @@ def tiny_model(spec: TinyModelSpec, cache_root: Path | None = None) -> Path:
     directory that is renamed into place, so a directory that exists is complete.
     """
     root = Path(cache_root) if cache_root is not None else Path(tempfile.gettempdir()) / "mlx-trio-tiny-models"
-    path = root / spec.cache_key()
+    return built_once(root / spec.cache_key(), lambda out: build_tiny_model(spec, out))
+
+
+def built_once(path: Path, build: Callable[[Path], Any]) -> Path:
+    """`path`, made by `build(directory)` unless it exists; safe across processes.
+
+    The build goes to a private directory that is renamed into place, so a
+    directory that exists is complete.
+    """
     if path.is_dir():
         return path
-    root.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        build_tiny_model(spec, tmp_dir)
+        build(tmp_dir)
         tmp_dir.chmod(0o755)
         os.rename(tmp_dir, path)
     except OSError:

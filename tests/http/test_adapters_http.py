@@ -22,8 +22,8 @@ BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "hi", "max
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[tuple[httpx.Client, ServerThread]]:
-    engine = attrs.evolve(tiny_engine_config(max_tokens=MAX_TOKENS), lora_modules={"qv": str(_adapter_dir("llama", "qv"))},
-                          enable_lora_admin=True)
+    engine = attrs.evolve(tiny_engine_config(max_tokens=MAX_TOKENS),
+                          lora_modules={"qv": str(_adapter_dir("llama", "qv"))}, enable_lora_admin=True)
     with ServerThread(engine, ServerConfig(port=0, enable_lora_admin=True)) as server:
         with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             yield client, server

@@ -172,7 +172,7 @@ class SoloRow:
         return self.token0
 
     def close(self) -> None:
-        """Drop the row's caches and its hold on its adapter (in the lease thread, which owns them); also done by `join`."""
+        """Drop the row's caches and its adapter's slot (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
         if self.adapter is not None:
             self.adapter.release()

@@ -10,6 +10,8 @@ adapter. Float32 on the CPU is batch-invariant here (tests/engine/batch/).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from mlx_trio.errors import AdapterError, Overloaded
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.batch_reference import Arrival
 from mlx_trio.testing.tiny_adapters import write_adapter
-from mlx_trio.testing.tiny_models import LLAMA, QWEN3, TinyModelSpec, tiny_model
+from mlx_trio.testing.tiny_models import LLAMA, QWEN3, TinyModelSpec, built_once, tiny_model
 from tests.engine.batch.batch_driver import run_schedule
 
 MAX_TOKENS = 16
@@ -43,9 +45,12 @@ def _prompt(i: int, n: int = 13) -> tuple[int, ...]:
 
 @cache
 def _adapter_dir(spec_name: str, name: str) -> Path:
+    """The adapter `name` for the tiny model, written once per machine (atomically: other processes may read it)."""
     spec = {"llama": LLAMA, "qwen3": QWEN3}[spec_name]
-    root = Path(tiny_model(spec)).parent / f"adapters-{spec.cache_key()}"
-    return write_adapter(tiny_model(spec), root / name, **ADAPTERS[name])
+    params = json.dumps(ADAPTERS[name], sort_keys=True)
+    digest = hashlib.sha256(params.encode()).hexdigest()[:12]
+    path = Path(tiny_model(spec)).parent / f"adapters-{spec.cache_key()}" / f"{name}-{digest}"
+    return built_once(path, lambda out: write_adapter(tiny_model(spec), out, **ADAPTERS[name]))
 
 
 @cache

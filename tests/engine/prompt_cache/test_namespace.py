@@ -1,4 +1,4 @@
-"""Adapter namespaces of prompt-cache keys: no namespaced key shares a prefix with another namespace's or a plain one."""
+"""Prompt-cache adapter namespaces: a namespaced key shares no prefix with another namespace's or a plain one."""
 
 from __future__ import annotations
 
