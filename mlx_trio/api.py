@@ -118,8 +118,12 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """The live supervision tree plus engine counters, as plain data."""
         model = self.actors.model
-        return {"tree": self._root.status(), "model": model.model_id if model else None,
-                "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters()}
+        status = {"tree": self._root.status(), "model": model.model_id if model else None,
+                  "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters()}
+        adapters = self.actors.lane.adapters
+        if adapters is not None:  # only on an engine that serves adapters
+            status["adapters"] = adapters.statistics()
+        return status
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""

@@ -10,8 +10,11 @@ is `ModelNotFound` naming the served models; runtime load and unload.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import trio
+from mlx_lm import load
 
 from mlx_trio import open_engine
 from mlx_trio.errors import AdapterError, ModelNotFound
@@ -28,8 +31,15 @@ async def _tokens(engine, prompt: tuple[int, ...], model: str | None, max_tokens
     return done.token_ids
 
 
+@cache
+def _eos() -> frozenset[int]:
+    return frozenset(load(str(tiny_model(LLAMA)))[1].eos_token_ids)
+
+
 def _want(name: str | None, prompt: tuple[int, ...]) -> tuple[int, ...]:
-    return _mlx_lm_tokens("llama", name, prompt)
+    """mlx-lm's tokens for the adapter, without a final EOS (the engine's `token_ids` do not show it)."""
+    tokens = _mlx_lm_tokens("llama", name, prompt)
+    return tokens[:-1] if tokens and tokens[-1] in _eos() else tokens
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -47,6 +57,11 @@ async def test_requests_name_adapters_and_each_equals_mlx_lm(batch: int) -> None
                 nursery.start_soon(one, name, i)
         for name, i in plan:
             assert got[i] == _want(name, _prompt(i)), (name, i)
+        status = engine.status()["adapters"]
+        assert status["served"] == ["qv", "dora"] and set(status["resident"]) == {"qv", "dora"}
+        with trio.fail_after(10):  # a row gives its slot back when it leaves the batch, after its last event
+            while any(engine.status()["adapters"]["resident"].values()):
+                await trio.sleep(0.01)
         # The base model keeps its own name (and "default").
         assert await _tokens(engine, _prompt(2), engine.model_id) == _want(None, _prompt(2))
         assert await _tokens(engine, _prompt(2), "default") == _want(None, _prompt(2))
@@ -119,3 +134,20 @@ async def test_load_and_unload_at_run_time(tmp_path) -> None:
         with pytest.raises(ModelNotFound):
             await engine.complete("hi", model="qv", max_tokens=2)
         assert await _tokens(engine, _prompt(1), None) == _want(None, _prompt(1))
+
+
+async def test_a_request_waits_for_an_adapter_slot_held_by_running_rows() -> None:
+    """--max-loras 1: a request for a second adapter waits until the first one's rows leave; base rows go on."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, max_loras=1, lora_modules=_modules("qv", "mlp")) as engine:
+        plan = [("qv", 1), ("mlp", 2), (None, 3), ("qv", 4), ("mlp", 5)]
+        got: dict[int, tuple[int, ...]] = {}
+
+        async def one(name: str | None, i: int) -> None:
+            got[i] = await _tokens(engine, _prompt(i), name)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for name, i in plan:
+                    nursery.start_soon(one, name, i)
+        for name, i in plan:
+            assert got[i] == _want(name, _prompt(i)), (name, i)

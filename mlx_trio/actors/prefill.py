@@ -58,6 +58,8 @@ SNAPSHOT_MIN_TOKENS = 256
 DECODING_CHUNK_DIVISOR = 4
 # A prefill passed over this many chunks in a row (shorter ones ran) runs the next one.
 AGING_CHUNKS = 4
+# While every waiting request needs an adapter slot held by running rows, how often to look again.
+ADAPTER_SLOT_POLL_S = 0.005
 
 
 def cohort_weight(uncached: int, context: int, chunk: int) -> float:
@@ -161,6 +163,9 @@ class PrefillActor:
                     await self._start_next()
                 elif self._jobs:
                     await self._run_chunk(next_job(self._jobs))
+                else:
+                    # Every waiting request needs an adapter slot that running rows hold: wait for one to leave.
+                    await trio.sleep(ADAPTER_SLOT_POLL_S)
         finally:
             self.inbox_send.close()
             for job in self._jobs:
@@ -225,14 +230,22 @@ class PrefillActor:
         A request whose prompt extends a snapshot a running job is about to
         store waits for it (its chunks run meanwhile), then starts from the
         cache: N agents sharing a system prompt prefill it once.
+
+        A request whose adapter needs a slot that running rows all hold waits
+        until one leaves (`--max-loras`), while others go ahead.
         """
         for i, cmd in enumerate(self._backlog):
-            if not any(_awaits_snapshot(cmd, job) for job in self._jobs):
+            if self._adapters_fit([cmd]) and not any(_awaits_snapshot(cmd, job) for job in self._jobs):
                 if i:
                     del self._backlog[i]
                     self._backlog.appendleft(cmd)
                 return True
         return False
+
+    def _adapters_fit(self, cmds: list[Generate]) -> bool:
+        """Whether every adapter these requests name can hold a slot at once now."""
+        names = [cmd.adapter for cmd in cmds if cmd.adapter is not None]
+        return not names or self._lane.adapters is None or self._lane.adapters.can_hold(names)
 
     async def _start_next(self) -> None:
         """Start the backlog's head: as a cohort with the short ones behind it, or as a job of its own."""
@@ -299,6 +312,8 @@ class PrefillActor:
             weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
             if used + weight > budget or self._snapshot_point(cmd, hit, caching) is not None:
                 break
+            if not self._adapters_fit(list(self._backlog)[: i + 1]):
+                break  # its adapter would need a slot the rows before it take
             hits.append(hit)
             used += weight
         return hits, first_hit

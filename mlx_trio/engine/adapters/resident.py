@@ -10,7 +10,7 @@ A slot a row holds is never overwritten, so a running row's adapter never
 changes under it, and loading one costs one lease job (a few small copies):
 the running rows wait at most that one job.
 
-`names` is a snapshot the Trio side may read (tuple replaced, never mutated);
+`names` (a tuple replaced, never mutated) and `statistics` are for the Trio side;
 every other method runs on the lease thread.
 """
 
@@ -66,6 +66,11 @@ class ResidentAdapters:
         self._holds: collections.Counter[int] = collections.Counter()
         self._recent: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order of filled slots
 
+    def statistics(self) -> dict[str, object]:
+        """Plain data for `Engine.status()`: what is served, what is resident, and how many rows hold each."""
+        return {"served": list(self.names), "max_loras": self.max_loras, "max_lora_rank": self.max_rank,
+                "resident": {name: self._holds[slot] for name, slot in dict(self._slot_of).items()}}
+
     def revision(self, name: str) -> str:
         return self._known[name].revision
 
@@ -107,6 +112,15 @@ class ResidentAdapters:
     def in_use(self, name: str) -> bool:
         slot = self._slot_of.get(name)
         return slot is not None and self._holds[slot] > 0
+
+    def can_hold(self, names: Sequence[str]) -> bool:
+        """Whether rows of all these adapters could hold slots at once now (an unknown name: yes, it fails
+        at `acquire`). Read by the Trio side to hold back a request until a slot is free."""
+        wanted = {name for name in names if name in self._known}
+        needed = sum(1 for name in wanted if name not in self._slot_of)
+        free = self.max_loras - len(self._in_slot)
+        idle = sum(1 for slot, name in dict(self._in_slot).items() if self._holds[slot] == 0 and name not in wanted)
+        return needed <= free + idle
 
     def acquire(self, name: str) -> AdapterUse:
         """Hold `name`'s slot for a row, writing it into one first if it is not resident (one lease job)."""
