@@ -61,6 +61,18 @@ def test_flags_reach_the_configs() -> None:
     assert server.shutdown_timeout_s == 2.5 and server.enable_fault_injection is True
 
 
+def test_lora_flags_reach_the_configs() -> None:
+    """--lora-modules NAME=PATH (vLLM's form), --max-loras, --max-lora-rank, --enable-lora-admin."""
+    engine, server = _configs("--lora-modules", "a=/x/a", "b=/y/b=c", "--max-loras", "3", "--max-lora-rank", "32",
+                              "--enable-lora-admin")
+    assert engine.lora_modules == (("a", "/x/a"), ("b", "/y/b=c"))
+    assert (engine.max_loras, engine.max_lora_rank, engine.enable_lora_admin) == (3, 32, True)
+    assert server.enable_lora_admin is True and engine.serves_adapters
+    engine, server = _configs()
+    assert engine.lora_modules == () and not engine.serves_adapters and not server.enable_lora_admin
+    assert (engine.max_loras, engine.max_lora_rank) == (8, 16)
+
+
 @pytest.mark.parametrize("flag", ["--batch", "--decode-concurrency"])
 def test_batch_and_its_alias_are_accepted(flag: str) -> None:
     """--batch N and mlx_lm.server's --decode-concurrency N both set the configured batch (and the engine's)."""
@@ -74,6 +86,7 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
                                   ["--shutdown-timeout", "nan"], ["--restart-period", "0"],
                                   ["--step-watchdog", "inf"], ["--write-timeout", "-1"], ["--max-restarts", "-1"], ["--chat-template-args", '{"chat_template": "x"}'],
                                   ["--body-timeout", "0"], ["--prompt-cache-io-timeout", "-1"],
+                                  ["--lora-modules", "nopath"], ["--lora-modules", "=p"], ["--max-loras", "0"],
                                   ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""
