@@ -31,7 +31,7 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (150), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -52,7 +52,7 @@ OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
 SYSTEM_WORDS=${SYSTEM_WORDS:-600}
 HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
 LONG_LIMIT_S=${LONG_LIMIT_S:-120}
-LORA_LIMIT_S=${LORA_LIMIT_S:-150}
+LORA_LIMIT_S=${LORA_LIMIT_S:-300}
 ENGINE_LIMIT_S=${ENGINE_LIMIT_S:-200}  # per stack
 # Every part is cut to end by this many seconds after the start: a device call may run 600 s at most.
 DEADLINE_S=${DEADLINE_S:-570}
