@@ -151,3 +151,22 @@ async def test_a_request_waits_for_an_adapter_slot_held_by_running_rows() -> Non
                     nursery.start_soon(one, name, i)
         for name, i in plan:
             assert got[i] == _want(name, _prompt(i)), (name, i)
+
+
+async def test_adapter_rows_speculate_with_their_adapter() -> None:
+    """--prompt-lookup: the verifying forward uses each row's adapter, so greedy tokens stay mlx-lm's."""
+    repetitive = tuple([5, 9, 13, 17, 21, 25] * 6)
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_lookup=True,
+                           lora_modules=_modules("qv", "dora")) as engine:
+        plan = [("qv", repetitive), ("dora", repetitive), (None, repetitive), ("qv", _prompt(3))]
+        got: dict[int, tuple[int, ...]] = {}
+
+        async def one(i: int, name: str | None, prompt: tuple[int, ...]) -> None:
+            got[i] = await _tokens(engine, prompt, name)
+
+        async with trio.open_nursery() as nursery:
+            for i, (name, prompt) in enumerate(plan):
+                nursery.start_soon(one, i, name, prompt)
+        for i, (name, prompt) in enumerate(plan):
+            assert got[i] == _want(name, prompt), (i, name)
+        assert engine.status()["counters"]["speculative_proposed"] > 0  # the rows did speculate
