@@ -91,6 +91,31 @@ async def test_the_prompt_cache_never_crosses_adapters() -> None:
         assert cached == [0, 0, 0, len(long_prompt) - 1, len(long_prompt) - 1, len(long_prompt) - 1]
 
 
+async def test_adapter_entries_reach_the_ssd_tier_and_serve_only_their_adapter_after_a_restart(tmp_path) -> None:
+    """Stored by one engine, restored by the next from disk: by the same adapter only, never by the base or another.
+
+    The follow-up turn extends the first turn's stored KV (prompt + answer), as an agent's next turn does.
+    """
+    long_prompt = tuple((5 * j + 2) % 500 + 3 for j in range(300))
+    options = dict(batch=4, lora_modules=_modules("qv", "mlp"), prompt_cache_dir=tmp_path)
+    async with open_engine(str(tiny_model(LLAMA)), **options) as engine:
+        answer = await _tokens(engine, long_prompt, "qv", 6)
+        assert answer == _want("qv", long_prompt)[:6]
+        with trio.fail_after(60):
+            while engine.status()["prompt_cache"]["ssd"]["writes"] < 1:
+                await trio.sleep(0.05)
+    follow_up = (*long_prompt, *answer, 9, 10, 11)
+    async with open_engine(str(tiny_model(LLAMA)), **options) as engine:
+        prefill = engine.actors.lane.prefill
+        cached = []
+        for name in (None, "mlp", "qv"):
+            before = prefill.statistics().cached_tokens
+            assert await _tokens(engine, follow_up, name, 6) == _want(name, follow_up)[:6], name
+            cached.append(prefill.statistics().cached_tokens - before)
+        assert cached[:2] == [0, 0] and cached[2] >= len(long_prompt)  # only qv's own entry, read back from disk
+        assert engine.status()["prompt_cache"]["ssd"]["reads"] == 1
+
+
 async def test_a_resume_after_a_decode_step_crash_keeps_the_adapter() -> None:
     async with open_engine(str(tiny_model(LLAMA)), batch=4, lora_modules=_modules("qv")) as engine:
         prompt = _prompt(7)

@@ -76,13 +76,13 @@ class PromptCaching:
         if event is not None:
             event.set()
 
-    async def lookup(self, prompt: Sequence[int], *, ram_only: bool = False) -> CacheHit | None:
+    async def lookup(self, prompt: Sequence[int], *, text: bool = True) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore.
 
         Waits first (at most `PENDING_PUT_WAIT_S` in all) for pending puts
         that would serve it better than the cache does now, then for queued
-        SSD writes that would. `ram_only` (namespaced keys, `AdapterCaching`):
-        no SSD tier, and no divergence report (its tokens are not text).
+        SSD writes that would. `text` False (namespaced keys, `AdapterCaching`):
+        no divergence report, since those tokens are not the tokenizer's.
         """
         deadline = trio.current_time() + PENDING_PUT_WAIT_S
         awaited = self.cache.awaited_by(prompt)
@@ -95,13 +95,13 @@ class PromptCaching:
                         await event.wait()
         # After the wait: a follow-up turn that waited for its previous turn's put is no miss.
         shared = self.cache.shared_prefixes(prompt)  # one pass over the entries for both
-        if not ram_only:
+        if text:
             self.divergences.note((), prompt, shared=shared)
         hit = self.cache.lookup(prompt, shared=shared)
         if hit is not None:
             return hit
         persistence, lease = self._lane.persistence, self._lane.lease
-        if persistence is None or lease is None or ram_only:
+        if persistence is None or lease is None:
             return None
         # At most all but the last token: a lookup must leave that one to compute.
         restored = await persistence.restore(prompt, max_len=len(prompt) - 1,
@@ -119,11 +119,11 @@ class PromptCaching:
     def has(self, tokens: Sequence[int]) -> bool:
         return tokens in self.cache
 
-    def store(self, entry: CacheEntry, *, ram_only: bool = False) -> None:
+    def store(self, entry: CacheEntry) -> None:
         """Put `entry` in RAM and queue it for the SSD tier (a full write queue drops it, never blocks)."""
         # Offer first: a put may evict (and free) the entry at once when it is too big for RAM.
         persistence = self._lane.persistence
-        if persistence is not None and not ram_only:
+        if persistence is not None:
             # Entries are never written again, so the writer may read them while RAM serves them.
             persistence.offer_nowait(list(entry.caches), entry.tokens)
         self.cache.put(entry)
@@ -160,8 +160,9 @@ class AdapterCaching:
     adapter's namespace (engine/prompt_cache/namespace.py), so its entries
     serve only its own requests and never the base model's or another
     adapter's. They share the RAM tier's bytes and LRU with every other
-    entry; they are not written to the SSD tier, whose files hold 32-bit
-    token ids.
+    entry, and the SSD tier (files of wide keys hold 64-bit ids); the
+    namespace comes from the adapter's files' hash, so an SSD entry serves
+    the same adapter revision after a restart and never another.
     """
 
     def __init__(self, caching: PromptCaching, namespace: int) -> None:
@@ -172,13 +173,13 @@ class AdapterCaching:
         return in_namespace(tokens, self._namespace)
 
     async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
-        return await self._caching.lookup(self._key(prompt), ram_only=True)
+        return await self._caching.lookup(self._key(prompt), text=False)
 
     def has(self, tokens: Sequence[int]) -> bool:
         return self._caching.has(self._key(tokens))
 
     def store(self, entry: CacheEntry) -> None:
-        self._caching.store(attrs.evolve(entry, tokens=self._key(entry.tokens)), ram_only=True)
+        self._caching.store(attrs.evolve(entry, tokens=self._key(entry.tokens)))
 
     def expect_put(self, key: str, prefix: Sequence[int]) -> None:
         self._caching.expect_put(key, self._key(prefix))

@@ -55,6 +55,10 @@ SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 _KEY = re.compile(r"[0-9a-f]{32}")
 _TOKENS, _CHECKSUM = "tokens", "checksum"
+# Keys with ids past int32 (an adapter's namespaced tokens, engine/prompt_cache/namespace.py) are stored
+# as int64 under their own name, so every file written before stays readable as it was.
+_WIDE_TOKENS = "tokens64"
+_INT32 = (-(2**31), 2**31 - 1)
 # safetensors dtype names of the numpy dtypes a HostEntry holds (bfloat16 travels as uint16).
 _DTYPES = {np.dtype(t): name for t, name in [
     (np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"), (np.int64, "I64"), (np.int32, "I32"),
@@ -170,7 +174,7 @@ class CacheFileStore:
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arrays = {name: np.asarray(a, order="C") for name, a in entry.arrays.items()}
         layout = {k: entry.meta[k] for k in LAYOUT_KEYS}
-        meta = {**self.identity.to_metadata(), **layout, _TOKENS: _encode_tokens(entry.tokens),
+        meta = {**self.identity.to_metadata(), **layout, **_encode_tokens(entry.tokens),
                 _CHECKSUM: checksum(layout, entry.tokens, arrays)}
         header = _header(arrays, meta)
         file_bytes = 8 + len(header) + sum(a.nbytes for a in arrays.values())
@@ -285,7 +289,7 @@ class CacheFileStore:
         """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
         if CacheIdentity.from_metadata(dict(meta)) != self.identity:
             raise _Unusable("from another model, tokenizer, cache layout or format version")
-        tokens = _decode_tokens(meta[_TOKENS])
+        tokens = _decode_tokens(meta)
         if self.identity.key(tokens) != key:
             raise _Unusable("damaged (tokens do not match the file name)")
         return tokens
@@ -398,13 +402,18 @@ def _header(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _encode_tokens(tokens: Sequence[int]) -> str:
-    return base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode("ascii")
+def _encode_tokens(tokens: Sequence[int]) -> dict[str, str]:
+    """The metadata entry of `tokens`: int32 under "tokens", or int64 under "tokens64" when one does not fit."""
+    wide = any(not _INT32[0] <= t <= _INT32[1] for t in tokens)
+    raw = np.asarray(tokens, dtype="<i8" if wide else "<i4").tobytes()
+    return {_WIDE_TOKENS if wide else _TOKENS: base64.b64encode(raw).decode("ascii")}
 
 
-def _decode_tokens(text: str) -> tuple[int, ...]:
-    """Raises ValueError (binascii.Error) for bad base64 or a length that is not whole int32s."""
-    return tuple(int(t) for t in np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4"))
+def _decode_tokens(meta: dict[str, str]) -> tuple[int, ...]:
+    """Raises ValueError (binascii.Error) for bad base64 or a length that is not whole ints, KeyError if none."""
+    wide = _WIDE_TOKENS in meta
+    raw = base64.b64decode(meta[_WIDE_TOKENS] if wide else meta[_TOKENS], validate=True)
+    return tuple(int(t) for t in np.frombuffer(raw, dtype="<i8" if wide else "<i4"))
 
 
 def _unlink(path: Path) -> int:

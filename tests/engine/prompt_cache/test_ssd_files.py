@@ -337,3 +337,16 @@ def test_an_entry_with_empty_arrays_round_trips(tmp_path: Path) -> None:
     info = store(tmp_path).write(e)
     got = store(tmp_path).read(info.key)
     assert got is not None and same_entry(got, e)
+
+
+def test_keys_past_int32_are_stored_wide_and_read_back_exactly(tmp_path: Path) -> None:
+    """An adapter's namespaced tokens (multiples of 2**32 added) survive a restart; plain keys keep int32."""
+    wide = tuple(t + (7 << 32) for t in (5, 6, 7))
+    info = store(tmp_path).write(entry(wide))
+    plain = store(tmp_path).write(entry((5, 6, 7), seed=1))
+    assert info is not None and plain is not None and info.key != plain.key
+    again = store(tmp_path)
+    assert sorted(e.tokens for e in again.entries) == sorted([wide, (5, 6, 7)])
+    got = again.read(info.key)
+    assert got is not None and same_entry(got, entry(wide))
+    assert again.longest_prefix((5, 6, 7, 8)) == plain  # a plain prompt never matches the wide key
