@@ -39,6 +39,8 @@ from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
+from mlx_trio.engine.distributed.leader import leader_for
+from mlx_trio.engine.distributed.world import current_world
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
@@ -201,7 +203,10 @@ class EngineActors:
 
     async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
         lane = self.lane
-        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams, faults=lane.faults)
+        # Under scale-out rank 0's lease sends every job to the follower ranks first (docs/scale-out.md).
+        leader = leader_for(current_world())
+        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams, faults=lane.faults,
+                         run_job=leader.run_job if leader is not None else None)
         async with trio.open_nursery() as nursery:
             await nursery.start(lease.serve)
             lane.lease = lease
