@@ -113,7 +113,9 @@ class Engine:
         """The live supervision tree plus engine counters, as plain data."""
         model = self.actors.model
         return {"tree": self._root.status(), "model": model.model_id if model else None,
-                "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters()}
+                "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters(),
+                # Scale-out: each rank (id, host, backend, state, last heartbeat); [] in one process.
+                "ranks": self.actors.ranks.status() if self.actors.ranks is not None else []}
 
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""

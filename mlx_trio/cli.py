@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from mlx_trio import __version__
+from mlx_trio import __version__, scale_out
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--body-timeout", type=positive_float, default=attrs.fields(ServerConfig).body_timeout_s.default,
         help="seconds after a request's start by which its whole body must be in; a client that stalls or "
              "trickles it gets 408 (default: %(default)s)")
+    arg("--tensor-parallel", type=positive_int, default=1,
+        help="split the model over this many local ranks (tensor parallel, mlx.distributed's ring backend); "
+             "under mlx.launch, the number of ranks it started (docs/scale-out.md) (default: %(default)s)")
+    arg("--collective-timeout", type=positive_float, default=_ENGINE.collective_timeout_s.default,
+        help="seconds within which every rank must answer rank 0's heartbeat (queued behind other GPU jobs) "
+             "before the group counts as lost and /health says so (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -176,7 +182,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
                           prompt_cache_io_timeout_s=args.prompt_cache_io_timeout,
                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                          quantized_kv_start=args.quantized_kv_start)
+                          quantized_kv_start=args.quantized_kv_start,
+                          collective_timeout_s=args.collective_timeout)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
@@ -310,6 +317,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidParameter, ValueError, TypeError) as exc:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
+    if args.tensor_parallel > 1 and not scale_out.launched():
+        return scale_out.launch_local_ranks(args.tensor_parallel, list(argv if argv is not None else sys.argv[1:]))
+    if scale_out.launched():
+        with scale_out.joined_group(stop_timeout_s=args.collective_timeout) as (rank, size):
+            if rank > 0:
+                return 0  # a follower's whole life ran in joined_group
+            refused = scale_out.refusal(args.tensor_parallel, size, engine_config.prompt_cache_dir)
+            if refused is not None:
+                print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
+                return 2
+            return _serve_main(engine_config, server_config)
+    return _serve_main(engine_config, server_config)
+
+
+def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         check_port(server_config.host, server_config.port)
     except OSError as exc:

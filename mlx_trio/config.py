@@ -70,6 +70,10 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
+    # Scale-out (docs/scale-out.md): rank 0 runs a heartbeat collective this often, and a follower
+    # that has not answered one within collective_timeout_s is lost (/health says so).
+    heartbeat_s: float = 1.0
+    collective_timeout_s: float = 10.0
 
     @property
     def prompt_cache_off(self) -> bool:

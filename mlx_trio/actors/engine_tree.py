@@ -37,6 +37,7 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
@@ -78,6 +79,12 @@ class EngineActors:
         self.config = config
         self.lane = Lane(config, faults)
         self._budget: int | None = None
+        world = current_world()
+        # Scale-out only: rank 0's heartbeat over its followers (actors/rank_watch.py); last, so under
+        # rest_for_one its crash restarts only itself.
+        self.ranks = RankWatch(self.lane, world, heartbeat_s=config.heartbeat_s,
+                               deadline_s=config.collective_timeout_s) if world.distributed else None
+        watch = [ChildSpec("rank-watch", self._run_rank_watch, kind="rank-watch")] if self.ranks else []
         self.supervisor = Supervisor(
             "engine",
             [
@@ -87,6 +94,7 @@ class EngineActors:
                 ChildSpec("admission", self._run_admission, kind="admission"),
                 # Last: under rest_for_one its crash restarts only itself (it is only a cache).
                 ChildSpec(PERSISTENCE_ID, self._run_persistence, kind=PERSISTENCE_ID),
+                *watch,
             ],
             strategy=Strategy.REST_FOR_ONE,
             max_restarts=config.max_restarts,
@@ -113,6 +121,8 @@ class EngineActors:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
             return False, "loading model"
+        if self.ranks is not None and self.ranks.lost is not None:
+            return False, f"scale-out group lost: {self.ranks.lost}"
         down = self.retrying.down
         if down is not None:
             return False, f"engine down: {down.reason}; starting again in {down.retry_in_s():.0f} s"
@@ -242,6 +252,10 @@ class EngineActors:
         lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults,
                                                  io_timeout_s=self.config.prompt_cache_io_timeout_s)
         await lane.persistence.run(task_status=task_status)
+
+    async def _run_rank_watch(self, *, task_status: trio.TaskStatus[RankWatch] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.ranks is not None
+        await self.ranks.run(task_status=task_status)
 
     # -- the lease's jobs: load, warm up, watch ----------------------------------------
 

@@ -11,26 +11,13 @@ from __future__ import annotations
 import logging
 import pickle
 
-import attrs
-
 from mlx_trio.engine.distributed import frames
+from mlx_trio.engine.distributed.heartbeat import counters
 from mlx_trio.engine.distributed.mirror import FollowerMirror
 from mlx_trio.engine.distributed.world import World
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
 
 log = logging.getLogger(__name__)
-
-
-@attrs.define
-class FollowerState:
-    """What this follower has done: read by `heartbeat.beat` on this rank."""
-
-    jobs_run: int = 0
-    jobs_failed: int = 0
-    objects: int = 0
-
-
-state = FollowerState()
 
 
 def serve_follower(world: World) -> None:
@@ -52,13 +39,13 @@ def serve_follower(world: World) -> None:
             try:
                 result = fn(*args)
             except Exception:  # noqa: BLE001 - it failed on rank 0 too, which tells its caller
-                state.jobs_failed += 1
+                counters["jobs_failed"] += 1
                 log.debug("rank %d: job %s failed", world.rank, getattr(fn, "__qualname__", fn), exc_info=True)
                 continue
             finally:
-                state.jobs_run += 1
+                counters["jobs_run"] += 1
             mirror.add_result(result)
-            state.objects = len(mirror)
+            counters["objects"] = len(mirror)
     finally:
         release_thread_streams()
     log.info("rank %d: rank 0 stopped the group", world.rank)

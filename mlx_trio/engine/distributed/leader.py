@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_trio.engine.distributed import frames
+from mlx_trio.engine.distributed.heartbeat import counters
 from mlx_trio.engine.distributed.mirror import LeaderMirror
 from mlx_trio.engine.distributed.world import World
 
@@ -46,8 +47,14 @@ class Leader:
         self.broadcast_s += time.perf_counter() - start
         self.jobs += 1
         self.bytes_sent += len(message)
-        result = fn(*args)
+        counters["jobs_run"] += 1
+        try:
+            result = fn(*args)
+        except BaseException:
+            counters["jobs_failed"] += 1
+            raise
         self.mirror.add_result(result)
+        counters["objects"] = len(self.mirror)
         return result
 
     def stop_followers(self) -> None:

@@ -1,0 +1,59 @@
+"""`mlx-trio serve --tensor-parallel 2` as a subprocess: two local ring ranks on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_SERVING = re.compile(r"mlx-trio: serving .* at (http://127\.0\.0\.1:\d+)/v1")
+_START_TIMEOUT_S = 240.0
+
+
+@contextmanager
+def two_rank_server(model: Path, *flags: str, env: dict[str, str] | None = None,
+                    log: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Yields (base URL, the process); SIGTERM on exit (killed, with every rank, if it will not stop)."""
+    argv = [sys.executable, "-m", "mlx_trio.cli", "serve", "--model", str(model), "--port", "0",
+            "--tensor-parallel", "2", *flags]
+    process = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+    url: list[str] = []
+    ready = threading.Event()
+
+    def copy_output() -> None:
+        assert process.stdout is not None
+        with log.open("w", encoding="utf-8") as out:
+            for line in process.stdout:
+                out.write(line)
+                out.flush()
+                if not url and (match := _SERVING.search(line)):
+                    url.append(match.group(1))
+                    ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    try:
+        if not ready.wait(_START_TIMEOUT_S) or not url:
+            pytest.fail(f"two ranks did not come up:\n{log.read_text(encoding='utf-8')[-5000:]}")
+        yield url[0], process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the launcher and both ranks
+                process.wait()
+        reader.join(10)
