@@ -11,6 +11,9 @@
 #   kvquant: benchmarks/kv_quant.py (issue #22): rows a 40 GiB --kv-budget admits at 8k/32k tokens for
 #           bf16 / 8-bit / 4-bit KV, and aggregate decode tok/s at B=8/32 of 8k-token rows per format.
 #           Run it with MODELS=1b PARTS=kvquant (about a minute after the model is built).
+#   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
+#           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
+#           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -292,6 +295,13 @@ for m in $MODELS; do
     echo; echo "### kv_quant, $m: quantized KV, admission and decode (limit ${lim}s)"
     enough "kvquant $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/kv_quant.py --model "$dir" \
       --json "$RESULTS/kvquant-$m.json" ${KVQUANT_ARGS:-} || echo "gpu.sh: kvquant part for $m ended with status $?"; }
+  ;; esac
+  case " $PARTS " in *" distributed "*)
+    lim=$(budget "${DIST_LIMIT_S:-150}")
+    echo; echo "### distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1 (limit ${lim}s)"
+    enough "distributed $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/distributed.py --model "$dir" \
+      --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 --tokens 128 --json "$RESULTS/distributed-$m.json" \
+      || echo "gpu.sh: distributed part for $m ended with status $?"; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

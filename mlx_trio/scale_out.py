@@ -24,6 +24,8 @@ from typing import Any
 # mlx.launch has no `python -m` entry of its own: this runs its console script's function.
 _LAUNCHER = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
 RANK_ENV = "MLX_RANK"  # set by mlx.launch for every rank it starts (engine/distributed/world.py reads it too)
+# Set for the ranks `launch_local_ranks` starts: they stop on SIGINT only (see `stop_signals`).
+LOCAL_RANKS_ENV = "MLX_TRIO_LOCAL_RANKS"
 
 
 def launched() -> bool:
@@ -38,7 +40,7 @@ def launch_local_ranks(ranks: int, argv: Sequence[str]) -> int:
     """
     command = [sys.executable, "-c", _LAUNCHER, "-n", str(ranks), "--backend", "ring",
                "--python", sys.executable, "-m", "mlx_trio.cli", *argv]
-    launcher = subprocess.Popen(command, start_new_session=True)
+    launcher = subprocess.Popen(command, start_new_session=True, env={**os.environ, LOCAL_RANKS_ENV: str(ranks)})
 
     def forward(signum: int, _frame: object) -> None:
         # To the ranks, not the launcher: it relays their output until they are done.
@@ -49,6 +51,18 @@ def launch_local_ranks(ranks: int, argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     return launcher.wait()
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that drain and stop `serve`.
+
+    Not SIGTERM for a rank `launch_local_ranks` started: mlx.launch sends that to every other rank
+    when one rank dies, and rank 0 stays up to say so on /health (the parent sends SIGINT to stop).
+    """
+    if LOCAL_RANKS_ENV in os.environ:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return (signal.SIGINT,)
+    return (signal.SIGINT, signal.SIGTERM)
 
 
 def refusal(tensor_parallel: int, size: int, prompt_cache_dir: object) -> str | None:

@@ -5,8 +5,9 @@ rank like any job; it returns once every rank joined its `all_gather`. A beat th
 returned within `collective_timeout_s` (a follower hung: its collective never comes), or that
 raised (a follower died: the backend lost its connection), marks the group lost: `/health`
 answers 503 with the reason and `/v1/status` shows each rank's last heartbeat. The lease thread
-stays wherever the missing rank left it (an MLX collective has no timeout), so the watch stops
-beating then; the group is re-formed only by restarting the ranks (not done here yet).
+stays wherever the missing rank left it (an MLX collective has no timeout): the watch abandons
+it and makes every later job fail at once, so requests end with an error instead of hanging,
+and stops beating. The group is re-formed only by restarting the ranks (not done here yet).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import trio
 
 from mlx_trio.actors.lane import Lane
 from mlx_trio.engine.distributed.heartbeat import beat
+from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import World
 
 log = logging.getLogger(__name__)
@@ -58,15 +60,23 @@ class RankWatch:
                     ranks = await lease.run(beat, abandon_on_cancel=True)
             except Exception as exc:  # noqa: BLE001 - a lost peer is reported, never raised into the tree
                 self._lose(f"a follower was lost: {exc}")
-                return
+                break
             if deadline.cancelled_caught:
                 self._lose(f"a follower did not answer the heartbeat within the {self._deadline_s:g} s "
                            "collective timeout (hung or unreachable)")
-                return
+                break
             self._ranks, self._last_beat = ranks, time.time()
             self.beats += 1
             await trio.sleep(max(0.0, self._heartbeat_s - (time.monotonic() - sent)))
+        await trio.sleep_forever()  # lost for good: keep reporting it (a return would be a crash to restart)
 
     def _lose(self, reason: str) -> None:
+        """From now on every lease job fails at once (`GroupLost`), and the job stuck in a collective
+        releases its waiters (`abandon`): requests end with an error instead of hanging."""
         self.lost = reason
         log.error("scale-out: %s; the ranks must be restarted", reason)
+        leader = leader_for(self._world)
+        if leader is not None:
+            leader.lost = reason
+        if self._lane.lease is not None:
+            self._lane.lease.abandon()

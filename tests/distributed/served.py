@@ -54,6 +54,13 @@ def two_rank_server(model: Path, *flags: str, env: dict[str, str] | None = None,
             try:
                 process.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session: the launcher and both ranks
+                for pid in _tree(process.pid):  # the launcher has a session of its own: kill by pid
+                    os.kill(pid, signal.SIGKILL)
                 process.wait()
         reader.join(10)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process below it, parents first."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid, *(p for child in out.split() for p in _tree(int(child)))]

@@ -17,7 +17,7 @@ from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 class Row:
     """Stands for an engine object (a SoloRow): state that lives on each rank."""
 
-    __module__ = "mlx_trio.engine.batch.fake"
+    __module__ = "mlx_trio.engine.batch.solo_row"  # where engine state lives: what the mirror keys
 
     def __init__(self, name: str) -> None:
         self.name, self.fed = name, 0

@@ -3,6 +3,9 @@ heartbeat in /v1/status, and a hung follower reported by /health within its coll
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,3 +59,40 @@ def test_a_hung_follower_is_reported_by_health_within_its_collective_timeout(tmp
         assert "did not answer the heartbeat within the 2 s collective timeout" in health.text
         status = httpx.get(f"{url}/v1/status", timeout=10).json()
         assert [r["state"] for r in status["ranks"]] == ["up", "lost"]
+
+
+def _ranks_of(process) -> list[int]:
+    """The pids of the rank processes under `--tensor-parallel`'s launcher, in rank order (Linux: /proc)."""
+    def children(pid: int) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def rank(pid: int) -> int:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return int(next(v for v in env if v.startswith(b"MLX_RANK=")).split(b"=")[1])
+
+    (launcher,) = children(process.pid)
+    return sorted(children(launcher), key=rank)
+
+
+@pytest.mark.xfail(run=False, reason="known gap (docs/scale-out.md): after the ring backend loses a peer mid-step, "
+                   "rank 0's whole process can stop answering (seen once: no log line, /health timed out), "
+                   "so this waits for group re-forming")
+def test_a_killed_follower_is_reported_and_http_stays_up(tmp_path: Path) -> None:
+    """SIGKILL rank 1 while a request decodes: /health turns 503 naming the lost follower, the request
+    ends (an error, not a hang), and rank 0 still answers HTTP."""
+    path = tiny_model(LLAMA)
+    with two_rank_server(path, log=tmp_path / "serve.log") as (url, process):
+        ranks = _ranks_of(process)
+        assert len(ranks) == 2
+        with ThreadPoolExecutor(1) as pool:
+            body = {"prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0}
+            pending = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+            time.sleep(1.0)  # let it decode a while (not an assertion: the kill may also land before)
+            os.kill(ranks[1], signal.SIGKILL)
+            pending.result()  # it ends (the httpx timeout fails the test if it hangs instead)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "the dead follower was never reported"
+            time.sleep(0.2)
+        assert "scale-out group lost: a follower" in health.text  # lost (the backend said so) or silent

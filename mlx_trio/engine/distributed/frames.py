@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-FRAME_BYTES = 4096
+FRAME_BYTES = 1024
 _HEADER = 4
 STOP = b""  # an empty message: the followers leave their loop
 

@@ -19,6 +19,10 @@ from mlx_trio.engine.distributed.mirror import LeaderMirror
 from mlx_trio.engine.distributed.world import World
 
 
+class GroupLost(RuntimeError):
+    """The group lost a follower (actors/rank_watch.py): no job runs on any rank any more."""
+
+
 class Leader:
     """Broadcasts rank 0's lease jobs to the followers of `world` (size > 1)."""
 
@@ -29,6 +33,9 @@ class Leader:
         self.jobs = 0
         self.broadcast_s = 0.0  # seconds spent in the broadcast collectives (the per-job cost of scale-out)
         self.bytes_sent = 0
+        # Set once a follower is lost: every job fails at once instead of waiting on a collective
+        # that never completes, so requests end with an error rather than hang.
+        self.lost: str | None = None
 
     def run_job(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """``fn(*args)`` on every rank; returns (or raises) rank 0's outcome.
@@ -37,7 +44,10 @@ class Leader:
           NotMirrored: an argument is engine state no job returned (nothing was sent: the job did
             not run anywhere).
           RuntimeError: the backend lost a follower (mlx: "connection to a peer was lost").
+          GroupLost: a follower was lost before (nothing is sent).
         """
+        if self.lost is not None:
+            raise GroupLost(self.lost)
         payload = self.mirror.dumps((fn, args))
         start = time.perf_counter()
         message = pickle.dumps((self.mirror.next_key, self.mirror.take_dropped(), payload),
