@@ -7,12 +7,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.served_output import tee_output
 
 REPO = Path(__file__).resolve().parents[2]
 _SERVING = re.compile(r"mlx-trio: serving .* at (http://127\.0\.0\.1:\d+)/v1")
@@ -28,22 +29,7 @@ def two_rank_server(model: Path, *flags: str, env: dict[str, str] | None = None,
     process = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                start_new_session=True)
-    url: list[str] = []
-    ready = threading.Event()
-
-    def copy_output() -> None:
-        assert process.stdout is not None
-        with log.open("w", encoding="utf-8") as out:
-            for line in process.stdout:
-                out.write(line)
-                out.flush()
-                if not url and (match := _SERVING.search(line)):
-                    url.append(match.group(1))
-                    ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=copy_output, daemon=True)
-    reader.start()
+    url, ready, reader = tee_output(process, log, _SERVING)
     try:
         if not ready.wait(_START_TIMEOUT_S) or not url:
             pytest.fail(f"two ranks did not come up:\n{log.read_text(encoding='utf-8')[-5000:]}")
