@@ -256,7 +256,7 @@ async def serve_until_signalled(engine_config: EngineConfig, server_config: Serv
 
     A signal while the model still loads stops at once: nothing is running yet.
     """
-    with trio.open_signal_receiver(*scale_out.stop_signals()) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             ready: list[HttpServer] = []
 

@@ -24,8 +24,6 @@ from typing import Any
 # mlx.launch has no `python -m` entry of its own: this runs its console script's function.
 _LAUNCHER = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
 RANK_ENV = "MLX_RANK"  # set by mlx.launch for every rank it starts (engine/distributed/world.py reads it too)
-# Set for the ranks `launch_local_ranks` starts: they stop on SIGINT only (see `stop_signals`).
-LOCAL_RANKS_ENV = "MLX_TRIO_LOCAL_RANKS"
 
 
 def launched() -> bool:
@@ -36,11 +34,13 @@ def launch_local_ranks(ranks: int, argv: Sequence[str]) -> int:
     """Run this `mlx-trio` command as `ranks` local ranks under mlx.launch (ring backend); their exit code.
 
     SIGINT or SIGTERM here goes to every rank as SIGINT: rank 0 drains its requests and stops the
-    followers, which then see the signal and leave (mlx.launch itself does not pass a Ctrl-C on to its ranks, measured with mlx 0.32.4).
+    followers, which ignore the signal itself. When a rank exits with an error mlx.launch sends
+    SIGTERM to the others and stops relaying their output (it fail-stops the group): rank 0 drains
+    and exits too, and this command ends, for a process supervisor to start again (mlx.launch itself does not pass a Ctrl-C on to its ranks, measured with mlx 0.32.4).
     """
     command = [sys.executable, "-c", _LAUNCHER, "-n", str(ranks), "--backend", "ring",
                "--python", sys.executable, "-m", "mlx_trio.cli", *argv]
-    launcher = subprocess.Popen(command, start_new_session=True, env={**os.environ, LOCAL_RANKS_ENV: str(ranks)})
+    launcher = subprocess.Popen(command, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:
         # To the ranks, not the launcher: it relays their output until they are done.
@@ -51,18 +51,6 @@ def launch_local_ranks(ranks: int, argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     return launcher.wait()
-
-
-def stop_signals() -> tuple[signal.Signals, ...]:
-    """The signals that drain and stop `serve`.
-
-    Not SIGTERM for a rank `launch_local_ranks` started: mlx.launch sends that to every other rank
-    when one rank dies, and rank 0 stays up to say so on /health (the parent sends SIGINT to stop).
-    """
-    if LOCAL_RANKS_ENV in os.environ:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return (signal.SIGINT,)
-    return (signal.SIGINT, signal.SIGTERM)
 
 
 def refusal(tensor_parallel: int, size: int, prompt_cache_dir: object) -> str | None:
@@ -94,6 +82,12 @@ def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
         yield world.rank, world.size
         return
     leader = leader_for(world)
+    # mlx.launch relays each rank's output through a pipe, and stops reading it once another rank
+    # died (it then waits for this one to exit on its SIGTERM). A full pipe must not block this
+    # rank's Trio thread in a log write, or it never sees that SIGTERM: so writes that would block
+    # are dropped instead (measured: the ring backend's "socket closed" flood filled it).
+    os.set_blocking(sys.stdout.fileno(), False)
+    os.set_blocking(sys.stderr.fileno(), False)
     try:
         yield world.rank, world.size
     finally:

@@ -1,8 +1,7 @@
-"""How a `serve` process takes its place in a group (mlx_trio/scale_out.py): refusals, stop signals, flags."""
+"""How a `serve` process takes its place in a group (mlx_trio/scale_out.py): refusals, flags, a lost group."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,6 @@ def test_a_group_of_the_wrong_size_or_with_an_ssd_tier_is_refused() -> None:
     assert scale_out.refusal(1, 3, None) is None  # plain mlx.launch: its own rank count
     assert "started 3 ranks" in scale_out.refusal(2, 3, None)
     assert "--prompt-cache-dir" in scale_out.refusal(1, 2, Path("/tmp/x"))
-
-
-def test_local_ranks_stop_on_sigint_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(scale_out.LOCAL_RANKS_ENV, raising=False)
-    assert scale_out.stop_signals() == (signal.SIGINT, signal.SIGTERM)
-    previous = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setenv(scale_out.LOCAL_RANKS_ENV, "2")
-    try:
-        assert scale_out.stop_signals() == (signal.SIGINT,)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def test_the_scale_out_flags_reach_the_config() -> None:

@@ -75,12 +75,10 @@ def _ranks_of(process) -> list[int]:
     return sorted(children(launcher), key=rank)
 
 
-@pytest.mark.xfail(run=False, reason="known gap (docs/scale-out.md): after the ring backend loses a peer mid-step, "
-                   "rank 0's whole process can stop answering (seen once: no log line, /health timed out), "
-                   "so this waits for group re-forming")
-def test_a_killed_follower_is_reported_and_http_stays_up(tmp_path: Path) -> None:
-    """SIGKILL rank 1 while a request decodes: /health turns 503 naming the lost follower, the request
-    ends (an error, not a hang), and rank 0 still answers HTTP."""
+def test_a_killed_follower_fail_stops_the_group_and_its_request_ends(tmp_path: Path) -> None:
+    """SIGKILL rank 1 while a request decodes: the request ends (an error or a cut stream, not a hang),
+    and the whole group stops (mlx.launch terminates rank 0, which drains first), for a process
+    supervisor to start again. Re-forming the group inside the server is not done yet."""
     path = tiny_model(LLAMA)
     with two_rank_server(path, log=tmp_path / "serve.log") as (url, process):
         ranks = _ranks_of(process)
@@ -90,9 +88,8 @@ def test_a_killed_follower_is_reported_and_http_stays_up(tmp_path: Path) -> None
             pending = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
             time.sleep(1.0)  # let it decode a while (not an assertion: the kill may also land before)
             os.kill(ranks[1], signal.SIGKILL)
-            pending.result()  # it ends (the httpx timeout fails the test if it hangs instead)
-        deadline = time.monotonic() + 60
-        while (health := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
-            assert time.monotonic() < deadline, "the dead follower was never reported"
-            time.sleep(0.2)
-        assert "scale-out group lost: a follower" in health.text  # lost (the backend said so) or silent
+            try:
+                pending.result()  # it ends: the httpx timeout fails the test if it hangs instead
+            except httpx.TransportError:
+                pass  # cut when rank 0 stopped: an end too
+        process.wait(120)  # the whole group stops (mlx.launch's exit code is 0 here: not asserted)

@@ -73,7 +73,8 @@ class LeaderMirror:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: the collector may run a drop (a finalizer) on the thread that holds it.
+        self._lock = threading.RLock()
         self._next = 0
         self._keys: dict[int, int] = {}  # id(object) -> key, while the object lives
         self._pinned: list[Any] = []  # objects without weak references: kept (and keyed) for good
