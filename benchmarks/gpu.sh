@@ -17,6 +17,9 @@
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
+#   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
+#           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
+#           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
 # exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
@@ -316,6 +319,13 @@ for m in $MODELS; do
       --ours-args "--batch 16 --draft-model $dir" --mlx-lm-args "--decode-concurrency 16 --draft-model $dir" \
       --out "$RESULTS/spechttp-$m.json" --log-dir "/tmp/bench-logs-spechttp-$m" \
       || { echo "gpu.sh: spechttp part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-spechttp-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" distributed "*)
+    lim=$(budget "${DIST_LIMIT_S:-150}")
+    echo; echo "### distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1 (limit ${lim}s)"
+    enough "distributed $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/distributed.py --model "$dir" \
+      --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 --tokens 128 --json "$RESULTS/distributed-$m.json" \
+      || echo "gpu.sh: distributed part for $m ended with status $?"; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

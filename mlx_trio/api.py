@@ -119,7 +119,9 @@ class Engine:
         """The live supervision tree plus engine counters, as plain data."""
         model = self.actors.model
         status = {"tree": self._root.status(), "model": model.model_id if model else None,
-                  "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters()}
+                  "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters(),
+                  # Scale-out: each rank (id, host, backend, state, last heartbeat); [] in one process.
+                  "ranks": self.actors.ranks.status() if self.actors.ranks is not None else []}
         adapters = self.actors.lane.adapters
         if adapters is not None:  # only on an engine that serves adapters
             status["adapters"] = adapters.statistics()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from mlx_trio import __version__
+from mlx_trio import __version__, scale_out
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
              "it proposes --num-draft-tokens tokens per row and step, verified in the batch (default: none)")
     arg("--num-draft-tokens", type=positive_int, default=_ENGINE.num_draft_tokens.default,
         help="tokens proposed per row and step when speculating (default: %(default)s)")
+    arg("--tensor-parallel", type=positive_int, default=1,
+        help="split the model over this many local ranks (tensor parallel, mlx.distributed's ring backend); "
+             "under mlx.launch, the number of ranks it started (docs/scale-out.md) (default: %(default)s)")
+    arg("--collective-timeout", type=positive_float, default=_ENGINE.collective_timeout_s.default,
+        help="seconds within which every rank must answer rank 0's heartbeat (queued behind other GPU jobs) "
+             "before the group counts as lost and /health says so (default: %(default)s)")
     arg("--enable-fault-injection", action="store_true",
         help="serve GET/POST /v1/admin/faults, which make actors fail on purpose (tests and drills only)")
     arg("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
@@ -201,7 +207,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
                           prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model,
                           lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                          enable_lora_admin=args.enable_lora_admin)
+                          enable_lora_admin=args.enable_lora_admin,
+                          collective_timeout_s=args.collective_timeout)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,
@@ -344,6 +351,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidParameter, ValueError, TypeError) as exc:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
+    if args.tensor_parallel > 1 and not scale_out.launched():
+        return scale_out.launch_local_ranks(args.tensor_parallel, list(argv if argv is not None else sys.argv[1:]))
+    if scale_out.launched():
+        with scale_out.joined_group(stop_timeout_s=args.collective_timeout) as (rank, size):
+            if rank > 0:
+                return 0  # a follower's whole life ran in joined_group
+            refused = scale_out.refusal(args.tensor_parallel, size, engine_config.prompt_cache_dir)
+            if refused is not None:
+                print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
+                return 2
+            return _serve_main(engine_config, server_config)
+    return _serve_main(engine_config, server_config)
+
+
+def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         check_port(server_config.host, server_config.port)
     except OSError as exc:

@@ -97,6 +97,11 @@ class EngineConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     enable_lora_admin: bool = False
 
+    # Scale-out (docs/scale-out.md): rank 0 runs a heartbeat collective this often, and a follower
+    # that has not answered one within collective_timeout_s is lost (/health says so).
+    heartbeat_s: float = 1.0
+    collective_timeout_s: float = 10.0
+
     def __attrs_post_init__(self) -> None:
         if self.kv_bits is not None and (self.prompt_lookup or self.draft_model is not None):
             # A speculative step drops each row's rejected tail of KV; quantized rows cannot yet.

@@ -43,7 +43,9 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/sampling": frozenset(),
     "engine/prompt_cache": frozenset(),
     "engine/kv": frozenset({"engine/prompt_cache"}),  # cache_clone copies host entries
-    "engine/model": frozenset({"engine/kv", "engine/sampling"}),  # load measures the KV layout, builds the grammar
+    # load measures the KV layout, builds the grammar, loads one rank's shard
+    "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed"}),
+    "engine/distributed": frozenset({"engine/lease_thread"}),  # a follower's thread is set up as a lease's
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
                                "engine/adapters"}),  # each row's forward uses its adapter
     "engine/speculative": frozenset({"engine/kv"}),  # a draft model's KV joins, leaves and rolls back by row

@@ -228,7 +228,7 @@ class DecodeStepActor:
         assert batch is not None
         ids = list(batch.request_ids)
         report = partial(self._report, ids)
-        chain = self._lease.chain(self._link, batch, steps_per_job(len(ids)), report)
+        chain = self._lease.chain(_steps_then, batch, steps_per_job(len(ids)), report, self._trio_keeps_up)
         self._chain = chain
         self._chains += 1
         try:
@@ -240,9 +240,8 @@ class DecodeStepActor:
             raise self._reported_error
         self._kv_bytes = batch.nbytes
 
-    def _link(self, batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None]) -> bool:
-        """One link of the step chain, on the lease thread: False ends the chain (Trio is behind)."""
-        batch.steps_decoded(steps, report)
+    def _trio_keeps_up(self) -> bool:
+        """On the lease thread, after a link's steps: False ends the chain (Trio is behind)."""
         return self._reports_sent - self._reports_handled < MAX_UNHANDLED_REPORTS
 
     def _report(self, request_ids: list[str], steps: list[Decoded]) -> None:
@@ -356,3 +355,15 @@ def _speculation(lane: Lane) -> SpeculationConfig | None:
 
 def _failed(request: Generate, error: BaseException) -> GenerationEnded:
     return GenerationEnded(request.request_id, FinishReason.ERROR, error)
+
+
+def _steps_then(batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None],
+                keep_going: Callable[[], bool]) -> bool:
+    """One link of the step chain, on the lease thread: the batch's steps, then whether to go on.
+
+    A module function over the batch, not a method of the actor: under scale-out every rank runs
+    each link (engine/distributed/), and only the batch has a copy on the other ranks; `report`
+    and `keep_going` are rank 0's (they are no-ops elsewhere).
+    """
+    batch.steps_decoded(steps, report)
+    return keep_going()

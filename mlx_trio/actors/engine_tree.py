@@ -37,8 +37,11 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
+from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
+from mlx_trio.engine.distributed.leader import leader_for
+from mlx_trio.engine.distributed.world import current_world
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
@@ -78,6 +81,12 @@ class EngineActors:
         self.config = config
         self.lane = Lane(config, faults)
         self._budget: int | None = None
+        world = current_world()
+        # Scale-out only: rank 0's heartbeat over its followers (actors/rank_watch.py); last, so under
+        # rest_for_one its crash restarts only itself.
+        self.ranks = RankWatch(self.lane, world, heartbeat_s=config.heartbeat_s,
+                               deadline_s=config.collective_timeout_s) if world.distributed else None
+        watch = [ChildSpec("rank-watch", self._run_rank_watch, kind="rank-watch")] if self.ranks else []
         self.supervisor = Supervisor(
             "engine",
             [
@@ -87,6 +96,7 @@ class EngineActors:
                 ChildSpec("admission", self._run_admission, kind="admission"),
                 # Last: under rest_for_one its crash restarts only itself (it is only a cache).
                 ChildSpec(PERSISTENCE_ID, self._run_persistence, kind=PERSISTENCE_ID),
+                *watch,
             ],
             strategy=Strategy.REST_FOR_ONE,
             max_restarts=config.max_restarts,
@@ -113,6 +123,8 @@ class EngineActors:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
             return False, "loading model"
+        if self.ranks is not None and self.ranks.lost is not None:
+            return False, f"scale-out group lost: {self.ranks.lost}"
         down = self.retrying.down
         if down is not None:
             return False, f"engine down: {down.reason}; starting again in {down.retry_in_s():.0f} s"
@@ -207,7 +219,10 @@ class EngineActors:
 
     async def _run_lease(self, *, task_status: trio.TaskStatus[GpuLease] = trio.TASK_STATUS_IGNORED) -> None:
         lane = self.lane
-        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams, faults=lane.faults)
+        # Under scale-out rank 0's lease sends every job to the follower ranks first (docs/scale-out.md).
+        leader = leader_for(current_world())
+        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams, faults=lane.faults,
+                         run_job=leader.run_job if leader is not None else None)
         async with trio.open_nursery() as nursery:
             await nursery.start(lease.serve)
             lane.lease = lease
@@ -243,6 +258,10 @@ class EngineActors:
         lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults,
                                                  io_timeout_s=self.config.prompt_cache_io_timeout_s)
         await lane.persistence.run(task_status=task_status)
+
+    async def _run_rank_watch(self, *, task_status: trio.TaskStatus[RankWatch] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.ranks is not None
+        await self.ranks.run(task_status=task_status)
 
     # -- the lease's jobs: load, warm up, watch ----------------------------------------
 

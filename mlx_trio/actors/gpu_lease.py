@@ -49,6 +49,8 @@ class _Job:
     task: trio.lowlevel.Task | None  # None for chain/submit_nowait: no task is parked on it
     name: str  # for log messages
     chain: LeaseChain | None = None  # set for a chain's links: the chain's outcome goes there
+    # A chain's own link: it calls the chain's function through `run_job` itself, once per run.
+    direct: bool = False
     # Invariant: changed only under GpuLease._lock; QUEUED -> RUNNING -> DONE by the
     # lease thread, QUEUED -> SKIPPED by the Trio thread (cancelled caller, close).
     state: _State = _State.QUEUED
@@ -134,12 +136,18 @@ class GpuLease:
         raises that error instead of reporting started.
       close_timeout_s: how long closing waits for the running job and the
         thread's exit before declaring the thread wedged.
+      run_job: calls each job's function with its arguments, on the lease
+        thread, and returns its result; plain ``fn(*args)`` by default. Scale-out
+        passes rank 0's broadcast (`mlx_trio.engine.distributed.leader`), so
+        every rank runs every job and nothing else here changes.
     """
 
     def __init__(self, *, name: str = "gpu-lease", on_thread_exit: Callable[[], object] | None = None,
                  on_thread_start: Callable[[], object] | None = None, close_timeout_s: float = 10.0,
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None,
+                 run_job: Callable[[Callable[..., Any], tuple[Any, ...]], Any] | None = None) -> None:
         self.name = name
+        self._call = run_job or _call
         self._faults = faults
         # Set by abandon(): releases an injected hang, and tells serve() not to wait for the thread.
         self._abandoned = threading.Event()
@@ -250,14 +258,14 @@ class GpuLease:
 
     def _chain_link(self, handle: LeaseChain, fn: Callable[..., bool], args: tuple[Any, ...]) -> _Job:
         def link() -> object:
-            if handle.stopping or not fn(*args) or handle.stopping:
+            if handle.stopping or not self._call(fn, args) or handle.stopping:
                 return None
             if not self._enqueue(self._chain_link(handle, fn, args)):
                 raise LeaseClosed(f"{self.name} closed")
             return _CONTINUED
 
         run, run_args = self._maybe_inject(link, ())
-        return _Job(run, run_args, None, _name(fn), chain=handle)
+        return _Job(run, run_args, None, _name(fn), chain=handle, direct=run is link)
 
     def to_trio_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """From a job on the lease thread: run ``fn(*args)`` on the Trio thread soon.
@@ -450,7 +458,7 @@ class GpuLease:
         # kept alive (a bound method's owner, say) are freed on this thread.
         assert self._token is not None and job.fn is not None and self._running_since is not None
         start = time.perf_counter()
-        result = outcome.capture(job.fn, *job.args)
+        result = outcome.capture(job.fn, *job.args) if job.direct else outcome.capture(self._call, job.fn, job.args)
         if self.job_log is not None:
             self.job_log.append((job.name, start, time.perf_counter()))
         job.fn, job.args = None, ()
@@ -468,6 +476,10 @@ class GpuLease:
                 self._token.run_sync_soon(job.chain._set, result)
         elif isinstance(result, outcome.Error):
             log.error("%s: submit_nowait job %s failed", self.name, job.name, exc_info=result.error)
+
+
+def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    return fn(*args)
 
 
 def _raise_injected(name: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from tests.clients.clients import REPO
 from tests.clients.scripted_model import scripted_model
+from tests.served_output import tee_output
 from tests.http.conftest import tools_format  # noqa: F401  (the fixture, for the scripted-engine tool turns)
 
 REPLY = "The tiny model says pong."
@@ -45,23 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # cwd = the repository, so a worktree's own code is the one imported.
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, text=True)
-    url: list[str] = []
-    ready = threading.Event()
-
-    def copy_output() -> None:
-        """Tee the server's output into `log`, noting the URL when the serving line appears."""
-        assert process.stdout is not None
-        with log.open("w", encoding="utf-8") as out:
-            for line in process.stdout:
-                out.write(line)
-                out.flush()
-                if not url and (match := _SERVING.match(line)):
-                    url.append(match.group(1))
-                    ready.set()
-        ready.set()  # the process ended: wake the waiter either way
-
-    reader = threading.Thread(target=copy_output, name="mlx-trio-serve-log", daemon=True)
-    reader.start()
+    url, ready, reader = tee_output(process, log, _SERVING)
     try:
         if not ready.wait(_START_TIMEOUT_S) or not url:
             pytest.fail(f"mlx-trio serve did not come up; its output:\n{log.read_text(encoding='utf-8')}")

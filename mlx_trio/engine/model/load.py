@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
 from mlx_trio.errors import InvalidParameter, ModelLoadError
+from mlx_trio.engine.distributed.world import current_world, shard_model
 from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
 from mlx_trio.engine.model.generic_tools import generic_chat
@@ -166,11 +167,15 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
                kv_scheme: KvScheme = KvScheme()) -> LoadedModel:
     """Resolve (converting the default model once if needed) and load with mlx-lm.
 
-    Must run on the lease thread: weights are evaluated there.
+    Must run on the lease thread: weights are evaluated there. One rank of a distributed group
+    loads its tensor-parallel shard only (`engine/distributed/world.py`): lazily, sharded, then
+    evaluated, so the other ranks' weights are never read here.
     """
     path = resolve_model_path(model, cache_dir=cache_dir)
+    world = current_world()
     try:
-        loaded_model, tokenizer, config = mlx_lm_load(path, return_config=True)
+        loaded_model, tokenizer, config = mlx_lm_load(path, return_config=True, lazy=world.distributed)
+        shard_model(loaded_model, world)
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
     mx.eval(loaded_model.parameters())

@@ -1,0 +1,93 @@
+"""Which rank this process is in an mlx.distributed group, and the model shard a rank holds.
+
+`mlx.launch` starts every rank with `MLX_RANK` (and, for the ring backend, `MLX_HOSTFILE`) in its
+environment; `join_world` reads those through `mx.distributed.init`. A process started without
+them is a world of one, and nothing in the engine changes (`World.size == 1`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+# The variable mlx.launch sets for every rank it starts (mlx/_distributed_utils/launch.py).
+RANK_ENV = "MLX_RANK"
+
+
+@attrs.frozen
+class World:
+    """This process's place in the group: rank 0 leads (actor tree, HTTP), ranks > 0 follow."""
+
+    rank: int
+    size: int
+    backend: str
+    host: str
+    group: mx.distributed.Group | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+SOLO = World(rank=0, size=1, backend="none", host=socket.gethostname())
+_world: World = SOLO
+
+
+def launched() -> bool:
+    """Whether mlx.launch (or an equivalent launcher) started this process as one rank of a group."""
+    return RANK_ENV in os.environ
+
+
+def join_world(backend: str = "any") -> World:
+    """Join the group mlx.launch set up (once per process, before any lease thread); SOLO if not launched.
+
+    Raises:
+      RuntimeError: launched, but the backend could not form the group.
+    """
+    global _world
+    if not launched():
+        return SOLO
+    group = mx.distributed.init(strict=True, backend=backend)
+    _world = World(rank=group.rank(), size=group.size(), backend=backend if backend != "any" else _backend_name(),
+                   host=socket.gethostname(), group=group)
+    return _world
+
+
+def current_world() -> World:
+    """The world `join_world` joined (SOLO before, or without a launcher)."""
+    return _world
+
+
+def shard_model(model: nn.Module, world: World) -> None:
+    """Keep only this rank's tensor-parallel shard of `model`'s (still lazy) weights: mlx-lm's `shard()`.
+
+    Called between a lazy load and the weights' evaluation, so each rank reads and holds only its
+    shard (mlx-lm's `sharded_load` does the same). The sharded layers sum their partial outputs
+    across the group (`all_sum`), so every rank computes the same logits.
+
+    Raises:
+      ValueError: the model has no tensor-parallel sharding in mlx-lm.
+    """
+    if not world.distributed:
+        return
+    if not hasattr(model, "shard"):
+        raise ValueError(f"{type(model).__module__} has no tensor-parallel shard() in mlx-lm")
+    model.shard(world.group)
+
+
+def _backend_name() -> str:
+    if "MLX_HOSTFILE" in os.environ:
+        return "ring"
+    if "MLX_JACCL_COORDINATOR" in os.environ:
+        return "jaccl"
+    if "NCCL_HOST_IP" in os.environ:
+        return "nccl"
+    return "mpi"
