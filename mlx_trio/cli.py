@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--quantized-kv-start", type=non_negative_int, default=_ENGINE.quantized_kv_start.default,
         help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
              "chunk, as mlx-lm (default: %(default)s)")
+    arg("--no-compile", action="store_true",
+        help="run every decode step's forward uncompiled, as before compiled steps (so does the environment "
+             "variable MLX_TRIO_NO_COMPILE=1; default: compiled where the model's caches allow)")
     arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
@@ -176,7 +179,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           restart_period_s=args.restart_period, step_watchdog_s=args.step_watchdog,
                           prompt_cache_io_timeout_s=args.prompt_cache_io_timeout,
                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                          quantized_kv_start=args.quantized_kv_start)
+                          quantized_kv_start=args.quantized_kv_start, compile_decode=not args.no_compile)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

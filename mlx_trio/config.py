@@ -70,6 +70,9 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
+    # Decode steps run the model's forward as one compiled graph where the caches allow (--no-compile
+    # turns it off, and so does MLX_TRIO_NO_COMPILE=1; engine/batch/compiled_step.py).
+    compile_decode: bool = True
 
     @property
     def prompt_cache_off(self) -> bool:

@@ -44,6 +44,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_trio.engine.batch import compiled_step
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
@@ -92,8 +93,10 @@ class DecodeBatch:
     (the row set and its inputs are settled); `leave` works either way.
     """
 
-    def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> None:
+    def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(), *, compile_decode: bool = False) -> None:
         self._model = model
+        # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
+        self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         self._kv_scheme = kv_scheme
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
@@ -229,7 +232,7 @@ class DecodeBatch:
             # A grammar's mask for this step needs the previous token consumed: read it first.
             previous = self._read()
         inputs = self._inputs
-        logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+        logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
@@ -246,6 +249,12 @@ class DecodeBatch:
         if self._num_steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return previous
+
+    def _forward(self, inputs: mx.array) -> mx.array:
+        """One step's logits `[B, V]`: compiled where it covers the caches, else the model's own graph."""
+        if self._compiled is not None and compiled_step.covers(self._caches):
+            return self._compiled(inputs, self._caches)
+        return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""

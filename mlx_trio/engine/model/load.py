@@ -50,6 +50,8 @@ class LoadedModel:
     grammar_tokenizer: Any = None
     # How its rows store KV (--kv-bits ...); `kv_layout` counts bytes in this format.
     kv_scheme: KvScheme = KvScheme()
+    # Whether its decode steps compile their forward (engine/batch/compiled_step.py; --no-compile).
+    compile_decode: bool = False
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -161,7 +163,7 @@ class LoadedModel:
 
 
 def load_model(model: str | None = None, *, cache_dir: Path | None = None,
-               kv_scheme: KvScheme = KvScheme()) -> LoadedModel:
+               kv_scheme: KvScheme = KvScheme(), compile_decode: bool = False) -> LoadedModel:
     """Resolve (converting the default model once if needed) and load with mlx-lm.
 
     Must run on the lease thread: weights are evaluated there.
@@ -186,6 +188,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         output_format=read_output_format(tokenizer),
         grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
         kv_scheme=kv_scheme,
+        compile_decode=compile_decode,
     )
 
 

@@ -30,14 +30,16 @@ def token_ids(decoded: Decoded | None) -> list[int] | None:
 
 def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  grammar_tokenizer: Any = None, prefill_step_size: int = 8, kv_scheme: KvScheme = KvScheme(),
-                 converted_at: dict[str, int] | None = None) -> dict[str, Outcome]:
+                 converted_at: dict[str, int] | None = None, compile_decode: bool = False) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
+
+    `compile_decode` steps through the compiled forward where it covers the caches (engine/batch/compiled_step.py).
 
     `converted_at` (quantized schemes) gets each row's token count when it first sat in a quantized batch.
     """
     params = {a.request_id: a.params for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model, kv_scheme)
+    batch = DecodeBatch(model, kv_scheme, compile_decode=compile_decode)
 
     def note_format() -> None:
         if converted_at is not None and batch.size and batch.is_quantized:

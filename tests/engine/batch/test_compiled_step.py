@@ -1,0 +1,122 @@
+"""The compiled decode step (engine/batch/compiled_step.py): the same greedy tokens as the uncompiled step.
+
+Each schedule runs twice on one model, compiled and not, and every row's
+tokens must be equal: a lone row (solo KVCache, across a 256-token buffer
+step), a padded batch built by joins at different steps, leaves down to one
+row (extracted back to solo caches). Architectures the compiled step does
+not cover (sliding windows, the qwen3-next hybrid) must run their uncompiled
+step, so their tokens are equal trivially, and the test checks that the
+compiled forward did not run for them. Logits may differ in the last bits
+(attention over the whole masked buffer sums in another order), so this
+compares tokens, the padded-rows envelope rule of docs/design.md §7.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlx_trio.engine.batch import compiled_step
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.batch_reference import Arrival, tiny_qwen3_next
+from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, tiny_model
+
+from tests.engine.batch.batch_driver import run_schedule
+
+COVERED = {"llama": LLAMA, "qwen3": QWEN3}
+NOT_COVERED = {"llama_swa": LLAMA_SWA}
+
+
+@cache
+def _load(name: str) -> Any:
+    if name == "qwen3_next":
+        return tiny_qwen3_next()
+    spec = {**COVERED, **NOT_COVERED}[name]
+    model, _ = load(str(tiny_model(spec)))
+    return model
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple((7 * seed + 13 * i) % 200 + 3 for i in range(n))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n)
+
+
+# A lone row over a 256-token buffer step; then three rows joining at different steps (padded), leaving one by one.
+SCHEDULES = {
+    "solo": [Arrival("a", 0, _prompt(1, 250), _greedy(12))],
+    "batch": [Arrival("a", 0, _prompt(1, 9), _greedy(24)), Arrival("b", 2, _prompt(2, 30), _greedy(10)),
+              Arrival("c", 5, _prompt(3, 3), _greedy(16)), Arrival("d", 6, _prompt(4, 250), _greedy(14))],
+}
+
+
+class _Counting:
+    """Counts the compiled forward's calls (it must run where it covers the caches, and only there)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = compiled_step.CompiledForward.__call__
+
+        def counted(forward: compiled_step.CompiledForward, inputs: Any, caches: Any) -> Any:
+            self.calls += 1
+            return original(forward, inputs, caches)
+
+        monkeypatch.setattr(compiled_step.CompiledForward, "__call__", counted)
+
+
+def _tokens(model: Any, schedule: str, *, compile_decode: bool) -> dict[str, list[int]]:
+    out = run_schedule(model, SCHEDULES[schedule], eos=(), prefill_step_size=64, compile_decode=compile_decode)
+    return {rid: o.tokens for rid, o in out.items()}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", COVERED)
+def test_compiled_tokens_equal_uncompiled(name: str, schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load(name)
+    want = _tokens(model, schedule, compile_decode=False)
+    counting = _Counting(monkeypatch)
+    got = _tokens(model, schedule, compile_decode=True)
+    assert got == want
+    assert counting.calls > 0
+    assert all(len(t) == a.params.max_tokens for t, a in zip(got.values(), SCHEDULES[schedule]))
+
+
+@pytest.mark.parametrize("name", [*NOT_COVERED, "qwen3_next"])
+def test_uncovered_architectures_step_uncompiled(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load(name)
+    want = _tokens(model, "batch", compile_decode=False)
+    counting = _Counting(monkeypatch)
+    assert _tokens(model, "batch", compile_decode=True) == want
+    assert counting.calls == 0
+
+
+def test_covers_full_attention_float_caches_at_one_position() -> None:
+    import mlx.core as mx
+
+    def filled(cache: Any, n: int) -> Any:
+        cache.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return cache
+
+    assert compiled_step.covers([filled(KVCache(), 3), filled(KVCache(), 3)])
+    assert not compiled_step.covers([filled(KVCache(), 3), filled(KVCache(), 4)])  # positions differ
+    assert not compiled_step.covers([KVCache()])  # nothing prefilled yet
+    assert not compiled_step.covers([filled(KVCache(), 3), filled(RotatingKVCache(max_size=8), 3)])
+    assert not compiled_step.covers([filled(HostPaddedBatchKVCache([0]), 3), filled(KVCache(), 3)])
+    assert compiled_step.covers([filled(HostPaddedBatchKVCache([0]), 3)])
+    assert not compiled_step.covers([])
+
+
+def test_kill_switch_restores_the_uncompiled_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load("llama")
+    assert DecodeBatch(model, compile_decode=True)._compiled is not None
+    assert DecodeBatch(model)._compiled is None
+    monkeypatch.setenv(compiled_step.KILL_SWITCH, "1")
+    assert DecodeBatch(model, compile_decode=True)._compiled is None
