@@ -27,14 +27,15 @@ traces RoPE's CPU fallback, whose slices cannot be shapeless.
 
 Numerics: attention runs over the whole buffer with the unused positions
 masked, where the uncompiled step runs over exactly `idx + 1` positions
-(and, unpadded, without a mask). The masked positions weigh exactly 0, but
-the longer reduction may sum in another order: on the CPU the greedy tokens
-are equal for the tiny architectures and the goldens
-(tests/engine/batch/test_compiled_step.py), and logits may differ in the
-last bits, the padded-rows envelope rule of docs/design.md §7. On MLX's
-CUDA backend an array mask keeps attention off the fused `sdpa_vector`
-kernel (head dims 64 and 128), so whether this is faster there is what
-benchmarks/compiled_decode.py measures.
+(and, unpadded, without a mask). The masked positions weigh exactly 0, and
+on the CPU every step's logits and KV are bit-identical to the uncompiled
+step's, float32 and bfloat16 (tests/engine/batch/test_compiled_step.py, with
+the tokens of whole schedules and the goldens through the engine). On a GPU
+the fused kernels and the other attention kernel may round differently in
+the last bits, as padded rows do against solo ones; benchmarks/compiled_decode.py
+reports whether the greedy tokens still agree there. On MLX's CUDA backend an
+array mask keeps attention off the fused `sdpa_vector` kernel (head dims 64
+and 128), so whether this is faster there is what that benchmark measures.
 
 Covered: every layer a bf16/float `KVCache` (a lone row) or a
 `HostPaddedBatchKVCache` (a batch, padded or not), all at one position and

@@ -6,9 +6,9 @@ step), a padded batch built by joins at different steps, leaves down to one
 row (extracted back to solo caches). Architectures the compiled step does
 not cover (sliding windows, the qwen3-next hybrid) must run their uncompiled
 step, so their tokens are equal trivially, and the test checks that the
-compiled forward did not run for them. Logits may differ in the last bits
-(attention over the whole masked buffer sums in another order), so this
-compares tokens, the padded-rows envelope rule of docs/design.md §7.
+compiled forward did not run for them. On the CPU the logits and the KV
+are bit-identical too, float32 and bfloat16
+(`test_compiled_logits_are_bit_identical_on_the_cpu`).
 """
 
 from __future__ import annotations
@@ -120,3 +120,50 @@ def test_kill_switch_restores_the_uncompiled_step(monkeypatch: pytest.MonkeyPatc
     assert DecodeBatch(model)._compiled is None
     monkeypatch.setenv(compiled_step.KILL_SWITCH, "1")
     assert DecodeBatch(model, compile_decode=True)._compiled is None
+
+
+def _prefilled(model: Any, n: int) -> list[KVCache]:
+    import mlx.core as mx
+
+    caches = [KVCache() for _ in model.layers]
+    model(mx.array([_prompt(n, n)]), cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["solo", "padded", "unpadded"])
+def test_compiled_logits_are_bit_identical_on_the_cpu(layout: str, dtype: str) -> None:
+    """Every step's logits equal the model's own forward bit for bit (the masked positions weigh exactly 0).
+
+    Solo over a 256-token buffer step; batches from mlx-lm's merge of rows of 40 and 7 tokens
+    (padded) or two of 40 (unpadded: no mask in the uncompiled step).
+    """
+    import mlx.core as mx
+
+    model, _ = load(str(tiny_model(LLAMA)))  # its own copy: set_dtype changes the weights
+    model.set_dtype(getattr(mx, dtype))
+    forward = compiled_step.CompiledForward(model)
+
+    def caches() -> list[Any]:
+        if layout == "solo":
+            return _prefilled(model, 250)
+        second = 7 if layout == "padded" else 40
+        merged = [HostPaddedBatchKVCache.merge([a, b]) for a, b in zip(_prefilled(model, 40), _prefilled(model, second))]
+        assert merged[0].is_unpadded == (layout == "unpadded")
+        return merged
+
+    want_caches, got_caches = caches(), caches()
+    rows = 1 if layout == "solo" else 2
+    tokens = mx.array([17] * rows, dtype=mx.uint32)
+    for _ in range(10):
+        want = model(tokens[:, None], cache=want_caches)[:, -1, :]
+        got = forward(tokens, got_caches)
+        assert mx.array_equal(got, want).item()
+        tokens = mx.argmax(want, axis=-1).astype(mx.uint32)
+    for want_cache, got_cache in zip(want_caches, got_caches):
+        for want_array, got_array in zip(want_cache.state, got_cache.state):
+            if isinstance(want_array, mx.array):
+                assert want_array.shape == got_array.shape and mx.array_equal(want_array, got_array).item()
+            else:
+                assert want_array == got_array
