@@ -5,25 +5,25 @@ dozen ops, each a node the host creates and the device launches alone.
 `mx.compile` traces the forward once and replays the traced graph, with
 elementwise chains fused into single kernels. It only sees arrays, while
 mlx-lm's caches are Python objects that change their own attributes, so the
-compiled function is pure: it takes every layer's `(keys, values)` buffers,
-the write position `idx`, the rows' RoPE offsets `[B]` and left padding
-`[B]`, and returns the logits and the new buffers. Inside it each layer sees
-a `_Slot` standing in for its cache:
+compiled function is pure: it takes every layer's `(keys, values)` buffers
+with the slot this token is written to and the last valid slot, and the
+rows' RoPE offsets `[B]` and left padding `[B]`; it returns the logits and
+the new buffers. Inside it each layer sees a `_Slot` standing in for its cache:
 
-- `update_and_fetch` writes the token at `idx` (`mx.slice_update` with an
+- `update_and_fetch` writes the token at its slot (`mx.slice_update` with an
   array start, so the position is an input, not a constant of the trace) and
   returns the *whole* buffer, not the `[:idx + 1]` slice mlx-lm returns;
-- `make_mask` masks what that adds: the positions past `idx` (and each
-  row's left padding), `left_padding <= pos <= idx`, mlx-lm's
+- `make_mask` masks what that adds: `left_padding <= pos <= last`, mlx-lm's
   `BatchKVCache` mask over the whole buffer.
 
-So a trace depends only on the shapes: the rows `B` and the buffer capacity,
-which grows in mlx-lm's 256-token steps (`_reserve` grows it before the call
-exactly as `update_and_fetch` would have, so the caches' layout stays
-mlx-lm's and every other batch operation works unchanged). A new `(B,
-capacity)` retraces once, about one uncompiled step's graph build
-(`mx.compile` keeps each trace); `shapeless=True` would avoid that but
-traces RoPE's CPU fallback, whose slices cannot be shapeless.
+Before the call `_reserve` makes room exactly as mlx-lm's `update_and_fetch`
+would have (a buffer grows in 256-token steps; a ring grows, trims an
+over-full prefill and wraps), so the caches keep mlx-lm's layout and every
+other batch operation works unchanged. A trace then depends only on the
+shapes, the rows `B` and each buffer's capacity: a new one retraces once,
+about one uncompiled step's graph build (`mx.compile` keeps each trace).
+`shapeless=True` would avoid the retraces but traces RoPE's CPU fallback,
+whose slices cannot be shapeless.
 
 Numerics: attention runs over the whole buffer with the unused positions
 masked, where the uncompiled step runs over exactly `idx + 1` positions
@@ -37,10 +37,14 @@ reports whether the greedy tokens still agree there. On MLX's CUDA backend an
 array mask keeps attention off the fused `sdpa_vector` kernel (head dims 64
 and 128), so whether this is faster there is what that benchmark measures.
 
-Covered: every layer a bf16/float `KVCache` (a lone row) or a
-`HostPaddedBatchKVCache` (a batch, padded or not), all at one position and
-capacity. Anything else (rotating windows, SSM state, quantized KV) takes
-the uncompiled step. `--no-compile` or `MLX_TRIO_NO_COMPILE=1` turns it off.
+Covered: a lone row on mlx-lm's own caches (`KVCache`, and `RotatingKVCache`
+without `keep`, as sliding-window models make them), or a batch on
+`HostPaddedBatchKVCache` layers (padded or not), float KV, every layer at
+one position. A batch with rotating layers (mlx-lm's `BatchRotatingKVCache`),
+SSM state, or quantized KV takes the uncompiled step, and so does, for good,
+a model whose trace asks its caches for what a slot does not provide (a
+decode mask for a window narrower than its ring: `CompiledForward.broken`).
+`--no-compile` or `MLX_TRIO_NO_COMPILE=1` turns it all off.
 
 Runs on the lease thread.
 """
@@ -53,7 +57,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 
@@ -71,50 +75,99 @@ def compile_wanted(requested: bool) -> bool:
 class _Slot:
     """What a layer's attention sees as its cache inside the compiled forward (see the module docstring)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, idx: mx.array, mask: mx.array) -> None:
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, write: mx.array, mask: mx.array,
+                 max_size: int | None) -> None:
         self.keys, self.values, self.offset = keys, values, offset
-        self._idx, self._mask = idx, mask
+        self._write, self._mask, self._max_size = write, mask, max_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self._idx, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self._idx, axes=(2,))
+        self.keys = mx.slice_update(self.keys, keys, self._write, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self._write, axes=(2,))
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        assert N == 1 and window_size is None  # covers() admits decode steps of full-attention layers only
+        if N != 1 or (window_size is not None and window_size < (self._max_size or 0)):
+            # A window narrower than the ring needs mlx-lm's rolled mask: not written here (see `covers`).
+            raise _NotCovered(f"a decode mask for N={N}, window {window_size}, ring {self._max_size}")
         return self._mask
 
 
+class _NotCovered(Exception):
+    """Raised while tracing: this model asks its caches for something the slots do not provide."""
+
+
+def _is_solo_ring(cache: Any) -> bool:
+    return type(cache) is RotatingKVCache and cache.keep == 0
+
+
 def _position(cache: Any) -> int:
-    return cache.offset if type(cache) is KVCache else cache._idx
+    """Tokens the layer's row(s) hold: the RoPE offset of the next token (left padding aside)."""
+    return cache._idx if type(cache) is HostPaddedBatchKVCache else cache.offset
 
 
 def covers(caches: Sequence[Any]) -> bool:
-    """Whether the compiled forward can run these layers' step (else the caller runs the model as today)."""
-    if not caches:
-        return False
-    kind = type(caches[0])
-    if kind not in (KVCache, HostPaddedBatchKVCache) or any(type(c) is not kind for c in caches):
-        return False
-    first = caches[0]
-    if first.keys is None or not mx.issubdtype(first.keys.dtype, mx.floating):
-        return False
-    position, shape = _position(first), first.keys.shape
-    return all(c.keys is not None and _position(c) == position and c.keys.shape == shape for c in caches)
+    """Whether the compiled forward can run these layers' step (else the caller runs the model as today).
 
-
-def _reserve(caches: Sequence[Any]) -> None:
-    """Grow every full buffer by one 256-token step, exactly as mlx-lm's `update_and_fetch` would for this token."""
+    Either a lone row (`KVCache` and `RotatingKVCache` layers, as mlx-lm makes them) or a batch
+    (`HostPaddedBatchKVCache` layers), float KV already prefilled, every layer at one position.
+    """
+    batch = all(type(c) is HostPaddedBatchKVCache for c in caches)
+    if not caches or not (batch or all(type(c) is KVCache or _is_solo_ring(c) for c in caches)):
+        return False
+    if any(c.keys is None or not mx.issubdtype(c.keys.dtype, mx.floating) for c in caches):
+        return False
+    if batch and any(c.keys.shape != caches[0].keys.shape for c in caches):
+        return False
     position = _position(caches[0])
-    if position + 1 <= caches[0].keys.shape[2]:
-        return
-    for cache in caches:
+    return all(_position(c) == position for c in caches)
+
+
+def _reserve(cache: Any) -> tuple[int, int]:
+    """Make room for this step's token exactly as mlx-lm's `update_and_fetch` would; (write at, last valid).
+
+    The buffers grow (or a ring trims and wraps) before the call, so the caches keep mlx-lm's
+    layout and every other batch operation works unchanged.
+    """
+    if type(cache) is RotatingKVCache:
+        return _reserve_ring(cache)
+    position = _position(cache)
+    if position + 1 > cache.keys.shape[2]:
         keys, values = cache.keys, cache.values
         if position % _STEP:
             keys, values = keys[..., :position, :], values[..., :position, :]
         grow = (*keys.shape[:2], _STEP)
         cache.keys = mx.concatenate([keys, mx.zeros((*grow, keys.shape[3]), keys.dtype)], axis=2)
         cache.values = mx.concatenate([values, mx.zeros((*grow, values.shape[3]), values.dtype)], axis=2)
+    return position, position
+
+
+def _reserve_ring(cache: RotatingKVCache) -> tuple[int, int]:
+    """`RotatingKVCache._update_in_place` for one token up to its write: grow, trim, wrap (mlx-lm 0.32)."""
+    prev = cache.offset
+    if prev >= cache.keys.shape[2] and cache.keys.shape[2] < cache.max_size:
+        grow = (*cache.keys.shape[:2], min(cache.step, cache.max_size - prev))
+        cache.keys = mx.concatenate([cache.keys, mx.zeros((*grow, cache.keys.shape[3]), cache.keys.dtype)], axis=2)
+        cache.values = mx.concatenate([cache.values, mx.zeros((*grow, cache.values.shape[3]), cache.values.dtype)],
+                                      axis=2)
+        cache._idx = prev
+    trim = cache.keys.shape[2] - cache.max_size
+    if trim > 0:  # a prefill longer than the window left the ring over-full
+        cache.keys, cache.values = cache._trim(trim, cache.keys), cache._trim(trim, cache.values)
+        cache._idx = cache.max_size
+    if cache._idx == cache.max_size:
+        cache._idx = cache.keep
+    # After the write mlx-lm attends to the first prev + 1 slots, or to the whole ring once it is full.
+    return cache._idx, min(prev, cache.keys.shape[2] - 1)
+
+
+def _advance(cache: Any) -> None:
+    if type(cache) is KVCache:
+        cache.offset += 1
+    elif type(cache) is RotatingKVCache:
+        cache.offset += 1
+        cache._idx += 1
+    else:
+        cache._idx += 1  # HostPadding's offsets follow _idx (engine/kv/batch_kv.py)
 
 
 class CompiledForward:
@@ -123,36 +176,47 @@ class CompiledForward:
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._compiled = mx.compile(self._forward)
-        self._positions = mx.arange(0)
+        # Set when a trace met what the slots do not provide: this model then always steps uncompiled.
+        self.broken: str | None = None
+        self._max_sizes: list[int | None] = []
 
-    def _forward(self, inputs: mx.array, offsets: mx.array, idx: mx.array, left_padding: mx.array,
-                 positions: mx.array, buffers: list[tuple[mx.array, mx.array]]
+    def _forward(self, inputs: mx.array, offsets: mx.array, left_padding: mx.array,
+                 layers: list[tuple[mx.array, mx.array, mx.array, mx.array]]
                  ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
-        valid = (positions[None] <= idx) & (positions[None] >= left_padding[:, None])
-        mask = mx.expand_dims(valid, (1, 2))  # [B, 1, 1, capacity], as mlx-lm's BatchKVCache mask
-        slots = [_Slot(keys, values, offsets, idx, mask) for keys, values in buffers]
+        slots = []
+        for (keys, values, write, last), max_size in zip(layers, self._max_sizes):
+            positions = mx.arange(keys.shape[2])[None]  # a constant of the trace: one trace per capacity
+            valid = (positions <= last) & (positions >= left_padding[:, None])
+            # [B, 1, 1, capacity]: mlx-lm's BatchKVCache mask over the whole buffer.
+            slots.append(_Slot(keys, values, offsets, write, mx.expand_dims(valid, (1, 2)), max_size))
         logits = self._model(inputs[:, None], cache=slots)[:, -1, :]
         return logits, [(slot.keys, slot.values) for slot in slots]
 
-    def __call__(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array:
-        """The logits `[B, V]` of one decode step; advances every cache by one token. Requires `covers(caches)`."""
-        _reserve(caches)
+    def __call__(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array | None:
+        """The logits `[B, V]` of one decode step, advancing every cache one token; requires `covers(caches)`.
+
+        None (and `broken` set, caches unchanged but for room made as mlx-lm would) if tracing found
+        that this model needs more of its caches than the slots provide: step it uncompiled.
+        """
+        if self.broken is not None:
+            return None
         first = caches[0]
-        capacity = first.keys.shape[2]
-        if self._positions.size != capacity:
-            self._positions = mx.arange(capacity)
-        if type(first) is KVCache:
-            idx = first.offset
-            offsets, left_padding = mx.array([idx]), mx.zeros((1,), mx.int32)
-        else:
-            idx = first._idx
+        if type(first) is HostPaddedBatchKVCache:
             offsets, left_padding = first.offset, first.left_padding
-        logits, buffers = self._compiled(inputs, offsets, mx.array(idx), left_padding, self._positions,
-                                         [(c.keys, c.values) for c in caches])
+        else:
+            offsets, left_padding = mx.array([first.offset]), mx.zeros((1,), mx.int32)
+        layers = []
+        for cache in caches:
+            write, last = _reserve(cache)
+            layers.append((cache.keys, cache.values, mx.array(write), mx.array(last)))
+        # Read only while tracing (a guard in _Slot.make_mask); the traced graph does not depend on it.
+        self._max_sizes = [c.max_size if type(c) is RotatingKVCache else None for c in caches]
+        try:
+            logits, buffers = self._compiled(inputs, offsets, left_padding, layers)
+        except _NotCovered as exc:
+            self.broken = str(exc)
+            return None
         for cache, (keys, values) in zip(caches, buffers):
             cache.keys, cache.values = keys, values
-            if type(cache) is KVCache:
-                cache.offset += 1
-            else:
-                cache._idx += 1  # HostPadding's offsets follow _idx (engine/kv/batch_kv.py)
+            _advance(cache)
         return logits

@@ -253,7 +253,9 @@ class DecodeBatch:
     def _forward(self, inputs: mx.array) -> mx.array:
         """One step's logits `[B, V]`: compiled where it covers the caches, else the model's own graph."""
         if self._compiled is not None and compiled_step.covers(self._caches):
-            return self._compiled(inputs, self._caches)
+            logits = self._compiled(inputs, self._caches)
+            if logits is not None:
+                return logits
         return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
 
     def _convert_when_due(self) -> None:

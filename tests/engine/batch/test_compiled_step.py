@@ -4,9 +4,9 @@ Each schedule runs twice on one model, compiled and not, and every row's
 tokens must be equal: a lone row (solo KVCache, across a 256-token buffer
 step), a padded batch built by joins at different steps, leaves down to one
 row (extracted back to solo caches). Architectures the compiled step does
-not cover (sliding windows, the qwen3-next hybrid) must run their uncompiled
-step, so their tokens are equal trivially, and the test checks that the
-compiled forward did not run for them. On the CPU the logits and the KV
+not cover (the qwen3-next hybrid's SSM state; batches of sliding-window
+rows) must run their uncompiled step, and the test checks that the compiled
+forward did not run for the hybrid at all. On the CPU the logits and the KV
 are bit-identical too, float32 and bfloat16
 (`test_compiled_logits_are_bit_identical_on_the_cpu`).
 """
@@ -29,15 +29,15 @@ from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, tiny_model
 
 from tests.engine.batch.batch_driver import run_schedule
 
-COVERED = {"llama": LLAMA, "qwen3": QWEN3}
-NOT_COVERED = {"llama_swa": LLAMA_SWA}
+# llama_swa: its lone rows compile (KVCache + RotatingKVCache); its batches step uncompiled.
+COVERED = {"llama": LLAMA, "qwen3": QWEN3, "llama_swa": LLAMA_SWA}
 
 
 @cache
 def _load(name: str) -> Any:
     if name == "qwen3_next":
         return tiny_qwen3_next()
-    spec = {**COVERED, **NOT_COVERED}[name]
+    spec = COVERED[name]
     model, _ = load(str(tiny_model(spec)))
     return model
 
@@ -89,16 +89,15 @@ def test_compiled_tokens_equal_uncompiled(name: str, schedule: str, monkeypatch:
     assert all(len(t) == a.params.max_tokens for t, a in zip(got.values(), SCHEDULES[schedule]))
 
 
-@pytest.mark.parametrize("name", [*NOT_COVERED, "qwen3_next"])
-def test_uncovered_architectures_step_uncompiled(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _load(name)
+def test_the_hybrid_architecture_steps_uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load("qwen3_next")
     want = _tokens(model, "batch", compile_decode=False)
     counting = _Counting(monkeypatch)
     assert _tokens(model, "batch", compile_decode=True) == want
     assert counting.calls == 0
 
 
-def test_covers_full_attention_float_caches_at_one_position() -> None:
+def test_covers_lone_rows_and_host_padded_batches_at_one_position() -> None:
     import mlx.core as mx
 
     def filled(cache: Any, n: int) -> Any:
@@ -108,7 +107,8 @@ def test_covers_full_attention_float_caches_at_one_position() -> None:
     assert compiled_step.covers([filled(KVCache(), 3), filled(KVCache(), 3)])
     assert not compiled_step.covers([filled(KVCache(), 3), filled(KVCache(), 4)])  # positions differ
     assert not compiled_step.covers([KVCache()])  # nothing prefilled yet
-    assert not compiled_step.covers([filled(KVCache(), 3), filled(RotatingKVCache(max_size=8), 3)])
+    assert compiled_step.covers([filled(KVCache(), 3), filled(RotatingKVCache(max_size=8), 3)])  # a lone SWA row
+    assert not compiled_step.covers([filled(KVCache(), 3), filled(RotatingKVCache(max_size=8, keep=4), 3)])
     assert not compiled_step.covers([filled(HostPaddedBatchKVCache([0]), 3), filled(KVCache(), 3)])
     assert compiled_step.covers([filled(HostPaddedBatchKVCache([0]), 3)])
     assert not compiled_step.covers([])
@@ -122,44 +122,49 @@ def test_kill_switch_restores_the_uncompiled_step(monkeypatch: pytest.MonkeyPatc
     assert DecodeBatch(model, compile_decode=True)._compiled is None
 
 
-def _prefilled(model: Any, n: int) -> list[KVCache]:
+def _prefilled(model: Any, n: int) -> list[Any]:
     import mlx.core as mx
 
-    caches = [KVCache() for _ in model.layers]
+    caches = model.make_cache()
     model(mx.array([_prompt(n, n)]), cache=caches)
     mx.eval([c.state for c in caches])
     return caches
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["solo", "padded", "unpadded"])
+@pytest.mark.parametrize("layout", ["solo", "padded", "unpadded", "ring", "ring-short"])
 def test_compiled_logits_are_bit_identical_on_the_cpu(layout: str, dtype: str) -> None:
-    """Every step's logits equal the model's own forward bit for bit (the masked positions weigh exactly 0).
+    """Every step's logits and KV equal the model's own forward bit for bit (the masked slots weigh exactly 0).
 
     Solo over a 256-token buffer step; batches from mlx-lm's merge of rows of 40 and 7 tokens
-    (padded) or two of 40 (unpadded: no mask in the uncompiled step).
+    (padded) or two of 40 (unpadded: no mask in the uncompiled step); a sliding-window row (window
+    16) after a 40-token prefill (its ring over-full, trimmed, then wrapping) or a 5-token one (growing).
     """
     import mlx.core as mx
 
-    model, _ = load(str(tiny_model(LLAMA)))  # its own copy: set_dtype changes the weights
+    ring = layout.startswith("ring")
+    model, _ = load(str(tiny_model(LLAMA_SWA if ring else LLAMA)))  # its own copy: set_dtype changes the weights
     model.set_dtype(getattr(mx, dtype))
     forward = compiled_step.CompiledForward(model)
 
     def caches() -> list[Any]:
         if layout == "solo":
             return _prefilled(model, 250)
+        if ring:
+            return _prefilled(model, 5 if layout == "ring-short" else 40)
         second = 7 if layout == "padded" else 40
         merged = [HostPaddedBatchKVCache.merge([a, b]) for a, b in zip(_prefilled(model, 40), _prefilled(model, second))]
         assert merged[0].is_unpadded == (layout == "unpadded")
         return merged
 
     want_caches, got_caches = caches(), caches()
-    rows = 1 if layout == "solo" else 2
+    rows = 2 if layout in ("padded", "unpadded") else 1
     tokens = mx.array([17] * rows, dtype=mx.uint32)
-    for _ in range(10):
+    for _ in range(24):  # past the ring's wrap (window 16) in the ring layouts
         want = model(tokens[:, None], cache=want_caches)[:, -1, :]
+        assert compiled_step.covers(got_caches)
         got = forward(tokens, got_caches)
-        assert mx.array_equal(got, want).item()
+        assert got is not None and mx.array_equal(got, want).item()
         tokens = mx.argmax(want, axis=-1).astype(mx.uint32)
     for want_cache, got_cache in zip(want_caches, got_caches):
         for want_array, got_array in zip(want_cache.state, got_cache.state):
@@ -167,3 +172,26 @@ def test_compiled_logits_are_bit_identical_on_the_cpu(layout: str, dtype: str) -
                 assert want_array.shape == got_array.shape and mx.array_equal(want_array, got_array).item()
             else:
                 assert want_array == got_array
+
+
+def test_a_window_narrower_than_its_ring_steps_uncompiled() -> None:
+    """Rings longer than the model's window need mlx-lm's rolled mask: the trace refuses, the model steps as today."""
+    import mlx.core as mx
+
+    model = _load("llama_swa")
+    window = model.model.sliding_window
+
+    def caches() -> list[Any]:
+        made = [RotatingKVCache(max_size=2 * window) if isinstance(c, RotatingKVCache) else KVCache()
+                for c in model.make_cache()]
+        model(mx.array([_prompt(1, 3 * window)]), cache=made)
+        return made
+
+    forward = compiled_step.CompiledForward(model)
+    want_caches, got_caches = caches(), caches()
+    tokens = mx.array([17], dtype=mx.uint32)
+    assert forward(tokens, got_caches) is None and forward.broken
+    want = model(tokens[:, None], cache=want_caches)[:, -1, :]
+    got = model(tokens[:, None], cache=got_caches)[:, -1, :]  # what DecodeBatch does after None
+    assert mx.array_equal(got, want).item()
+    assert forward(tokens, got_caches) is None  # for good
