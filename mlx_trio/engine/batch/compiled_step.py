@@ -205,10 +205,19 @@ class CompiledForward:
             offsets, left_padding = first.offset, first.left_padding
         else:
             offsets, left_padding = mx.array([first.offset]), mx.zeros((1,), mx.int32)
+        # One scalar array per distinct position, not two per layer: no per-step host work per layer
+        # beyond the loop itself (the full-attention layers of a step all share one position).
+        scalars: dict[int, mx.array] = {}
+
+        def scalar(value: int) -> mx.array:
+            if value not in scalars:
+                scalars[value] = mx.array(value)
+            return scalars[value]
+
         layers = []
         for cache in caches:
             write, last = _reserve(cache)
-            layers.append((cache.keys, cache.values, mx.array(write), mx.array(last)))
+            layers.append((cache.keys, cache.values, scalar(write), scalar(last)))
         # Read only while tracing (a guard in _Slot.make_mask); the traced graph does not depend on it.
         self._max_sizes = [c.max_size if type(c) is RotatingKVCache else None for c in caches]
         try:
