@@ -65,6 +65,9 @@ from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 KILL_SWITCH = "MLX_TRIO_NO_COMPILE"
 # mlx-lm's KV buffer step (KVCache.step == BatchKVCache.step).
 _STEP = 256
+# Shapes traced before the traces are dropped (a fresh `mx.compile`; the old one's destructor erases
+# its cache) and rebuilt on demand: a server meets many (rows, capacity) pairs over its life.
+MAX_TRACES = 64
 
 
 def compile_wanted(requested: bool) -> bool:
@@ -176,6 +179,8 @@ class CompiledForward:
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._compiled = mx.compile(self._forward)
+        # The shapes traced so far, approximately: (rows, first and last layers' capacities).
+        self._traced: set[tuple[int, int, int]] = set()
         # Set when a trace met what the slots do not provide: this model then always steps uncompiled.
         self.broken: str | None = None
         self._max_sizes: list[int | None] = []
@@ -218,6 +223,12 @@ class CompiledForward:
         for cache in caches:
             write, last = _reserve(cache)
             layers.append((cache.keys, cache.values, scalar(write), scalar(last)))
+        shape = (inputs.shape[0], caches[0].keys.shape[2], caches[-1].keys.shape[2])
+        if shape not in self._traced:
+            if len(self._traced) >= MAX_TRACES:
+                self._compiled = mx.compile(self._forward)
+                self._traced.clear()
+            self._traced.add(shape)
         # Read only while tracing (a guard in _Slot.make_mask); the traced graph does not depend on it.
         self._max_sizes = [c.max_size if type(c) is RotatingKVCache else None for c in caches]
         try:

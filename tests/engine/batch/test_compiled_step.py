@@ -195,3 +195,22 @@ def test_a_window_narrower_than_its_ring_steps_uncompiled() -> None:
     got = model(tokens[:, None], cache=got_caches)[:, -1, :]  # what DecodeBatch does after None
     assert mx.array_equal(got, want).item()
     assert forward(tokens, got_caches) is None  # for good
+
+
+def test_traces_are_bounded_and_rebuilt_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_TRACES shapes the compiled function is replaced (its traces freed); steps stay exact."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(compiled_step, "MAX_TRACES", 1)
+    model = _load("llama")
+    forward = compiled_step.CompiledForward(model)
+    want_caches, got_caches = _prefilled(model, 254), _prefilled(model, 254)
+    tokens = mx.array([17], dtype=mx.uint32)
+    functions: list[Any] = []  # held, so no id is reused
+    for _ in range(4):  # capacities 256, then 512 after the buffer step: two shapes
+        if not functions or functions[-1] is not forward._compiled:
+            functions.append(forward._compiled)
+        want = model(tokens[:, None], cache=want_caches)[:, -1, :]
+        assert mx.array_equal(forward(tokens, got_caches), want).item()
+        tokens = mx.argmax(want, axis=-1).astype(mx.uint32)
+    assert forward._compiled is not functions[0] and len(forward._traced) == 1
