@@ -34,7 +34,6 @@ of the HBM limit (weights read once per step: weights bytes x tok/s over
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,8 @@ import trio
 from mlx_trio import open_engine
 from mlx_trio.testing.shaped_models import resolve_model
 
-from batch_throughput import SERVE_SWITCH_INTERVAL_S, bare_loop, engine_run, machine_info, pick_prompts
+from batch_throughput import (SERVE_SWITCH_INTERVAL_S, bare_loop, engine_run, machine_info, machine_line, pick_prompts,
+                              versions, write_json)
 
 METHODS = ("compiled", "uncompiled", "bare")
 H200_PEAK_BYTES_S = 4.8e12  # HBM3e by the datasheet (benchmarks/gpu.sh)
@@ -144,6 +144,7 @@ def print_table(results: dict[str, Any], peak_bytes_s: float) -> None:
     print(f"\n### compiled decode: {results['label']}, {results['weights_bytes'] / 1e9:.2f} GB weights, "
           f"{results['args']['prompt_tokens']}-token prompts, {results['args']['max_tokens']} tokens, "
           f"{results['args']['rounds']} alternated rounds (decode tok/s, medians)")
+    print(f"({results['machine_line']})")
     print("| B | compiled | uncompiled (--no-compile) | bare loop | compiled/bare | uncompiled/bare "
           "| compiled/uncompiled | HBM limit, compiled / bare |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -187,10 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = trio.run(bench, args, model_dir)
     results["label"] = label
     results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results["machine_line"] = machine_line(results["machine"], versions())
     print_table(results, args.peak_bytes_s)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_json(args.json, results)
     return 0
 
 
