@@ -46,6 +46,14 @@ a model whose trace asks its caches for what a slot does not provide (a
 decode mask for a window narrower than its ring: `CompiledForward.broken`).
 `--no-compile` or `MLX_TRIO_NO_COMPILE=1` turns it all off.
 
+Contract: the model's weights (and any other array the forward reads that
+is not a cache's) are constants of a trace, captured by reference. Code
+that replaces them (loading or unloading adapters, per-row adapter ids set
+on modules) must step uncompiled or start a new `CompiledForward`: passing
+`inputs=model.state` to `mx.compile` would track them, but flattening the
+weights costs 0.8 ms of host time per step (Llama-1B shape, CPU), a third
+more than the call itself.
+
 Runs on the lease thread.
 """
 
