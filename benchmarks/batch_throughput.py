@@ -706,10 +706,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_tables(results, args)
         else:
             print(f"## {results['machine_line']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_json(args.json, results)
     return 0
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    """Every run's numbers to `path` (--json), if given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

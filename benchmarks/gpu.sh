@@ -8,6 +8,9 @@
 #   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
 #   agentloop: --workload agent-loop: 8 agents, zero think time, 300-word tool results: per-turn cached
 #           fraction, TTFT, prefill stall (issue #19). Run it with PARTS="agentloop long".
+#   compiled: benchmarks/compiled_decode.py (issue #25): engine decode tok/s with compiled steps vs --no-compile vs
+#           the bare loop, A/B alternated, at B=1/8/64 (1b) or B=1/8 (8b), and the HBM-limit fraction at B=1.
+#           Run it with PARTS=compiled (MODELS="1b 8b" fits one call: about 150 s per model at most).
 #   kvquant: benchmarks/kv_quant.py (issue #22): rows a 40 GiB --kv-budget admits at 8k/32k tokens for
 #           bf16 / 8-bit / 4-bit KV, and aggregate decode tok/s at B=8/32 of 8k-token rows per format.
 #           Run it with MODELS=1b PARTS=kvquant (about a minute after the model is built).
@@ -34,7 +37,7 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -326,6 +329,14 @@ for m in $MODELS; do
     enough "distributed $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/distributed.py --model "$dir" \
       --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 --tokens 128 --json "$RESULTS/distributed-$m.json" \
       || echo "gpu.sh: distributed part for $m ended with status $?"; }
+  ;; esac
+  case " $PARTS " in *" compiled "*)
+    lim=$(budget "${COMPILED_LIMIT_S:-150}")
+    bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)
+    echo; echo "### compiled decode, $m: compiled vs --no-compile vs bare loop, B=$bs (limit ${lim}s)"
+    enough "compiled $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/compiled_decode.py --model "$dir" \
+      --batches "$bs" --json "$RESULTS/compiled-$m.json" ${COMPILED_ARGS:-} \
+      || echo "gpu.sh: compiled part for $m ended with status $?"; }
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")

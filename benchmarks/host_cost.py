@@ -66,7 +66,7 @@ def row_params(scenario: str, row: int, vocab_size: int) -> SamplingParams:
 
 
 def measure(model: Any, vocab_size: int, scenario: str, batch: int, steps: int, warmup: int,
-            seed: int) -> dict[str, float]:
+            seed: int, compile_decode: bool = False) -> dict[str, float]:
     """One scenario once: B rows prefilled and joined, `warmup` steps, then `steps` measured steps."""
     import mlx.core as mx
 
@@ -74,7 +74,8 @@ def measure(model: Any, vocab_size: int, scenario: str, batch: int, steps: int, 
     from mlx_trio.engine.batch.solo_row import SoloRow
 
     rng = random.Random(seed)
-    decode = DecodeBatch(model)
+    # Only a --compile run passes the option, so the script still runs against checkouts without it.
+    decode = DecodeBatch(model, compile_decode=True) if compile_decode else DecodeBatch(model)
     joiners = []
     for r in range(batch):
         prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(8, 41))]
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--compile", action="store_true",
+                        help="compiled decode steps (engine/batch/compiled_step.py; default: uncompiled, as before)")
     parser.add_argument("--label", default="", help="names the checkout in the report (e.g. main, branch)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -123,11 +126,12 @@ def main() -> None:
             vocab_size = tokenizer.vocab_size
             results: dict[str, list[dict[str, float]]] = {s: [] for s in scenarios}
             for s in scenarios:  # warm-up round: compiles and allocator growth, not recorded
-                measure(model, vocab_size, s, args.batch, max(5, args.steps // 10), 2, seed=0)
+                measure(model, vocab_size, s, args.batch, max(5, args.steps // 10), 2, seed=0,
+                        compile_decode=args.compile)
             for repeat in range(args.repeats):
                 for s in scenarios:
                     results[s].append(measure(model, vocab_size, s, args.batch, args.steps, args.warmup,
-                                              seed=repeat))
+                                              seed=repeat, compile_decode=args.compile))
             return {"device": str(mx.default_device()), "results": results}
 
         out = run_in_mlx_thread(run)
@@ -136,7 +140,7 @@ def main() -> None:
 
     medians = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in out["results"].items()}
     base = medians.get("greedy", next(iter(medians.values())))["cpu_ms_per_step"]
-    print(f"# host_cost {args.label} | {model_label} | B={args.batch} | {args.steps} steps x {args.repeats} | "
+    print(f"# host_cost {args.label}{' compiled' if args.compile else ''} | {model_label} | B={args.batch} | {args.steps} steps x {args.repeats} | "
           f"{out['device']} | mlx {mx.__version__} | {platform.node()} {platform.machine()} | "
           f"{datetime.date.today().isoformat()}")
     print("| scenario | CPU ms/step | CPU µs/token | CPU vs greedy | wall ms/step | tok/s |")

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--quantized-kv-start", type=non_negative_int, default=_ENGINE.quantized_kv_start.default,
         help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
              "chunk, as mlx-lm (default: %(default)s)")
+    arg("--no-compile", action="store_true",
+        help="run every decode step's forward uncompiled, as before compiled steps (so does the environment "
+             "variable MLX_TRIO_NO_COMPILE=1; default: compiled on the CPU where the model's caches allow, not yet on a "
+             "GPU, never while adapters are served)")
     arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
@@ -208,7 +212,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           prompt_lookup_ngram=args.prompt_lookup_ngram, draft_model=args.draft_model,
                           lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           enable_lora_admin=args.enable_lora_admin,
-                          collective_timeout_s=args.collective_timeout)
+                          collective_timeout_s=args.collective_timeout,
+                          compile_decode=False if args.no_compile else None)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

@@ -102,6 +102,12 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     collective_timeout_s: float = 10.0
 
+    # Decode steps run the model's forward as one compiled graph where the caches allow (--no-compile
+    # turns it off, and so does MLX_TRIO_NO_COMPILE=1; engine/batch/compiled_step.py). None: on the CPU
+    # only, until the H200 has measured it (on CUDA its masked attention misses the fused decode kernel);
+    # never while adapters are served (their per-row arrays and wrapped layers would be trace constants).
+    compile_decode: bool | None = None
+
     def __attrs_post_init__(self) -> None:
         if self.kv_bits is not None and (self.prompt_lookup or self.draft_model is not None):
             # A speculative step drops each row's rejected tail of KV; quantized rows cannot yet.

@@ -67,6 +67,14 @@ async def test_requests_name_adapters_and_each_equals_mlx_lm(batch: int) -> None
         assert await _tokens(engine, _prompt(2), "default") == _want(None, _prompt(2))
 
 
+async def test_an_engine_that_serves_adapters_never_compiles_its_decode_step() -> None:
+    """A compiled trace would hold the wrapped layers and per-row adapter arrays as constants."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=2, lora_modules=_modules("qv"), compile_decode=True) as engine:
+        assert engine.model.compile_decode is False
+    async with open_engine(str(tiny_model(LLAMA)), batch=2, compile_decode=True) as engine:
+        assert engine.model.compile_decode is True
+
+
 async def test_an_unknown_model_name_is_model_not_found_naming_the_served_ones() -> None:
     async with open_engine(str(tiny_model(LLAMA)), batch=2, lora_modules=_modules("qv")) as engine:
         with pytest.raises(ModelNotFound) as info:

@@ -135,8 +135,9 @@ class DecodeStepActor:
         task_status.started(self)
         try:
             self._model = await self._lane.wait_model()
-            self._batch = await self._lease.run(DecodeBatch, self._model.model, self._model.kv_scheme,
-                                                _speculation(self._lane))
+            self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
+                                                        _speculation(self._lane),
+                                                        compile_decode=self._model.compile_decode))
             while True:
                 if not self._rows:
                     # Idle: sleep until a row arrives (no busy loop, no lease jobs).

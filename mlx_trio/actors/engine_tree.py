@@ -283,7 +283,11 @@ class EngineActors:
     async def _load(self, lease: GpuLease) -> None:
         try:
             model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir,
-                                            kv_scheme=kv_scheme_of(self.config)))
+                                            kv_scheme=kv_scheme_of(self.config),
+                                            # A compiled trace holds the layers and their arrays as
+                                            # constants: never while adapters wrap layers at run time.
+                                            compile_decode=False if self.config.serves_adapters
+                                            else self.config.compile_decode))
             log.info("model %s loaded from %s", model.model_id, model.path)
             if self.config.draft_model is not None:
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
@@ -319,7 +323,8 @@ class EngineActors:
         """Compile the lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""
         start = time.monotonic()
         try:
-            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme)
+            ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme,
+                                  model.compile_decode)
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)

@@ -54,6 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_trio.engine.batch import compiled_step
 from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, rows_selected
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, row_rollback
@@ -121,8 +122,10 @@ class DecodeBatch:
     """
 
     def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
-                 speculation: SpeculationConfig | None = None) -> None:
+                 speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False) -> None:
         self._model = model
+        # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
+        self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         self._kv_scheme = kv_scheme
         # Speculation needs caches whose rows can drop a tail (full attention, unquantized: quantized
         # KV has no per-row roll yet); else none.
@@ -301,7 +304,7 @@ class DecodeBatch:
             previous = self._read()
         inputs = self._inputs
         with self._selected.applied():
-            logits = self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+            logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
         for row in self._rows:
             row.num_fed += 1
@@ -318,6 +321,14 @@ class DecodeBatch:
         if self._num_steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return previous
+
+    def _forward(self, inputs: mx.array) -> mx.array:
+        """One step's logits `[B, V]`: compiled where it covers the caches, else the model's own graph."""
+        if self._compiled is not None and compiled_step.covers(self._caches):
+            logits = self._compiled(inputs, self._caches)
+            if logits is not None:
+                return logits
+        return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""

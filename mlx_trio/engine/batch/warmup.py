@@ -36,18 +36,24 @@ _PROMPT_TOKENS = (300, 1, 40)
 _STEPS = 3
 
 
-def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme()) -> bool:
+def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(),
+                compile_decode: bool | None = False) -> bool:
     """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return False
-    warm_up(model, vocab_size)
+    warm_up(model, vocab_size, compile_decode=compile_decode)
     if kv_scheme.quantized:
-        warm_up(model, vocab_size, attrs.evolve(kv_scheme, start=0))
+        warm_up(model, vocab_size, attrs.evolve(kv_scheme, start=0), compile_decode=compile_decode)
     return True
 
 
-def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme()) -> None:
-    """Take a few random rows through prefill, join, steps and leave, then free everything."""
+def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(), *,
+            compile_decode: bool | None = False) -> None:
+    """Take a few random rows through prefill, join, steps and leave, then free everything.
+
+    With `compile_decode` the steps run compiled, so the fused kernels are built here (a new
+    `(B, capacity)` later only retraces: engine/batch/compiled_step.py).
+    """
     rng = random.Random(0)
     top = max(min(vocab_size, 1000), 4)
     params = [SamplingParams(max_tokens=_STEPS * 4), SamplingParams(max_tokens=_STEPS * 4),
@@ -57,7 +63,7 @@ def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme())
               for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
     outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
     rows = [row for row in outcomes if isinstance(row, SoloRow)]
-    batch = DecodeBatch(model, kv_scheme)
+    batch = DecodeBatch(model, kv_scheme, compile_decode=compile_decode)
     try:
         for failed in outcomes:
             if isinstance(failed, Exception):

@@ -53,6 +53,8 @@ class LoadedModel:
     kv_scheme: KvScheme = KvScheme()
     # --draft-model: the draft for speculative decoding (engine/model/draft_model.py), or None.
     draft: nn.Module | None = None
+    # Whether its decode steps compile their forward (engine/batch/compiled_step.py; --no-compile).
+    compile_decode: bool | None = False
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -164,7 +166,7 @@ class LoadedModel:
 
 
 def load_model(model: str | None = None, *, cache_dir: Path | None = None,
-               kv_scheme: KvScheme = KvScheme()) -> LoadedModel:
+               kv_scheme: KvScheme = KvScheme(), compile_decode: bool | None = False) -> LoadedModel:
     """Resolve (converting the default model once if needed) and load with mlx-lm.
 
     Must run on the lease thread: weights are evaluated there. One rank of a distributed group
@@ -193,6 +195,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         output_format=read_output_format(tokenizer),
         grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
         kv_scheme=kv_scheme,
+        compile_decode=compile_decode,
     )
 
 

@@ -36,8 +36,11 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  speculation: SpeculationConfig | None = None,
                  entries: dict[str, CacheEntry | None] | None = None,
                  steps: list[Decoded] | None = None,
-                 adapter_of: Callable[[str], Any] | None = None) -> dict[str, Outcome]:
+                 adapter_of: Callable[[str], Any] | None = None,
+                 compile_decode: bool = False) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
+
+    `compile_decode` steps through the compiled forward where it covers the caches (engine/batch/compiled_step.py).
 
     `converted_at` (quantized schemes) gets each row's token count when it first sat in a quantized batch.
 
@@ -50,7 +53,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     params = {a.request_id: a.params for a in arrivals}
     params_prompt = {a.request_id: a.prompt_ids for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model, kv_scheme, speculation)
+    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode)
 
     def note_format() -> None:
         if converted_at is not None and batch.size and batch.is_quantized:

@@ -12,13 +12,14 @@ from mlx_trio.engine.batch.warmup import warm_up
 from tests.engine.batch.test_batch_join_many import _model
 
 
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["uncompiled", "compiled"])
 @pytest.mark.parametrize("name", ["llama", "llama_swa", "qwen3_next"])
-def test_warm_up_runs_every_cache_kind_and_frees_its_arrays(name: str) -> None:
+def test_warm_up_runs_every_cache_kind_and_frees_its_arrays(name: str, compile_decode: bool) -> None:
     model, vocab = _model(name)
     mx.eval(model.parameters())
     mx.clear_cache()
     before = mx.get_active_memory()
-    warm_up(model, vocab)
+    warm_up(model, vocab, compile_decode=compile_decode)  # compiled: its traces go with the batch
     gc.collect()
     # Nothing of the rows' KV or the batch stays (a few bytes of scalars may: MLX keeps constants).
     assert mx.get_active_memory() - before < 1024
