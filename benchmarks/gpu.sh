@@ -264,6 +264,14 @@ enough() {  # enough NAME LIMIT_S: false (and a line saying so) when under a min
   [ "$2" -ge 60 ] || { echo "gpu.sh: skipping $1: ${2}s left before DEADLINE_S=$DEADLINE_S"; return 1; }
 }
 
+script_part() {  # script_part PART LIMIT_S TITLE CMD...: one benchmark script for model $m, cut at its limit
+  local part=$1 lim title=$3
+  lim=$(budget "$2")
+  shift 3
+  echo; echo "### $title (limit ${lim}s)"
+  enough "$part $m" "$lim" && { timeout -k 20 "$lim" "$@" || echo "gpu.sh: $part part for $m ended with status $?"; }
+}
+
 for m in $MODELS; do
   dir="$MODEL_ROOT/llama-$m"
   echo; echo "== model $m"
@@ -301,17 +309,13 @@ for m in $MODELS; do
       || { echo "gpu.sh: agentloop part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-agentloop-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" kvquant "*)
-    lim=$(budget "${KVQUANT_LIMIT_S:-150}")
-    echo; echo "### kv_quant, $m: quantized KV, admission and decode (limit ${lim}s)"
-    enough "kvquant $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/kv_quant.py --model "$dir" \
-      --json "$RESULTS/kvquant-$m.json" ${KVQUANT_ARGS:-} || echo "gpu.sh: kvquant part for $m ended with status $?"; }
+    script_part kvquant "${KVQUANT_LIMIT_S:-150}" "kv_quant, $m: quantized KV, admission and decode" \
+      $PY benchmarks/kv_quant.py --model "$dir" --json "$RESULTS/kvquant-$m.json" ${KVQUANT_ARGS:-}
   ;; esac
   case " $PARTS " in *" speculative "*)
-    lim=$(budget "${SPEC_LIMIT_S:-150}")
-    echo; echo "### speculative, $m: prompt lookup and scripted proposals, B=1/4/16 (limit ${lim}s)"
-    enough "speculative $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/speculative.py \
-      --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 --json "$RESULTS/speculative-$m.json" \
-      || echo "gpu.sh: speculative part for $m ended with status $?"; }
+    script_part speculative "${SPEC_LIMIT_S:-150}" "speculative, $m: prompt lookup and scripted proposals, B=1/4/16" \
+      $PY benchmarks/speculative.py --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 \
+      --json "$RESULTS/speculative-$m.json"
   ;; esac
   case " $PARTS " in *" spechttp "*)
     lim=$(budget "${SPEC_HTTP_LIMIT_S:-240}")
@@ -324,19 +328,15 @@ for m in $MODELS; do
       || { echo "gpu.sh: spechttp part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-spechttp-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" distributed "*)
-    lim=$(budget "${DIST_LIMIT_S:-150}")
-    echo; echo "### distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1 (limit ${lim}s)"
-    enough "distributed $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/distributed.py --model "$dir" \
-      --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 --tokens 128 --json "$RESULTS/distributed-$m.json" \
-      || echo "gpu.sh: distributed part for $m ended with status $?"; }
+    script_part distributed "${DIST_LIMIT_S:-150}" "distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1" \
+      $PY benchmarks/distributed.py --model "$dir" --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 \
+      --tokens 128 --json "$RESULTS/distributed-$m.json"
   ;; esac
   case " $PARTS " in *" compiled "*)
-    lim=$(budget "${COMPILED_LIMIT_S:-150}")
     bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)
-    echo; echo "### compiled decode, $m: compiled vs --no-compile vs bare loop, B=$bs (limit ${lim}s)"
-    enough "compiled $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/compiled_decode.py --model "$dir" \
-      --batches "$bs" --json "$RESULTS/compiled-$m.json" ${COMPILED_ARGS:-} \
-      || echo "gpu.sh: compiled part for $m ended with status $?"; }
+    script_part compiled "${COMPILED_LIMIT_S:-150}" "compiled decode, $m: compiled vs --no-compile vs bare loop, B=$bs" \
+      $PY benchmarks/compiled_decode.py --model "$dir" --batches "$bs" --json "$RESULTS/compiled-$m.json" \
+      ${COMPILED_ARGS:-}
   ;; esac
   case " $PARTS " in *" long "*)
     lim=$(budget "$LONG_LIMIT_S")
@@ -348,10 +348,8 @@ for m in $MODELS; do
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" lora "*)
-    lim=$(budget "$LORA_LIMIT_S")
-    echo; echo "### lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server (limit ${lim}s)"
-    enough "lora $m" "$lim" && { timeout -k 20 "$lim" $PY benchmarks/lora.py --model "$dir" --batch 8 --rank 16 \
-      --vs-mlx-lm --json "$RESULTS/lora-$m.json" || echo "gpu.sh: lora part for $m ended with status $?"; }
+    script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
+      $PY benchmarks/lora.py --model "$dir" --batch 8 --rank 16 --vs-mlx-lm --json "$RESULTS/lora-$m.json"
   ;; esac
 done
 echo; echo "== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"
