@@ -123,13 +123,6 @@ class ChunkSizer:
         self._samples.append((1.0, float(tokens), tokens * (context + tokens / 2), seconds))
         self._fit = fit_nonnegative(self._samples)
 
-    def predicted_s(self, tokens: int, context: int) -> float | None:
-        """The fitted seconds of a chunk of `tokens` after `context` cached ones; None before any measurement."""
-        if self._fit is None:
-            return None
-        a, b, k = self._fit
-        return a + b * tokens + k * tokens * (context + tokens / 2)
-
     def tokens(self, context: int) -> int | None:
         """Prompt tokens one chunk after `context` cached ones may hold to take about `target_s`.
 
@@ -154,6 +147,6 @@ class ChunkSizer:
         return min(max(sized, CHUNK_QUANTUM), self.max_tokens)
 
     def coefficients(self) -> dict[str, float]:
-        """The fitted costs (seconds per job, per token, per token pair): what /stats shows."""
+        """The fitted costs (seconds per job, per token, per token pair); zeros before any measurement."""
         a, b, k = self._fit or (0.0, 0.0, 0.0)
         return {"per_chunk_s": a, "per_token_s": b, "per_token_pair_s": k}

@@ -24,7 +24,7 @@ from mlx_trio.engine.model.default_model import resolve_model_path
 from mlx_trio.engine.model.generic_tools import generic_chat
 from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer, compile_constraint
 from mlx_trio.engine.kv.kv_scheme import KvScheme
-from mlx_trio.engine.kv.layout import KvLayout, measure_layout, weights_bytes
+from mlx_trio.engine.kv.layout import KvLayout, check_quantized_attention, measure_layout, weights_bytes
 from mlx_trio.engine.model.output_format import read_output_format
 from mlx_trio.output_format import PLAIN, OutputFormat
 from mlx_trio.params import Constraint
@@ -181,6 +181,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
     mx.eval(loaded_model.parameters())
+    check_quantized_attention(loaded_model, kv_scheme)
     eos_token_ids = frozenset(tokenizer.eos_token_ids)
     return LoadedModel(
         model=loaded_model,

@@ -10,7 +10,7 @@ from mlx_lm import load
 
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
-from mlx_trio.engine.kv.layout import measure_layout
+from mlx_trio.engine.kv.layout import check_quantized_attention, measure_layout
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, TinyModelSpec, tiny_model
 
@@ -99,5 +99,6 @@ class _NoQuantizedAttention:
 def test_a_backend_that_cannot_attend_over_quantized_kv_is_refused_at_load_naming_the_flag() -> None:
     model = _NoQuantizedAttention(_model(LLAMA_Q))
     with pytest.raises(ValueError, match=r"--kv-bits 8 .*cannot run on .*serve without --kv-bits"):
-        measure_layout(model, KvScheme(bits=8, group_size=32, start=0))  # type: ignore[arg-type]
-    assert measure_layout(model, KvScheme()).quantized_bytes_per_token == 0  # bf16 never probes  # type: ignore[arg-type]
+        check_quantized_attention(model, KvScheme(bits=8, group_size=32, start=0))  # type: ignore[arg-type]
+    check_quantized_attention(model, KvScheme())  # bf16 never probes  # type: ignore[arg-type]
+    assert measure_layout(model, KvScheme()).quantized_bytes_per_token == 0  # type: ignore[arg-type]
