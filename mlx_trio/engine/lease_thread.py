@@ -27,11 +27,20 @@ import mlx.core as mx
 # kernels, and the first long request stalled the running rows for seconds. So MLX's own
 # kernels are the default here; setting the variable yourself (to 1) wins.
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+# When cuDNN attention is chosen all the same, its plan cache holds 256 shapes by default; the prefill
+# shape grid's shapes (chunk lengths × key lengths up to a long context, engine/batch/chunked_prefill.py)
+# can exceed that, and an evicted plan costs ~45 ms again. A user's own setting wins.
+CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", "2048"
 
 
 def prepare_thread() -> mx.Stream:
-    """The lease's ``on_thread_start``: MLX's own attention kernels (see above), and the thread's stream."""
+    """The lease's ``on_thread_start``: MLX's own attention kernels (see above), and the thread's stream.
+
+    Both variables are read when MLX first runs attention (on this thread: the cache is per thread),
+    so setting them here, before any job, takes effect.
+    """
     os.environ.setdefault(CUDNN_ATTENTION_ENV, "0")
+    os.environ.setdefault(CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE)
     return thread_default_stream()
 
 

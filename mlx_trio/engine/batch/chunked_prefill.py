@@ -33,16 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import os
-
-# When cuDNN attention is chosen (MLX_CUDA_USE_CUDNN_SDPA=1), its plan cache holds 256 shapes by
-# default; the grid's shapes (chunk lengths × key lengths up to a long context) can exceed that, and
-# an evicted plan costs ~45 ms again. MLX reads it at its first attention, so setting it here, before
-# any forward, takes effect; a user's own setting wins.
-os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 
