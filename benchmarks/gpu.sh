@@ -18,6 +18,8 @@
 #           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
+#   verify: benchmarks/verify_shapes.py, what a speculative verify forward (L=4) costs at new, seen and grid key
+#           lengths (issue #23). PARTS=verify, <= VERIFY_LIMIT_S (120).
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
@@ -346,6 +348,10 @@ for m in $MODELS; do
       --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
       --log-dir "/tmp/bench-logs-long-$m" \
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" verify "*)
+    script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
+      $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,4
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
