@@ -18,7 +18,7 @@
 #           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
-#   verify: benchmarks/verify_shapes.py, what a speculative verify forward (L=4) costs at new, seen and grid key
+#   verify: benchmarks/verify_shapes.py, what a speculative verify forward (L=3/4) costs at new, seen and grid key
 #           lengths (issue #23). PARTS=verify, <= VERIFY_LIMIT_S (120).
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
@@ -351,7 +351,7 @@ for m in $MODELS; do
   ;; esac
   case " $PARTS " in *" verify "*)
     script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
-      $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,4
+      $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,3,4
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
