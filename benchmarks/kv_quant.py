@@ -63,16 +63,31 @@ PROBE_CASES = (("decode, slice", 1, False), ("decode, whole", 1, True), ("prefil
                ("prefill, whole", 16, True))
 
 
-def which_run(model: Any, formats: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Per format: the engine's load check, and each probe case for mlx-lm's attention and the folded one."""
+def which_run(model: Any, formats: list[tuple[int, int]], label: str, budget_s: float) -> list[dict[str, Any]]:
+    """Per format: the engine's load check, and each probe case for mlx-lm's attention and the folded one.
+
+    Prints the table row by row (a cut run keeps what it measured); formats not reached within `budget_s`
+    (first-use kernels compile on CUDA) are listed as not tried.
+    """
     from mlx_trio.engine.kv import quantized_attention_probe as qap
     from mlx_trio.engine.kv.kv_scheme import KvScheme
     from mlx_trio.engine.kv.layout import check_quantized_attention
 
     shape = qap.attention_shape(model)
     assert shape is not None, "no full-attention layer"
-    out = []
+    attentions = (("mlx-lm", qap.quantized_scaled_dot_product_attention), ("folded", qap.folded_attention))
+    names = [f"{attn} {name}" for attn, _ in attentions for name, _, _ in PROBE_CASES]
+    print(f"\n### which quantized formats run, {label}, heads (query, kv, dim) {shape}: the engine's load check, "
+          "then mlx-lm's quantized SDPA at these head shapes (slice: a buffer's first positions; whole: a full "
+          "buffer; folded: GQA repeats in the query axis, not what mlx-lm runs)\n")
+    print("| format | load check | " + " | ".join(names) + " | s |\n|---|---|" + "---|" * (len(names) + 1), flush=True)
+    out: list[dict[str, Any]] = []
+    began = time.perf_counter()
     for bits, group in formats:
+        if time.perf_counter() - began > budget_s:
+            print(f"| {bits}-bit g{group} | not tried (--probe-budget-s {budget_s:g} spent) |", flush=True)
+            continue
+        t0 = time.perf_counter()
         try:
             check_quantized_attention(model, KvScheme(bits=bits, group_size=group, start=0))
             check = None
@@ -80,11 +95,14 @@ def which_run(model: Any, formats: list[tuple[int, int]]) -> list[dict[str, Any]
             check = str(exc)
         cases = {f"{attn} {name}": qap.probe(*shape, bits=bits, group_size=group, query_len=q, whole=whole,
                                              attention=fn)
-                 for attn, fn in (("mlx-lm", qap.quantized_scaled_dot_product_attention),
-                                  ("folded", qap.folded_attention))
-                 for name, q, whole in PROBE_CASES}
+                 for attn, fn in attentions for name, q, whole in PROBE_CASES}
         out.append({"bits": bits, "group": group, "serves": check is None, "check": check, "cases": cases})
-        print(f"  {bits}-bit g{group}: {'serves' if check is None else 'refused'}", flush=True)
+        cells = ["ok" if why is None else why[:70].replace("|", "/") for why in cases.values()]
+        print(f"| {bits}-bit g{group} | {'serves' if check is None else 'refused'} | " + " | ".join(cells)
+              + f" | {time.perf_counter() - t0:.1f} |", flush=True)
+    for r in out:
+        if r["check"]:
+            print(f"\n{r['bits']}-bit g{r['group']} refusal: {r['check']}")
     return out
 
 
@@ -173,20 +191,6 @@ def decode_rates(model: Any, *, formats: list[Format], batches: list[int], conte
     return out
 
 
-def _print_which_run(ran: list[dict[str, Any]], label: str) -> None:
-    names = list(ran[0]["cases"]) if ran else []
-    print(f"\n### which quantized formats run, {label}: the engine's load check, then mlx-lm's quantized SDPA at "
-          "the model's head shapes (slice: a buffer's first positions; whole: a full buffer; folded: GQA "
-          "repeats in the query axis)\n")
-    print("| format | load check | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
-    for r in ran:
-        cells = ["ok" if why is None else why[:70].replace("|", "/") for why in r["cases"].values()]
-        print(f"| {r['bits']}-bit g{r['group']} | {'serves' if r['serves'] else 'refused'} | " + " | ".join(cells) + " |")
-    for r in ran:
-        if r["check"]:
-            print(f"\n{r['bits']}-bit g{r['group']} refusal: {r['check']}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/tmp/mlx-trio-gpu-models/llama-1b")
@@ -198,6 +202,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None, help="tokens each decoding row holds (default 8192)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 64)")
     parser.add_argument("--formats", default=None, help="bits/group pairs to try, e.g. 8/64,4/32 (default: all)")
+    parser.add_argument("--probe-budget-s", type=float, default=75.0,
+                        help="stop trying further formats after this long (CUDA compiles first-use kernels)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -231,8 +237,7 @@ def main() -> None:
     formats = quantized_formats(shape[2]) if shape else []
     if args.formats:
         formats = [f for f in formats if f"{f[0]}/{f[1]}" in args.formats.split(",")]
-    ran = which_run(model, formats)
-    _print_which_run(ran, f"{label}, heads {shape}")
+    ran = which_run(model, formats, label, args.probe_budget_s)
     serving: list[Format] = [None, *((r["bits"], r["group"]) for r in ran if r["serves"])]
     rates = decode_rates(model, formats=serving, batches=[int(b) for b in batches.split(",")], context=context,
                          steps=steps, prefill_step=2048)
@@ -245,7 +250,8 @@ def main() -> None:
     for r in rates:
         b = base[r["B"]]
         print(f"| {r['B']} | {r['format']} | {r['tok_s']:.1f} | {r['tok_s'] / b['tok_s']:.2f}× | "
-              f"{r['tok_s'] / alone[r['format']]:.2f}× | {r['ttft_s'] * 1000:.0f} ms | {r['ttft_s'] / b['ttft_s']:.2f}× | "
+              f"{r['tok_s'] / alone[r['format']]:.2f}× | {r['ttft_s'] * 1000:.0f} ms | "
+              f"{r['ttft_s'] / b['ttft_s']:.2f}× | "
               f"{r['kv_bytes'] / 2**20:.1f} MiB |")
     if args.json:
         args.json.write_text(json.dumps({"model": label, "budget_bytes": budget, "admission": admitted,

@@ -138,9 +138,10 @@ def check_quantized_attention(model: nn.Module, kv_scheme: KvScheme) -> None:
     if why is None:
         return
     shape = quantized_attention_probe.attention_shape(model)
-    passing = [f"--kv-bits {bits} --kv-group-size {group}" for bits in BITS for group in GROUP_SIZES
-               if shape is not None and shape[2] % group == 0 and (bits, group) != (kv_scheme.bits, kv_scheme.group_size)
-               and _quantized_attention_failure(model, bits, group) is None]
+    others = [(bits, group) for bits in BITS for group in GROUP_SIZES
+              if shape is not None and shape[2] % group == 0 and (bits, group) != (kv_scheme.bits, kv_scheme.group_size)]
+    passing = [f"--kv-bits {bits} --kv-group-size {group}" for bits, group in others
+               if _quantized_attention_failure(model, bits, group) is None]
     instead = f"these pass here: {', '.join(passing)}" if passing else "no --kv-bits/--kv-group-size pair passes here"
     raise ValueError(f"--kv-bits {kv_scheme.bits} --kv-group-size {kv_scheme.group_size}: attention over "
                      f"quantized KV cannot run right on {mx.default_device()} with this MLX ({why}); {instead}; "

@@ -123,7 +123,8 @@ def test_the_refusal_names_the_formats_that_pass_on_this_backend() -> None:
 
 
 def test_mlx_lm_has_no_serial_quantized_sliding_window_run_to_check_ours_against() -> None:
-    """Why sliding-window layers stay bf16 (docs/design.md §6.4): if mlx-lm gains one, this fails and they can quantize."""
+    """Why sliding-window layers stay bf16 (docs/design.md §6.4): if mlx-lm gains a quantized rotating cache,
+    this fails and they can quantize."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 

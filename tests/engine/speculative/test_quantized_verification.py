@@ -76,6 +76,11 @@ def test_a_batch_below_the_start_steps_plainly_until_it_converts() -> None:
 SCHEDULE = [(0, 21, 40), (3, 9, 30), (5, 40, 25), (9, 5, 30), (30, 12, 20)]
 
 
+def _arrivals(rows: list[tuple[int, int, int]]) -> list[Arrival]:
+    """(at_step, prompt length, max_tokens) per request."""
+    return [Arrival(f"r{i}", at, _prompt(i, n), SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(rows)]
+
+
 def _check_serial(arrivals: list[Arrival], scheme: KvScheme, speculation: SpeculationConfig,
                   steps: list[Decoded] | None = None) -> None:
     """Every speculative row == mlx-lm's serial run quantized from where its batch converted it.
@@ -96,7 +101,7 @@ def _check_serial(arrivals: list[Arrival], scheme: KvScheme, speculation: Specul
 
 def test_join_and_leave_with_random_proposals_keep_every_row_on_the_plain_quantized_run() -> None:
     """Quantized from the start: every row's batch is quantized throughout, so speculative rows == plain rows."""
-    arrivals = [Arrival(f"r{i}", at, _prompt(i, n), SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(SCHEDULE)]
+    arrivals = _arrivals(SCHEDULE)
     for scheme in SCHEMES[:2]:
         plain = _run(arrivals, scheme)
         for seed in range(2):
@@ -108,7 +113,7 @@ def test_join_and_leave_with_random_proposals_keep_every_row_on_the_plain_quanti
 
 
 def test_rows_crossing_the_start_while_speculating_stay_on_their_serial_oracle() -> None:
-    arrivals = [Arrival(f"r{i}", at, _prompt(i, n), SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(SCHEDULE)]
+    arrivals = _arrivals(SCHEDULE)
     scheme = SCHEMES[2]
     plain = _run(arrivals, scheme)
     for seed in range(2):
@@ -124,7 +129,7 @@ def test_random_schedules_and_proposals_keep_every_row_on_its_oracle(
         rows: list[tuple[int, int, int]], start: int, seed: int) -> None:
     """Random joins and leaves of quantized and not-yet-quantized rows, random proposals: start 0, each row ==
     the plain quantized run's; any start, each row == its serial oracle."""
-    arrivals = [Arrival(f"r{i}", at, _prompt(i, n), SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(rows)]
+    arrivals = _arrivals(rows)
     scheme = KvScheme(bits=4, group_size=32, start=start)
     plain = _run(arrivals, scheme)
     speculation = _oracle(plain, arrivals, seed)
