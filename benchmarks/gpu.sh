@@ -12,8 +12,10 @@
 #           the bare loop, A/B alternated, at B=1/8/64 (1b) or B=1/8 (8b), and the HBM-limit fraction at B=1.
 #           Run it with PARTS=compiled (MODELS="1b 8b" fits one call: about 150 s per model at most).
 #   kvquant: benchmarks/kv_quant.py (issue #22): rows a 40 GiB --kv-budget admits at 8k/32k tokens for
-#           bf16 / 8-bit / 4-bit KV, and aggregate decode tok/s at B=8/32 of 8k-token rows per format.
-#           Run it with MODELS=1b PARTS=kvquant (about a minute after the model is built).
+#           bf16 / 8-bit / 4-bit KV; which --kv-bits x --kv-group-size pairs attention over quantized KV runs
+#           (and runs right) for; and, for bf16 and each pair that runs, aggregate decode tok/s at B=1/8/32 of
+#           8k-token rows and the TTFT of one 8k prompt. Run it with MODELS="1b 8b" PARTS=kvquant (150 s per
+#           model at most).
 #   speculative: benchmarks/speculative.py (issue #23): "edit this file" (2k-token prompts), prompt lookup and
 #           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model

@@ -108,12 +108,6 @@ class EngineConfig:
     # never while adapters are served (their per-row arrays and wrapped layers would be trace constants).
     compile_decode: bool | None = None
 
-    def __attrs_post_init__(self) -> None:
-        if self.kv_bits is not None and (self.prompt_lookup or self.draft_model is not None):
-            # A speculative step drops each row's rejected tail of KV; quantized rows cannot yet.
-            raise ValueError("--kv-bits cannot be combined with --prompt-lookup or --draft-model yet (speculation "
-                             "rolls back each row's KV, which quantized KV does not support): drop one of them")
-
     @property
     def serves_adapters(self) -> bool:
         """Whether adapters may be served: some are configured, or they can be loaded at run time."""

@@ -30,8 +30,7 @@ def test_values_mlx_cannot_quantize_with_exit_2(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("speculation", [["--prompt-lookup"], ["--draft-model", "some/draft"]])
-def test_quantized_kv_with_speculation_is_refused_saying_what_to_drop(speculation: list[str], capsys) -> None:
-    """Speculation rolls back each row's KV; quantized KV cannot yet: a clear start-up error, not a silent no-op."""
-    code = main(["serve", "--kv-bits", "8", *speculation])
-    assert code == 2
-    assert "--kv-bits cannot be combined with --prompt-lookup or --draft-model" in capsys.readouterr().err
+def test_quantized_kv_composes_with_speculation(speculation: list[str]) -> None:
+    """Quantized rows roll back exactly (engine/kv/row_rollback.py): the flags combine."""
+    engine = _engine("--kv-bits", "8", *speculation)
+    assert engine.kv_bits == 8 and (engine.prompt_lookup or engine.draft_model == "some/draft")

@@ -127,9 +127,8 @@ class DecodeBatch:
         # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
         self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         self._kv_scheme = kv_scheme
-        # Speculation needs caches whose rows can drop a tail (full attention, unquantized: quantized
-        # KV has no per-row roll yet); else none.
-        self._speculator = (speculation.speculator() if speculation is not None and not kv_scheme.quantized
+        # Speculation needs caches whose rows can drop a tail (full attention, bf16 or quantized); else none.
+        self._speculator = (speculation.speculator() if speculation is not None
                             and row_rollback.supports_rollback(make_prompt_cache(model)) else None)
         self._rows: list[BatchRow] = []
         # Per layer: one row's serial-class caches while `_solo`, else mlx-lm batch caches.
@@ -173,8 +172,16 @@ class DecodeBatch:
 
     @property
     def speculates(self) -> bool:
-        """Whether some row may decode speculatively (then `steps_decoded` runs speculative steps)."""
-        return self._speculator is not None and self._speculator.active
+        """Whether some row may decode speculatively (then `steps_decoded` runs speculative steps).
+
+        Not while a quantized-KV batch is still bf16 (below `--quantized-kv-start`): a verify forward
+        that crossed the start would attend its later positions over bf16 KV where the plain run has
+        converted after the step that reached it (`_convert_when_due`). Plain steps until then keep the
+        conversion on the plain run's step; from there every step is quantized in both.
+        """
+        if self._speculator is None or not self._speculator.active:
+            return False
+        return not self._kv_scheme.quantized or self.is_quantized
 
     @property
     def is_solo(self) -> bool:

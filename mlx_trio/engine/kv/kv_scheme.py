@@ -15,9 +15,11 @@ the row's offset when its batch converted (capped at `start`), up to the
 reordered sums of padded attention that any batched row has.
 
 Which layers convert: full-attention ones (mlx-lm's `KVCache` and our
-batched `HostPaddedBatchKVCache`). Sliding-window layers stay bf16 (mlx-lm's
-`RotatingKVCache.to_quantized` raises; ours keep the window in bf16), and
-recurrent state (`ArraysCache`) is never quantized. `KvLayout` counts
+batched `HostPaddedBatchKVCache`). Sliding-window layers stay bf16: mlx-lm
+has no quantized rotating cache, serial or batched (both `to_quantized`
+raise), so its `generate_step(kv_bits=...)` raises on such a model and
+there is no serial run to check one of ours against (docs/design.md §6.4).
+Recurrent state (`ArraysCache`) is never quantized. `KvLayout` counts
 exactly that (engine/kv/layout.py).
 """
 

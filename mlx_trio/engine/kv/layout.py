@@ -23,7 +23,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.kv import quantized_attention_probe
+from mlx_trio.engine.kv.kv_scheme import BITS, GROUP_SIZES, KvScheme
 
 # Headroom kept free for activations, the allocator's cache and the OS.
 _HEADROOM_FRACTION = 0.2
@@ -120,27 +121,46 @@ def measure_layout(model: nn.Module, kv_scheme: KvScheme = KvScheme()) -> KvLayo
 
 
 def check_quantized_attention(model: nn.Module, kv_scheme: KvScheme) -> None:
-    """A prefill and a decode step over quantized KV, evaluated; raises ValueError saying why they cannot run.
+    """Attention over quantized KV runs, and right, on this backend; raises ValueError saying why not.
 
     Nothing to check (and nothing run) for bf16 KV. Lease thread, at load.
 
-    MLX's CUDA backend (0.32.4) has no `quantized_matmul` for attention's shapes ("No implementation for
-    problem shape: 1x8193x64x32", H200, docs/benchmarks.md, ninth pass): a server would fail its first
-    request instead of refusing the flag.
+    Two checks: the model's own prefill and decode step over a quantized cache, evaluated; and mlx-lm's
+    quantized SDPA at the model's head shapes against SDPA over the same dequantized values, for both
+    buffer layouts a cache hands attention (engine/kv/quantized_attention_probe.py). MLX's CUDA backend
+    (0.32.x) fails the first for every bits and group size, and would compute the second wrongly for a
+    grouped-query model (docs/design.md §6.4): a server would fail its first request, or answer wrongly,
+    instead of refusing the flag. The message names the `--kv-bits`/`--kv-group-size` pairs that pass here.
     """
     if kv_scheme.bits is None:
         return
+    why = _quantized_attention_failure(model, kv_scheme.bits, kv_scheme.group_size)
+    if why is None:
+        return
+    shape = quantized_attention_probe.attention_shape(model)
+    others = [(bits, group) for bits in BITS for group in GROUP_SIZES
+              if shape is not None and shape[2] % group == 0 and (bits, group) != (kv_scheme.bits, kv_scheme.group_size)]
+    passing = [f"--kv-bits {bits} --kv-group-size {group}" for bits, group in others
+               if _quantized_attention_failure(model, bits, group) is None]
+    instead = f"these pass here: {', '.join(passing)}" if passing else "no --kv-bits/--kv-group-size pair passes here"
+    raise ValueError(f"--kv-bits {kv_scheme.bits} --kv-group-size {kv_scheme.group_size}: attention over "
+                     f"quantized KV cannot run right on {mx.default_device()} with this MLX ({why}); {instead}; "
+                     "serve without --kv-bits (docs/design.md §6.4)")
+
+
+def _quantized_attention_failure(model: nn.Module, bits: int, group_size: int) -> str | None:
     cache = make_prompt_cache(model)
     try:
         model(mx.array([[1, 2, 3]]), cache=cache)
-        cache = [c.to_quantized(group_size=kv_scheme.group_size, bits=kv_scheme.bits)
-                 if type(c) is KVCache else c for c in cache]
+        cache = [c.to_quantized(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in cache]
         model(mx.array([[4, 5]]), cache=cache)
         mx.eval(model(mx.array([[6]]), cache=cache))
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"--kv-bits {kv_scheme.bits} --kv-group-size {kv_scheme.group_size}: attention over "
-                         f"quantized KV cannot run on {mx.default_device()} with this MLX ({exc}); "
-                         "serve without --kv-bits") from exc
+        return str(exc).split("\n")[0]
+    shape = quantized_attention_probe.attention_shape(model)
+    if shape is None:
+        return None
+    return quantized_attention_probe.serving_failure(shape, bits=bits, group_size=group_size)
 
 
 def _bytes_per_token(layer: KVCache | RotatingKVCache | QuantizedKVCache) -> int:

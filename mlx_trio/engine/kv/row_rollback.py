@@ -23,10 +23,15 @@ gather of the live KV per layer in a step where rows accepted different
 amounts; rows that accept more grow the batch's padding for the others,
 which `filter` drops again when the row leaves (engine/kv/batch_kv.py).
 
-Only plain `KVCache` (solo) and `HostPaddedBatchKVCache` (batched) layers
-are supported (`supports_rollback`); sliding-window and recurrent layers
-cannot drop a tail this way, and such models do not speculate.
-Runs on the lease thread; builds lazy arrays.
+Full-attention layers are supported (`supports_rollback`): `KVCache` and
+`QuantizedKVCache` (solo), `HostPaddedBatchKVCache` and
+`BatchQuantizedKVCache` (batched). Quantized KV rolls back exactly:
+`mx.quantize` groups along the head dimension, so each stored position is
+quantized on its own and a trim or a rotation of whole positions (each of
+packed values, scales and biases alike) leaves every kept position's
+values as they were (engine/kv/quantized_batch_kv.py). Sliding-window and
+recurrent layers cannot drop a tail this way, and such models do not
+speculate. Runs on the lease thread; builds lazy arrays.
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, dynamic_roll
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, dynamic_roll
 
 from mlx_trio.engine.kv import batch_kv
-from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.kv.batch_kv import HostPadding, HostPaddedBatchKVCache
+from mlx_trio.engine.kv.quantized_batch_kv import BatchQuantizedKVCache
+
+_ROLLBACK_TYPES = (KVCache, QuantizedKVCache, HostPaddedBatchKVCache, BatchQuantizedKVCache)
 
 
 def supports_rollback(caches: Sequence[Any]) -> bool:
     """Whether every layer is a full-attention cache whose rows this module can roll back."""
-    return bool(caches) and all(type(c) in (KVCache, HostPaddedBatchKVCache) for c in caches)
+    return bool(caches) and all(type(c) in _ROLLBACK_TYPES for c in caches)
 
 
 def roll_back_rows(caches: Sequence[Any], rejected: Sequence[int]) -> None:
@@ -59,21 +67,29 @@ def roll_back_rows(caches: Sequence[Any], rejected: Sequence[int]) -> None:
             cache.trim(common)
     if not any(extra):
         return
-    batched = [c for c in caches if isinstance(c, HostPaddedBatchKVCache)]
+    batched = [c for c in caches if isinstance(c, HostPadding)]
     if len(batched) != len(caches):
-        raise TypeError("per-row rollback needs HostPaddedBatchKVCache layers")
+        raise TypeError("per-row rollback needs batched (HostPadding) layers")
     shifts = mx.array(extra, dtype=mx.int32)
     for cache in batched:
         idx = cache._idx
         for name in ("keys", "values"):
             buffer = getattr(cache, name)
-            rolled = dynamic_roll(buffer[..., :idx, :], shifts[:, None], axis=2)
-            if idx == buffer.shape[2]:
-                setattr(cache, name, rolled)
+            if isinstance(buffer, (list, tuple)):  # quantized: (packed, scales, biases), each rolled alike
+                setattr(cache, name, type(buffer)(_rolled(part, idx, shifts) for part in buffer))
             else:
-                buffer[..., :idx, :] = rolled
+                setattr(cache, name, _rolled(buffer, idx, shifts))
         cache.left_padding = cache.left_padding + shifts
         cache.offset = cache.offset - shifts  # a fresh offsets record; shared again below
         if cache.host_padding is not batch_kv.UNKNOWN:
             cache.host_padding = tuple(p + s for p, s in zip(cache.host_padding, extra))
     batch_kv.share_offsets(caches)
+
+
+def _rolled(buffer: mx.array, idx: int, shifts: mx.array) -> mx.array:
+    """`buffer` with each row's first `idx` positions rotated right by its shift (in place where it is longer)."""
+    rolled = dynamic_roll(buffer[..., :idx, :], shifts[:, None], axis=2)
+    if idx == buffer.shape[2]:
+        return rolled
+    buffer[..., :idx, :] = rolled
+    return buffer

@@ -93,3 +93,30 @@ def test_an_unpadded_step_gets_no_mask_and_attention_takes_the_quantized_path() 
     assert layer.make_mask(1) is None and (layer.bits, layer.group_size) == (BITS, GROUP)
     padded = batch_caches.merge_rows([_row(5, 1)[1], _row(3, 2)[1]])
     assert padded.make_mask(1).tolist()[1][0][0] == [False, False, True, True, True, True]  # + the new token
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 4), st.data())
+def test_a_per_row_rollback_leaves_each_row_its_serial_cache_trimmed(lengths, written, data) -> None:
+    """Speculation's rollback (engine/kv/row_rollback.py) on quantized rows: a verify writes `written` positions
+    to every row, row b drops `rejected[b]` of them; each extracted row == its serial cache fed only the rest."""
+    from mlx_trio.engine.kv import row_rollback
+
+    salt = 0
+    solos, rows = [], []
+    for n in lengths:
+        _, quant = _row(n, salt := salt + 1)
+        rows.append(quant)
+        solos.append(quant)
+    batch = BatchQuantizedKVCache.merge(rows)  # copies: the serial caches stay as they are
+    assert row_rollback.supports_rollback([batch]) and row_rollback.supports_rollback(rows)
+    fresh = [_kv(written, 100 + b) for b in range(len(rows))]
+    batch.update_and_fetch(mx.concatenate([k for k, _ in fresh]), mx.concatenate([v for _, v in fresh]))
+    rejected = data.draw(st.lists(st.integers(0, written), min_size=len(rows), max_size=len(rows)))
+    row_rollback.roll_back_rows([batch], rejected)
+    for b, (solo, (k, v), r) in enumerate(zip(solos, fresh, rejected, strict=True)):
+        kept = written - r
+        if kept:
+            solo.update_and_fetch(k[..., :kept, :], v[..., :kept, :])
+        _same(batch.extract(b), solo)
+        assert batch.host_padding[b] == batch.left_padding.tolist()[b]

@@ -98,7 +98,38 @@ class _NoQuantizedAttention:
 
 def test_a_backend_that_cannot_attend_over_quantized_kv_is_refused_at_load_naming_the_flag() -> None:
     model = _NoQuantizedAttention(_model(LLAMA_Q))
-    with pytest.raises(ValueError, match=r"--kv-bits 8 .*cannot run on .*serve without --kv-bits"):
+    with pytest.raises(ValueError, match=r"--kv-bits 8 .*cannot run right on .*No implementation.*no --kv-bits/"
+                       r"--kv-group-size pair passes here; serve without --kv-bits"):
         check_quantized_attention(model, KvScheme(bits=8, group_size=32, start=0))  # type: ignore[arg-type]
     check_quantized_attention(model, KvScheme())  # bf16 never probes  # type: ignore[arg-type]
     assert measure_layout(model, KvScheme()).quantized_bytes_per_token == 0  # type: ignore[arg-type]
+
+
+class _NoGroupOf32(_NoQuantizedAttention):
+    """Attention over quantized KV fails for groups of 32 only."""
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        if cache and any(getattr(c, "group_size", None) == 32 for c in cache):
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x6x64x2")
+        return self._model(inputs, cache=cache)
+
+
+def test_the_refusal_names_the_formats_that_pass_on_this_backend() -> None:
+    model = _NoGroupOf32(_model(LLAMA_Q))  # 64-dim heads: groups of 32 and 64 divide them, 128 does not
+    with pytest.raises(ValueError, match=r"--kv-bits 4 --kv-group-size 32: .*these pass here: "
+                       r"--kv-bits 4 --kv-group-size 64, --kv-bits 8 --kv-group-size 64; serve without"):
+        check_quantized_attention(model, KvScheme(bits=4, group_size=32, start=0))  # type: ignore[arg-type]
+    check_quantized_attention(model, KvScheme(bits=8, group_size=64, start=0))  # type: ignore[arg-type]
+
+
+def test_mlx_lm_has_no_serial_quantized_sliding_window_run_to_check_ours_against() -> None:
+    """Why sliding-window layers stay bf16 (docs/design.md §6.4): if mlx-lm gains a quantized rotating cache,
+    this fails and they can quantize."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model = _model(TinyModelSpec("llama", hidden_size=128, heads=2, kv_heads=1, sliding_window=16))
+    steps = generate_step(mx.array([5, 6, 7, 8]), model, max_tokens=2, kv_bits=8, kv_group_size=64,
+                          quantized_kv_start=0)
+    with pytest.raises(NotImplementedError, match="RotatingKVCache Quantization NYI"):
+        next(steps)
