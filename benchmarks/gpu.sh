@@ -24,6 +24,13 @@
 #           lengths (issue #23). PARTS=verify, <= VERIFY_LIMIT_S (120).
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
+#   cudnn:  prefill-only cuDNN attention (issue #19): benchmarks/prefill_shapes.py with MLX's own kernels, then
+#           with cuDNN (a 512-token chunk at ~6k context on new vs seen shapes, on and off the grid; B=1 decode
+#           steps on mlx-lm's buffers vs the decode layout), then stall_profile.py (4 streams, an 8.5k prompt,
+#           3 rounds, --prefill-chunk-ms 40 and 100) with MLX_TRIO_ATTENTION_BACKEND=mlx and =cudnn-prefill,
+#           back to back (MLX reads its variable once per process). MODELS=1b PARTS=cudnn, about 150 s.
+#           On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
+#           CUDNN_STALL_ARGS="--long-tokens 1500 --rounds 1 --stream-tokens 600".
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -335,6 +342,19 @@ for m in $MODELS; do
     script_part distributed "${DIST_LIMIT_S:-150}" "distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1" \
       $PY benchmarks/distributed.py --model "$dir" --ranks 2 --backend "${DIST_BACKEND:-nccl}" --requests 8 \
       --tokens 128 --json "$RESULTS/distributed-$m.json"
+  ;; esac
+  case " $PARTS " in *" cudnn "*)
+    for att in 0 1; do
+      MLX_CUDA_USE_CUDNN_SDPA=$att script_part cudnn "${CUDNN_SHAPES_LIMIT_S:-60}" \
+        "prefill shapes, $m: MLX_CUDA_USE_CUDNN_SDPA=$att (0: MLX's own kernels, 1: cuDNN)" \
+        $PY benchmarks/prefill_shapes.py --model "$dir" --json "$RESULTS/cudnn-shapes-$att-$m.json" ${CUDNN_SHAPES_ARGS:-}
+    done
+    for backend in mlx cudnn-prefill; do
+      MLX_TRIO_ATTENTION_BACKEND=$backend script_part cudnn "${CUDNN_STALL_LIMIT_S:-75}" \
+        "stall profile, $m: MLX_TRIO_ATTENTION_BACKEND=$backend, 4 streams, 8.5k prompt, 3 rounds, 40 and 100 ms" \
+        $PY benchmarks/stall_profile.py --model "$dir" --streams 4 --long-tokens 8500 --rounds 3 \
+        --prefill-chunk-ms 40,100 --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
+    done
   ;; esac
   case " $PARTS " in *" compiled "*)
     bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)

@@ -2,6 +2,12 @@
 
 Usage (H200, see benchmarks/gpu.sh for staging):
     python benchmarks/stall_profile.py --shape llama-1b --streams 4 --long-tokens 8500
+    MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill python benchmarks/stall_profile.py ... --prefill-chunk-ms 40,100
+    (a CPU check: python benchmarks/stall_profile.py --streams 2 --long-tokens 1500 --rounds 1 --stream-tokens 600)
+
+`--prefill-chunk-ms` takes a comma list: each target runs in turn on a fresh engine in this
+process (a fresh lease thread, so cuDNN's per-thread plans start cold for each; MLX's attention
+backend is chosen once per process: engine/lease_thread.py), then one summary table.
 
 In one process, on the embedded engine (no HTTP): `--streams` requests decode
 (128-token prompts, long `max_tokens`); once all of them have tokens, one
@@ -44,6 +50,7 @@ import trio
 from mlx_trio import open_engine
 from mlx_trio.cli import serve
 from mlx_trio.config import EngineConfig
+from mlx_trio.engine import lease_thread
 from mlx_trio.events import TextDelta
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.testing.shaped_models import SHAPES, resolve_model
@@ -60,9 +67,24 @@ class Profile:
 
 
 async def profile(model_dir: Path, args: argparse.Namespace) -> None:
-    measured = await (over_http if args.http else embedded)(model_dir, args)
-    for n, (arrived, first) in enumerate(measured.rounds, 1):
-        report(n, arrived, first, measured, args)
+    """Each `--prefill-chunk-ms` target in turn, on a fresh engine (a fresh lease thread: cuDNN's plans are per thread)."""
+    summary = []
+    for target in args.prefill_chunk_ms:
+        one = argparse.Namespace(**{**vars(args), "prefill_chunk_ms": target})
+        measured = await (over_http if args.http else embedded)(model_dir, one)
+        print(f"\n# --prefill-chunk-ms {target:g}, attention backend: {lease_thread.chosen_backend()}")
+        rows = [report(n, arrived, first, measured, one) for n, (arrived, first) in enumerate(measured.rounds, 1)]
+        summary.append({"prefill_chunk_ms": target, "backend": lease_thread.chosen_backend(),
+                        "long_ttft_ms": [r[0] for r in rows], "largest_gap_ms": [r[1] for r in rows],
+                        "steady_gap_ms": [r[2] for r in rows]})
+    print("\n| backend | `--prefill-chunk-ms` | long TTFT ms | largest gap ms | inter-token gap before ms |")
+    print("|---|---:|---|---|---|")
+    for row in summary:
+        print(f"| {row['backend']} | {row['prefill_chunk_ms']:g} | " + " | ".join(
+            " / ".join(f"{v:.0f}" if v is not None else "-" for v in row[k])
+            for k in ("long_ttft_ms", "largest_gap_ms", "steady_gap_ms")) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
 
 
 
@@ -161,8 +183,12 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
     return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps)
 
 
-def report(n: int, arrived: float, first: float, profile: Profile, args: argparse.Namespace) -> None:
-    """The long prompt's TTFT, the streams' largest gaps around it and the lease jobs inside them."""
+def report(n: int, arrived: float, first: float, profile: Profile,
+           args: argparse.Namespace) -> tuple[float, float | None, float | None]:
+    """Print the long prompt's TTFT, the streams' largest gaps around it and the lease jobs inside them.
+
+    Returns (TTFT, largest gap, median inter-token gap before the long prompt), ms.
+    """
     times, log = profile.times, profile.log
     long = f"{args.long_words} words" if args.http else f"{args.long_tokens} tokens"
     print(f"\n## round {n}: long prompt {long}, TTFT {1e3 * (first - arrived):.0f} ms")
@@ -180,8 +206,9 @@ def report(n: int, arrived: float, first: float, profile: Profile, args: argpars
     # Every stream sees the same gap when a job stalls them all: show each moment once.
     gaps = sorted({round(a, 3): (gap, a, b, i) for gap, a, b, i in gaps}.values(), reverse=True)
     steady = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a and b < arrived)
-    if steady:
-        print(f"  inter-token gap before the long prompt: median {1e3 * steady[len(steady) // 2]:.1f} ms")
+    steady_ms = 1e3 * steady[len(steady) // 2] if steady else None
+    if steady_ms is not None:
+        print(f"  inter-token gap before the long prompt: median {steady_ms:.1f} ms")
     for gap, a, b, i in gaps[:args.top]:
         inside = [(name, s, e) for name, s, e in log if e > a and s < b]
         busy = sum(min(e, b) - max(s, a) for _, s, e in inside)
@@ -191,6 +218,7 @@ def report(n: int, arrived: float, first: float, profile: Profile, args: argpars
         slow = [(name, s, e) for name, s, e in profile.trio_steps if e > a and s < b]
         if slow:
             print("      Trio steps over 2 ms: " + ", ".join(f"{name} {1e3 * (e - s):.1f} ms" for name, s, e in slow))
+    return 1e3 * (first - arrived), (1e3 * gaps[0][0] if gaps else None), steady_ms
 
 
 def main() -> int:
@@ -201,8 +229,11 @@ def main() -> int:
     p.add_argument("--stream-tokens", type=int, default=4000)
     p.add_argument("--long-tokens", type=int, default=8500)
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prefill-chunk-ms", type=float, default=EngineConfig.prefill_chunk_ms,
-                   help="the busy prefill chunk's target time (the server's flag)")
+    p.add_argument("--prefill-chunk-ms", type=lambda v: [float(x) for x in v.split(",")],
+                   default=[EngineConfig.prefill_chunk_ms],
+                   help="the busy prefill chunk's target time (the server's flag); a comma list runs each in turn")
+    p.add_argument("--model", help="a model directory (wins over --shape), e.g. gpu.sh's built shape")
+    p.add_argument("--json", type=Path, help="write the per-round summary here")
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="long prompts, one after another (the first pays JIT)")
     p.add_argument("--http", action="store_true",
@@ -212,7 +243,8 @@ def main() -> int:
     args = p.parse_args()
     sys.setswitchinterval(0.001)  # as `mlx-trio serve`
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, label = resolve_model(Path(tmp), shape=args.shape, model=None, num_layers=args.num_layers)
+        model_dir, label = resolve_model(Path(tmp), shape=None if args.model else args.shape, model=args.model,
+                                         num_layers=args.num_layers)
         print(f"# {label}")
         trio.run(profile, model_dir, args)
     return 0

@@ -221,7 +221,10 @@ class EngineActors:
         lane = self.lane
         # Under scale-out rank 0's lease sends every job to the follower ranks first (docs/scale-out.md).
         leader = leader_for(current_world())
-        lease = GpuLease(on_thread_start=prepare_thread, on_thread_exit=release_thread_streams, faults=lane.faults,
+        # Speculation's verify steps would meet cuDNN plans afresh: prefill-only cuDNN is off then.
+        speculates = self.config.prompt_lookup or self.config.draft_model is not None
+        lease = GpuLease(on_thread_start=partial(prepare_thread, speculates=speculates),
+                         on_thread_exit=release_thread_streams, faults=lane.faults,
                          run_job=leader.run_job if leader is not None else None)
         async with trio.open_nursery() as nursery:
             await nursery.start(lease.serve)

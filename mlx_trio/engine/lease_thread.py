@@ -14,8 +14,11 @@ No Trio here: these are plain sync functions that block until MLX is done.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import mlx.core as mx
+
+from mlx_trio.engine.kv import decode_layout
 
 # MLX's CUDA backend runs attention through cuDNN when it can, and builds (then caches, per
 # thread, 256 at most) one cuDNN graph per exact shape: every new (query length, key length)
@@ -25,23 +28,82 @@ import mlx.core as mx
 # 8.5k-token prompt in 512-token chunks while 4 rows decode, docs/benchmarks.md): chunks took
 # 56 ms with cuDNN on unseen shapes (7.6 ms on seen ones) against 22-30 ms with MLX's own
 # kernels, and the first long request stalled the running rows for seconds. So MLX's own
-# kernels are the default here; setting the variable yourself (to 1) wins.
+# kernels are the default here; setting the variable yourself wins (0: MLX's kernels, else cuDNN
+# wherever MLX takes it, decode included).
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 # When cuDNN attention is chosen all the same, its plan cache holds 256 shapes by default; the prefill
 # shape grid's shapes (chunk lengths × key lengths up to a long context, engine/batch/chunked_prefill.py)
 # can exceed that, and an evicted plan costs ~45 ms again. A user's own setting wins.
 CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", "2048"
 
+# Which attention kernels the process runs (vLLM's VLLM_ATTENTION_BACKEND's twin), when
+# MLX_CUDA_USE_CUDNN_SDPA is not set: "mlx" (MLX's own kernels everywhere), "cudnn" (MLX's
+# default: cuDNN wherever it takes it), or "cudnn-prefill": cuDNN for multi-token queries
+# (prefill chunks, whose shapes the grid repeats, so their plans are built once: a warm 512-token
+# chunk at ~6k context 5.6-7.8 ms against 16-27 ms) and MLX's vector kernel for decode steps
+# (faster there than cuDNN: B=1 289 vs 252 tok/s), one process. MLX reads its variable once per
+# process, so the split rests on a per-call condition of MLX's dispatch: decode's keys laid out so
+# that cuDNN's decode path refuses them (engine/kv/decode_layout.py; docs/design.md §4.6).
+ATTENTION_BACKEND_ENV = "MLX_TRIO_ATTENTION_BACKEND"
+MLX_KERNELS, CUDNN, CUDNN_PREFILL = "mlx", "cudnn", "cudnn-prefill"
+ATTENTION_BACKENDS = (MLX_KERNELS, CUDNN, CUDNN_PREFILL)
+# The choice on CUDA when neither variable is set. MLX's own kernels until a device run shows
+# prefill-only cuDNN's gain end to end (benchmarks/gpu.sh PARTS=cudnn).
+DEFAULT_CUDA_BACKEND = MLX_KERNELS
 
-def prepare_thread() -> mx.Stream:
-    """The lease's ``on_thread_start``: MLX's own attention kernels (see above), and the thread's stream.
+# The first lease thread's choice: MLX reads its variable once per process, so later threads
+# (a restarted lease) must keep it, whatever the environment says by then.
+_chosen: str | None = None
 
-    Both variables are read when MLX first runs attention (on this thread: the cache is per thread),
-    so setting them here, before any job, takes effect.
+
+def attention_backend(env: Mapping[str, str], *, cuda: bool, speculates: bool = False) -> str:
+    """The attention backend for a process with environment `env` (one of `ATTENTION_BACKENDS`).
+
+    `cuda`: MLX runs on its CUDA backend (elsewhere every choice is MLX's own kernels: the
+    variables mean nothing there). `speculates`: the engine verifies draft tokens, a query of
+    a few tokens at a new key length every step, which cuDNN would plan afresh each time
+    (~45 ms), so "cudnn-prefill" falls back to MLX's kernels.
+
+    Raises:
+      ValueError: `MLX_TRIO_ATTENTION_BACKEND` names no backend.
     """
-    os.environ.setdefault(CUDNN_ATTENTION_ENV, "0")
+    named = env.get(ATTENTION_BACKEND_ENV, "").strip().lower()
+    if named and named not in ATTENTION_BACKENDS:
+        raise ValueError(f"{ATTENTION_BACKEND_ENV}={named!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if not cuda:
+        return MLX_KERNELS
+    mlx_setting = env.get(CUDNN_ATTENTION_ENV)
+    if mlx_setting is not None and mlx_setting.strip():
+        return MLX_KERNELS if mlx_setting.strip() == "0" else CUDNN
+    chosen = named or DEFAULT_CUDA_BACKEND
+    return MLX_KERNELS if chosen == CUDNN_PREFILL and speculates else chosen
+
+
+def prepare_thread(*, speculates: bool = False) -> mx.Stream:
+    """The lease's ``on_thread_start``: the attention backend (see above), and the thread's stream.
+
+    MLX reads both variables when it first runs attention (on this thread: the cache is per
+    thread), so setting them here, before any job, takes effect. The backend is chosen once
+    per process (`_chosen`); "cudnn-prefill" also turns on decode's layout
+    (`decode_layout.set_active`).
+    """
+    global _chosen
+    if _chosen is None:
+        _chosen = attention_backend(os.environ, cuda=on_cuda(), speculates=speculates)
+    os.environ.setdefault(CUDNN_ATTENTION_ENV, "0" if _chosen == MLX_KERNELS else "1")
     os.environ.setdefault(CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE)
+    decode_layout.set_active(_chosen == CUDNN_PREFILL)
     return thread_default_stream()
+
+
+def chosen_backend() -> str | None:
+    """The backend the first lease thread chose (None before one started)."""
+    return _chosen
+
+
+def on_cuda() -> bool:
+    """Whether MLX runs on its CUDA backend (the GPU device of a CUDA build)."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
 def thread_default_stream() -> mx.Stream:

@@ -20,7 +20,12 @@ snapshot boundary) is padded to one with dummy tokens, computed and then
 trimmed from the cache: causal attention keeps them out of every real
 token's result, and the next chunk overwrites their slots. A chunk that
 starts off the grid (after a prompt-cache hit) ends at the next grid
-point, one irregular shape per request. Only caches that trim exactly
+point, one irregular shape per request. The keys' strides are part of a
+shape too (cuDNN plans by them): mlx-lm's cache grows its buffer in
+256-token steps from wherever it stands, so after such a chunk (or a
+cache hit whose buffer is any length) every later buffer would end off the
+grid, a new plan for each chunk of that request; `align_buffers` cuts the
+buffer back to its offset at a grid point so growth starts on it again. Only caches that trim exactly
 (plain `KVCache` layers) use it; sliding windows and recurrent state,
 which a dummy token would change, keep mlx-lm's chunks. The grid changes
 chunk boundaries and a tail's matmul shapes, so its logits can differ from
@@ -70,6 +75,17 @@ def grid_chunk(fed: int, n: int, grid: int) -> tuple[int, int]:
     return n, grid - n
 
 
+def align_buffers(caches: Sequence[Any], grid: int) -> None:
+    """At a grid point: each buffer whose length is off the grid, cut back to its offset (a view; no copy).
+
+    mlx-lm's growth then allocates from the grid point, so a chunk of whole grid steps ends its
+    buffer exactly at its end, and the keys' strides follow the chunk's shape (see above).
+    """
+    for c in caches:
+        if c.keys is not None and c.keys.shape[2] % grid and c.keys.shape[2] > c.offset:
+            c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+
+
 def trims_exactly(caches: Sequence[Any]) -> bool:
     """Whether a dummy token can be computed and trimmed away with no trace (plain KVCache layers only)."""
     return bool(caches) and all(type(c) is KVCache for c in caches)
@@ -114,6 +130,8 @@ class ChunkedPrefill:
         pad = 0
         if self._grid:
             n, pad = grid_chunk(self.fed, n, self._grid)
+            if self.fed % self._grid == 0:
+                align_buffers(self._caches, self._grid)
         chunk = self.take(n)
         if pad:
             # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'

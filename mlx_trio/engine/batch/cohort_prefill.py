@@ -33,6 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.adapters.forward import rows_selected
+from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 
@@ -107,6 +108,7 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
         mx.clear_cache()
     lasts = [row.last_input() for row in rows]
     caches = _merge(rows)
+    decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
     with rows_selected([row.adapter for row in rows]).applied():
         logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
     arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]

@@ -57,7 +57,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.batch import compiled_step
 from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, rows_selected
 from mlx_trio.engine.adapters.resident import AdapterUse
-from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, row_rollback
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_rollback
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
@@ -331,6 +331,7 @@ class DecodeBatch:
 
     def _forward(self, inputs: mx.array) -> mx.array:
         """One step's logits `[B, V]`: compiled where it covers the caches, else the model's own graph."""
+        decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
         if self._compiled is not None and compiled_step.covers(self._caches):
             logits = self._compiled(inputs, self._caches)
             if logits is not None:

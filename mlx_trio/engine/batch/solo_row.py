@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
-from mlx_trio.engine.kv import cache_clone
+from mlx_trio.engine.kv import cache_clone, decode_layout
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
@@ -138,6 +138,7 @@ class SoloRow:
     def first_token(self) -> int:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
         last = self.last_input()
+        decode_layout.keep_vector_decode(self.caches)  # an L=1 step: the vector kernel under prefill-only cuDNN
         logits = self._model(last[None], cache=self.caches)[:, -1, :]
         self.kv_scheme.convert_due(self.caches)  # as generate_step's _step, after its forward
         mx.eval(*self.draw_token0(logits, last))

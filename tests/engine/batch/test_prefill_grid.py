@@ -99,3 +99,37 @@ async def test_an_engine_on_the_grid_streams_the_same_tokens_while_rows_decode_a
             results[grid] = got
             assert engine.actors.lane.prefill.statistics().chunks > len(prompts)  # prompts ran in several chunks
     assert results[16] == results[0]
+
+
+def test_after_an_off_grid_start_the_buffers_end_where_the_chunks_end() -> None:
+    """cuDNN plans by the keys' strides too: from a cache hit at any offset, with a buffer of any length,
+    every later grid chunk leaves the buffer ending exactly at its end (mlx-lm's growth alone would keep
+    it off the grid for the rest of the prompt), with the same KV."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
+
+    model = load(str(tiny_model(LLAMA)))[0]
+    prompt = _prompt(9, 1400)
+
+    def cut_at(start: int) -> list:
+        caches = make_prompt_cache(model)
+        model(mx.array(prompt[:start])[None], cache=caches)
+        for c in caches:  # as a prompt-cache clone holds it: exactly its tokens
+            c.keys, c.values = c.keys[..., :start, :], c.values[..., :start, :]
+        mx.eval([c.state for c in caches])
+        return caches
+
+    caches = cut_at(300)
+    prefill = ChunkedPrefill(model, caches, prompt, 2048, start=300, grid=256)
+    ends = []
+    while prefill.chunk(512) is not None:
+        ends.append((prefill.fed, caches[0].keys.shape[2]))
+    assert ends[0] == (512, 556)  # the off-grid chunk: mlx-lm's growth from 300
+    assert all(fed == length for fed, length in ends[1:-1]) and len(ends) > 2, ends
+    plain = cut_at(300)
+    ChunkedPrefill(model, plain, prompt, 2048, start=300, grid=0).chunk(2048)
+    for a, b in zip(caches, plain, strict=True):
+        assert a.offset == b.offset
+        np.testing.assert_allclose(np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :]),
+                                   atol=2e-2, rtol=2e-2)
