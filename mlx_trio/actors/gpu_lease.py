@@ -24,6 +24,7 @@ import attrs
 import outcome
 import trio
 
+from mlx_trio import profiling
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 
@@ -170,9 +171,9 @@ class GpuLease:
         self._running_since: float | None = None
         self._started_at: float | None = None
         self._stopped_at: float | None = None
-        # A profiler's seam (benchmarks/stall_profile.py): when set, every job appends
-        # (name, start, end) here, in time.perf_counter() seconds.
-        self.job_log: list[tuple[str, float, float]] | None = None
+        # A profiler's seam (benchmarks/stall_profile.py, MLX_TRIO_PROFILE): when set, every job
+        # appends (name, start, end) here, in time.perf_counter() seconds.
+        self.job_log: list[tuple[str, float, float]] | None = profiling.shared_job_log()
 
     async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
         """Run ``fn(*args)`` on the lease thread, after every job submitted before it.
