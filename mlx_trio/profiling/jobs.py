@@ -38,10 +38,6 @@ class JobStats:
     def count(self) -> int:
         return sum(len(d) for d in self._durations.values())
 
-    def count_of(self, suffix: str) -> int:
-        """Jobs whose name ends with `suffix` (e.g. the decode step chain's links)."""
-        return sum(len(d) for name, d in self._durations.items() if name.endswith(suffix))
-
     def summary(self) -> dict[str, dict[str, Any]]:
         """{name: count, total_s, p50_ms, p95_ms, max_ms}, the largest total first."""
         out = {}

@@ -32,8 +32,7 @@ LEASE_THREAD = "gpu-lease"
 TRIO_THREAD = "MainThread"
 # engine counter key (`EngineActors.counters`) -> the window's name for it.
 COUNTERS = {"decode_steps": "steps", "decoded_tokens": "tokens", "submitted_rows": "requests"}
-STEP_JOB_SUFFIX = "._link"  # a decode step chain's link (several steps per job on a multi-step chain)
-TOP_FUNCTIONS = 15
+TOP_FUNCTIONS = 30  # per thread and kind; the report skips the frames on every sample
 
 
 class _Window:
@@ -146,8 +145,10 @@ def close_window(window: _Window, counters_end: Mapping[str, float], started_at:
     wall = end - window.start
     deltas = {name: max(0.0, counters_end.get(name, 0.0) - window.counters.get(name, 0.0)) for name in COUNTERS.values()}
     deltas["lease_jobs"] = window.jobs.count
-    deltas["step_jobs"] = window.jobs.count_of(STEP_JOB_SUFFIX)
-    threads = thread_cpu.cpu_by_name(window.cpu, thread_cpu.tasks(), names)
+    end_tasks = thread_cpu.tasks()
+    # Threads Python did not start (MLX's own, e.g. the CPU backend's workers) go by their kernel name.
+    names = {**{tid: f"{task.comm} (not a Python thread)" for tid, task in end_tasks.items()}, **names}
+    threads = thread_cpu.cpu_by_name(window.cpu, end_tasks, names)
     process_end = thread_cpu.process_cpu_s()
     return {
         "index": window.index, "start_s": window.start - started_at, "wall_s": wall,
