@@ -60,7 +60,11 @@ class _Job:
 
 
 def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> _Job:
-    return _Job(fn, args, task, _name(fn))
+    name = _name(fn)
+    # A wrapper job (chunk_sizer.timed) is named after what it wraps too, so the job log tells them apart.
+    if getattr(fn, "names_its_first_argument", False) and args and callable(args[0]):
+        name = f"{name}({_name(args[0])})"
+    return _Job(fn, args, task, name)
 
 
 def _name(fn: Callable[..., Any]) -> str:

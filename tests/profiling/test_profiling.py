@@ -130,7 +130,8 @@ def test_profiler_windows_hold_jobs_counters_and_the_sampled_thread(tmp_path: Pa
     try:
         profiler.job_log.append(("DecodeStepActor._link", time.perf_counter(), time.perf_counter() + 0.001))
         _wait(lambda: not profiler.job_log)  # drained into window 0 by the thread
-        profiler._cut()  # window 0 ends (what a mark does on the thread)
+        profiler.mark()  # window 0 ends, on the profiler thread
+        _wait(lambda: len(profiler.windows) == 1)
         counters.update(decode_steps=30, decoded_tokens=600, submitted_rows=4)
         profiler.job_log.extend([("PrefillActor._chunk", time.perf_counter(), time.perf_counter() + 0.002)] * 3)
         _wait(lambda: "busy-worker" in profiler._window.stacks)
@@ -176,6 +177,24 @@ def test_the_mark_signal_cuts_a_window_while_the_server_runs(tmp_path: Path) -> 
     with profiling.from_environment({profiling.PROFILE_ENV: str(path)}) as profiler:
         assert profiler is not None
         os.kill(os.getpid(), profiling.MARK_SIGNAL)
-        _wait(lambda: len(profiler.windows) == 1)
-        assert len(json.loads(path.read_text())["windows"]) == 1  # written at the mark, before the stop
+        _wait(lambda: path.exists())  # written at the mark, before the stop
+        assert len(json.loads(path.read_text())["windows"]) == 1
     assert [w["index"] for w in json.loads(path.read_text())["windows"]] == [0, 1]
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+async def test_the_job_log_names_a_timed_job_after_what_it_wraps() -> None:
+    """`chunk_sizer.timed(fn, ...)` logs as "timed(fn)", so a profile tells a solo chunk from a cohort's."""
+    from mlx_trio.actors.chunk_sizer import timed
+    from mlx_trio.actors.gpu_lease import open_gpu_lease
+
+    async with open_gpu_lease() as lease:
+        lease.job_log = log = []
+        assert await lease.run(_square, 3) == 9
+        result, seconds = await lease.run(timed, _square, 4)
+        assert result == 16 and seconds >= 0
+    assert [name for name, _, _ in log] == ["_square", "timed(_square)"]
+    assert all(start <= end for _, start, end in log)
