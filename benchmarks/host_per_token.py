@@ -39,7 +39,8 @@ from mlx_trio.testing.shaped_models import resolve_model
 HERE = Path(__file__).resolve().parents[1]
 
 
-def thread_split(pid: int, start: dict[int, thread_cpu.TaskCpu], end: dict[int, thread_cpu.TaskCpu]) -> dict[str, float]:
+def thread_split(pid: int, start: dict[int, thread_cpu.TaskCpu],
+                 end: dict[int, thread_cpu.TaskCpu]) -> dict[str, float]:
     """CPU seconds between two snapshots: the main thread, the busiest other one (the lease), the rest."""
     used = {tid: task.cpu_s - (start[tid].cpu_s if tid in start else 0.0) for tid, task in end.items()}
     main = used.pop(pid, 0.0)

@@ -101,10 +101,11 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
     return "" if value is None else f"{value * scale:.{digits}f}"
 
 
-def report(runs: list[dict[str, Any]]) -> None:
+def table(runs: list[dict[str, Any]]) -> None:
+    """One markdown row per run."""
     per = " | ".join(f"{t} µs/{u}" for u in UNITS for t in ("lease", "Trio"))
-    print(f"\n| workload | c | --batch | agg tok/s | TTFT p50 ms | TTFT p95 ms | failures | lease busy % | GPU busy % | "
-          f"{per} |")
+    print("\n| workload | c | --batch | agg tok/s | TTFT p50 ms | TTFT p95 ms | failures | lease busy % "
+          f"| GPU busy % | {per} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 * len(UNITS)))
     for run in runs:
         s, w = run["summary"], run["window"]
@@ -112,28 +113,31 @@ def report(runs: list[dict[str, Any]]) -> None:
         print(f"| {run['workload']} | {run['concurrency']} | {run['batch']} | {_f(s['output_tok_s'])} | "
               f"{_f(s['ttft_p50_s'], 1e3)} | {_f(s['ttft_p95_s'], 1e3)} | {s['num_failed']} | "
               f"{_f(w['lease_busy_fraction'], 100, 1)} | {_f(s['gpu_busy_percent'], 1, 1)} | {costs} |")
-    for run in runs:
-        w = run["window"]
-        counts = w["counts"]
-        print(f"\n#### {run['workload']}, c={run['concurrency']}: {w['wall_s']:.1f} s, {counts['tokens']:.0f} tokens, "
-              f"{counts['steps']:.0f} steps, {counts['lease_jobs']} lease jobs, "
-              f"{counts['requests']:.0f} requests; process CPU {_f(w['process_cpu_s'], 1, 1)} s")
-        threads = ", ".join(f"{name} {u['cpu_s']:.2f} s" for name, u in
-                            sorted(w["threads"].items(), key=lambda kv: -kv[1]["cpu_s"])[:6])
-        print(f"thread CPU: {threads}")
-        print("jobs: " + "; ".join(f"{name} ×{j['count']} {j['total_s']:.2f} s (p50 {j['p50_ms']:.2f} / p95 "
-                                   f"{j['p95_ms']:.2f} / max {j['max_ms']:.1f} ms)"
-                                   for name, j in list(w["jobs"].items())[:TOP]))
-        for thread in (LEASE_THREAD, TRIO_THREAD):
-            sampled = w["samples"].get(thread)
-            if not sampled or not sampled["samples"]:
-                continue
-            n = sampled["samples"]
-            for kind in ("self", "cumulative"):
-                # Frames on every sample (the thread's bootstrap, the lease's job loop) say nothing.
-                entries = [(name, c) for name, c in sampled[kind] if c < n][:TOP]
-                top = ", ".join(f"{name} {100 * c / n:.0f}%" for name, c in entries)
-                print(f"{thread} {kind} ({n} samples): {top}")
+
+
+def details(run: dict[str, Any]) -> None:
+    """The measured window's counts, thread CPU, top jobs and top sampled functions of the lease and Trio threads."""
+    w = run["window"]
+    counts = w["counts"]
+    print(f"\n#### {run['workload']}, c={run['concurrency']}: {w['wall_s']:.1f} s, {counts['tokens']:.0f} tokens, "
+          f"{counts['steps']:.0f} steps, {counts['lease_jobs']} lease jobs, "
+          f"{counts['requests']:.0f} requests; process CPU {_f(w['process_cpu_s'], 1, 1)} s")
+    threads = ", ".join(f"{name} {u['cpu_s']:.2f} s" for name, u in
+                        sorted(w["threads"].items(), key=lambda kv: -kv[1]["cpu_s"])[:6])
+    print(f"thread CPU: {threads}")
+    print("jobs: " + "; ".join(f"{name} ×{j['count']} {j['total_s']:.2f} s (p50 {j['p50_ms']:.2f} / p95 "
+                               f"{j['p95_ms']:.2f} / max {j['max_ms']:.1f} ms)"
+                               for name, j in list(w["jobs"].items())[:TOP]))
+    for thread in (LEASE_THREAD, TRIO_THREAD):
+        sampled = w["samples"].get(thread)
+        if not sampled or not sampled["samples"]:
+            continue
+        n = sampled["samples"]
+        for kind in ("self", "cumulative"):
+            # Frames on every sample (the thread's bootstrap, the lease's job loop) say nothing.
+            entries = [(name, c) for name, c in sampled[kind] if c < n][:TOP]
+            top = ", ".join(f"{name} {100 * c / n:.0f}%" for name, c in entries)
+            print(f"{thread} {kind} ({n} samples): {top}")
 
 
 async def bench(model: str, args: argparse.Namespace, workdir: Path, live: list[ManagedServer]) -> list[dict[str, Any]]:
@@ -144,7 +148,8 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, live: list[
             start = time.perf_counter()
             runs.append(await profile_one(model, workload, concurrency, args, workdir, live))
             print(f"\n## {workload} c={concurrency} ({time.perf_counter() - start:.0f} s with the server's start)")
-            report(runs[-1:])
+            table(runs[-1:])
+            details(runs[-1])
             if args.json is not None:
                 write(args, runs)
     return runs
@@ -195,8 +200,8 @@ def main() -> int:
         finally:
             for server in live:
                 server.stop()
-    print("\n## all runs")
-    report(runs)
+    print("\n## all runs (details above, per run)")
+    table(runs)
     return 0
 
 

@@ -52,7 +52,8 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-timed.names_its_first_argument = True  # type: ignore[attr-defined]  # the lease's job log: "timed(SoloRow.prefill_chunk)"
+# The lease's job log names such a job "timed(SoloRow.prefill_chunk)", not "timed".
+timed.names_its_first_argument = True  # type: ignore[attr-defined]
 
 
 def _solve(rows: Sequence[Sequence[float]], rhs: Sequence[float]) -> list[float] | None:

@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
-    rate = args.rate if args.rate is not None else (AGENTS_DEFAULT_RATE_PER_S if args.workload in POISSON_BY_DEFAULT else None)
+    rate = args.rate if args.rate is not None else (
+        AGENTS_DEFAULT_RATE_PER_S if args.workload in POISSON_BY_DEFAULT else None)
     if rate is not None and (math.isinf(rate) or rate <= 0):
         rate = None
     return workloads.WorkloadParams(

@@ -143,7 +143,8 @@ def close_window(window: _Window, counters_end: Mapping[str, float], started_at:
     """The JSON record of a window that ends now."""
     end = time.perf_counter()
     wall = end - window.start
-    deltas = {name: max(0.0, counters_end.get(name, 0.0) - window.counters.get(name, 0.0)) for name in COUNTERS.values()}
+    deltas = {name: max(0.0, counters_end.get(name, 0.0) - window.counters.get(name, 0.0))
+              for name in COUNTERS.values()}
     deltas["lease_jobs"] = window.jobs.count
     end_tasks = thread_cpu.tasks()
     # Threads Python did not start (MLX's own, e.g. the CPU backend's workers) go by their kernel name.

@@ -100,7 +100,7 @@ def test_agent_loop_agents_share_a_system_prompt_and_send_tool_results_with_no_t
 
 
 def test_serving_draws_lengths_outputs_kinds_and_options_in_a_fixed_order_from_its_seed() -> None:
-    """Re-derived from random.Random(seed) in the documented order: arrivals, then per request length, output, kind, options."""
+    """Re-derived from random.Random(seed) in order: arrivals, then per request length, output, kind, options."""
     params = WorkloadParams(num_requests=40, seed=5, rate_per_s=2.0, min_prompt_words=100, max_prompt_words=10_000,
                             output_tokens=128, max_output_tokens=512)
     w = build("serving", params, 8)
