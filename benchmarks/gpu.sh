@@ -31,6 +31,10 @@
 #           back to back (MLX reads its variable once per process). MODELS=1b PARTS=cudnn, about 150 s.
 #           On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
 #           CUDNN_STALL_ARGS="--long-tokens 1500 --rounds 1 --stream-tokens 600".
+#   profile: benchmarks/serving_profile.py (issue #20): `mlx-trio serve` under MLX_TRIO_PROFILE at c=8/64/256
+#           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
+#           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
+#           threads, top jobs and sampled functions. PARTS=profile MODELS=1b, <= PROFILE_LIMIT_S (240).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -48,7 +52,8 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   LONG_LIMIT_S (120), PROFILE_LIMIT_S (240), PROFILE_CONCURRENCY (8,64,256), PROFILE_ARGS (more serving_profile.py
+#   flags, e.g. "--workloads serving,agents"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -355,6 +360,11 @@ for m in $MODELS; do
         $PY benchmarks/stall_profile.py --model "$dir" --streams 4 --long-tokens 8500 --rounds 3 \
         --prefill-chunk-ms 40,100 --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
     done
+  ;; esac
+  case " $PARTS " in *" profile "*)
+    script_part profile "${PROFILE_LIMIT_S:-240}" "serving profile, $m: serving workload at c=${PROFILE_CONCURRENCY:-8,64,256}" \
+      $PY benchmarks/serving_profile.py --model "$dir" --concurrency "${PROFILE_CONCURRENCY:-8,64,256}" \
+      --json "$RESULTS/profile-$m.json" ${PROFILE_ARGS:-}
   ;; esac
   case " $PARTS " in *" compiled "*)
     bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)

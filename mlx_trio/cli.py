@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from mlx_trio import __version__, scale_out
+from mlx_trio import __version__, profiling, scale_out
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
@@ -271,6 +271,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
         except ModelLoadError:
             nursery.cancel_scope.cancel()
             raise
+        profiling.watch_counters(engine.actors.counters)  # MLX_TRIO_PROFILE's steps, tokens, requests
         print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
               f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
         task_status.started(server)
@@ -378,7 +379,8 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int
         return 1
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        trio.run(serve_until_signalled, engine_config, server_config)
+        with profiling.from_environment():  # MLX_TRIO_PROFILE=PATH: docs/benchmarks.md ("Server-side profile")
+            trio.run(serve_until_signalled, engine_config, server_config)
     except KeyboardInterrupt:
         log.info("stopped")
         return 0

@@ -245,6 +245,13 @@ def test_supervision_and_http_never_import_engine(path: Path) -> None:
     assert not {n for n in _imported_modules(path) if n.startswith("mlx_trio.engine")}
 
 
+@pytest.mark.parametrize("path", _files("profiling"), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_profiling_imports_no_mlx_no_trio_and_nothing_else_of_the_package(path: Path) -> None:
+    """The lease (actors/) calls into profiling/, and the profiler thread runs beside MLX: it stands alone."""
+    assert not {n for n in _imported_modules(path) if _top(n) in {"mlx", "mlx_lm", "trio"}
+                or (n.startswith("mlx_trio") and not n.startswith("mlx_trio.profiling"))}
+
+
 @pytest.mark.parametrize("path", _files("engine"), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_engine_imports_nothing_above_it(path: Path) -> None:
     """engine/ is the bottom layer: of mlx_trio it imports only itself and the shared values."""

@@ -24,6 +24,7 @@ import attrs
 import outcome
 import trio
 
+from mlx_trio import profiling
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 
@@ -59,7 +60,11 @@ class _Job:
 
 
 def _job(fn: Callable[..., Any], args: tuple[Any, ...], task: trio.lowlevel.Task | None) -> _Job:
-    return _Job(fn, args, task, _name(fn))
+    name = _name(fn)
+    # A wrapper job (chunk_sizer.timed) is named after what it wraps too, so the job log tells them apart.
+    if getattr(fn, "names_its_first_argument", False) and args and callable(args[0]):
+        name = f"{name}({_name(args[0])})"
+    return _Job(fn, args, task, name)
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -170,9 +175,9 @@ class GpuLease:
         self._running_since: float | None = None
         self._started_at: float | None = None
         self._stopped_at: float | None = None
-        # A profiler's seam (benchmarks/stall_profile.py): when set, every job appends
-        # (name, start, end) here, in time.perf_counter() seconds.
-        self.job_log: list[tuple[str, float, float]] | None = None
+        # A profiler's seam (benchmarks/stall_profile.py, MLX_TRIO_PROFILE): when set, every job
+        # appends (name, start, end) here, in time.perf_counter() seconds.
+        self.job_log: list[tuple[str, float, float]] | None = profiling.shared_job_log()
 
     async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
         """Run ``fn(*args)`` on the lease thread, after every job submitted before it.

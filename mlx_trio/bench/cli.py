@@ -24,6 +24,8 @@ STACKS = ("ours", "ours-nocache", "mlx_lm")
 
 # Agents arrive as a Poisson process; without --rate they come this fast (sessions per second).
 AGENTS_DEFAULT_RATE_PER_S = 4.0
+# The workloads whose arrivals are staggered by default (at AGENTS_DEFAULT_RATE_PER_S).
+POISSON_BY_DEFAULT = ("agents", "serving")
 
 
 DESCRIPTION = """\
@@ -40,7 +42,9 @@ examples:
   mlx-trio bench --serve ours --serve ours-nocache --out run.json --plot run.png
 
 Workloads: agents (multi-turn sessions sharing a system prompt, Poisson arrivals), uniform
-(independent prompts), long-prompt (one long prefill while other streams decode).
+(independent prompts), long-prompt (one long prefill while other streams decode), serving (prompts
+log-uniform in --min/--max-prompt-words, outputs --output-tokens..--max-output-tokens, per-row
+sampling options mixed, Poisson arrivals).
 More in docs/benchmarks.md ("mlx-trio bench")."""
 
 
@@ -82,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "(default: %(default)s)")
     arg("--seed", type=non_negative_int, default=0, help="seed of the workload's prompts and arrivals (default: %(default)s)")
     arg("--rate", type=float, default=None,
-        help=f"session arrivals per second, Poisson; inf: all at once (default: agents {AGENTS_DEFAULT_RATE_PER_S}, "
-             "others all at once)")
+        help=f"session arrivals per second, Poisson; inf: all at once (default: agents and serving "
+             f"{AGENTS_DEFAULT_RATE_PER_S}, others all at once)")
     arg("--output-tokens", type=positive_int, default=d.output_tokens, help="max_tokens of each request (default: %(default)s)")
     arg("--system-words", type=non_negative_int, default=d.system_words,
         help="agents, agent-loop: words in the shared system prompt (default: %(default)s)")
@@ -97,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long-prompt: the background streams' length (default: %(default)s)")
     arg("--tool-result-words", type=positive_int, default=d.tool_result_words,
         help="agent-loop: words of each turn's tool result (default: %(default)s)")
+    arg("--min-prompt-words", type=positive_int, default=d.min_prompt_words,
+        help="serving: shortest prompt, words (default: %(default)s)")
+    arg("--max-prompt-words", type=positive_int, default=d.max_prompt_words,
+        help="serving: longest prompt, words; lengths are log-uniform in between (default: %(default)s)")
+    arg("--max-output-tokens", type=positive_int, default=d.max_output_tokens,
+        help="serving: longest output; max_tokens is uniform in --output-tokens..this (default: %(default)s)")
     arg("--eos-id", type=non_negative_int, action="append", default=None,
         help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
     arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
@@ -119,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
-    rate = args.rate if args.rate is not None else (AGENTS_DEFAULT_RATE_PER_S if args.workload == "agents" else None)
+    rate = args.rate if args.rate is not None else (
+        AGENTS_DEFAULT_RATE_PER_S if args.workload in POISSON_BY_DEFAULT else None)
     if rate is not None and (math.isinf(rate) or rate <= 0):
         rate = None
     return workloads.WorkloadParams(
@@ -127,6 +138,8 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
         system_words=args.system_words, task_words=args.task_words, followup_words=args.followup_words,
         prompt_words=args.prompt_words, long_prompt_words=args.long_prompt_words,
         long_output_tokens=args.long_output_tokens, tool_result_words=args.tool_result_words,
+        min_prompt_words=args.min_prompt_words, max_prompt_words=max(args.min_prompt_words, args.max_prompt_words),
+        max_output_tokens=max(args.output_tokens, args.max_output_tokens),
     )
 
 

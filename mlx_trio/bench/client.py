@@ -68,6 +68,8 @@ class RequestSpec:
     # token id -> bias; {eos: -100} suppresses EOS so every output has max_tokens tokens.
     logit_bias: Mapping[int, float] = attrs.field(factory=dict)
     temperature: float = 0.0
+    # More body fields (top_p, seed, penalties; a temperature here wins over the one above).
+    sampling: Mapping[str, Any] = attrs.field(factory=dict)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -76,6 +78,7 @@ class RequestSpec:
             "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.sampling,
         }
         if self.model is not None:
             body["model"] = self.model

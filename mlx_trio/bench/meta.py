@@ -58,7 +58,10 @@ def run_metadata(args: argparse.Namespace, *, model: str | None, eos_ids: Sequen
                  f"{params['long_prompt_words']} words and {params['output_tokens']} output tokens")
     else:
         arrivals = "all at once" if rate is None else f"Poisson {rate}/s"
-        shape = f"{params['num_requests']} requests/run, {params['output_tokens']} output tokens, arrivals {arrivals}"
+        outputs = (f"{params['output_tokens']}-{params['max_output_tokens']} output tokens, prompts "
+                   f"{params['min_prompt_words']}-{params['max_prompt_words']} words log-uniform, sampling mixed"
+                   if args.workload == "serving" else f"{params['output_tokens']} output tokens")
+        shape = f"{params['num_requests']} requests/run, {outputs}, arrivals {arrivals}"
     workload_line = (f"concurrency C = {','.join(map(str, args.concurrency))}, {args.rounds} round(s) A B A B, "
                      f"{shape}, seed {args.seed}, EOS ids suppressed {list(eos_ids)}")
     machine_line = (

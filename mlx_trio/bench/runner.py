@@ -108,7 +108,8 @@ async def run_workload(url: str, workload: workloads.Workload, options: RunOptio
                 history: list[tuple[str, str]] = []
                 for turn_index, turn in enumerate(session.turns):
                     spec = RequestSpec(messages(session.system, history, turn.user), turn.max_tokens,
-                                       model=options.request_model, logit_bias=options.logit_bias)
+                                       model=options.request_model,
+                                       logit_bias={**options.logit_bias, **turn.logit_bias}, sampling=turn.sampling)
                     first = _Once(settled.increment)
                     result = await stream_chat(client, url, spec, session_id=session.session_id,
                                                turn=turn_index, tag=session.tag, on_first_token=first)

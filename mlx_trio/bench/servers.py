@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -101,6 +101,9 @@ class ManagedServer:
     startup_timeout_s: float = 600.0
     port: int = 0
     restarts: int = 0
+    # Another checkout's package: run from its directory (cwd comes first on `python -m`'s path).
+    cwd: str | None = None
+    env: Mapping[str, str] = attrs.field(factory=dict)  # added to this process's environment
     _proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -122,7 +125,8 @@ class ManagedServer:
         self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop)
         # A new session: a Ctrl-C at the terminal reaches the bench only, which then stops this pid itself.
         self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                      start_new_session=True, cwd=self.cwd,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         self._log.write(f"\n$ {shlex.join(argv)}  # pid {self._proc.pid}\n".encode())
         self._log.flush()
         log.info("%s: started pid %d on port %d (log %s)", self.name, self._proc.pid, self.port, self.log_path)

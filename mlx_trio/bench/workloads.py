@@ -17,6 +17,12 @@ the servers' `usage.prompt_tokens` gives the exact counts.
   tool result of a few hundred tokens: per-turn cached fraction, TTFT, and
   the prefill stall (the running streams' largest gap while another prompt
   prefills) (issue #19).
+* **serving**: what a shared endpoint sees (issue #20): independent requests
+  arriving as a Poisson process, prompts log-uniform between
+  `min_prompt_words` and `max_prompt_words`, outputs uniform between
+  `output_tokens` and `max_output_tokens`, and per-row sampling options
+  mixed: a quarter each greedy, a 2-token `logit_bias`, presence/frequency
+  penalties, temperature/top_p with a seed (`SERVING_KINDS`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
-WORKLOADS = ("agents", "uniform", "long-prompt", "agent-loop")
+WORKLOADS = ("agents", "uniform", "long-prompt", "agent-loop", "serving")
 
 # Roughly one token each (with the leading space) on Llama/SmolLM-style BPE vocabularies.
 _WORDS = tuple("""
@@ -57,10 +65,16 @@ TOOL_SCHEMAS = (
 
 @attrs.frozen
 class Turn:
-    """One request of a session: the user message it adds and its fixed output length."""
+    """One request of a session: the user message it adds, its fixed output length, its own sampling options.
+
+    `sampling` holds request-body fields (temperature, top_p, seed, penalties),
+    sent as they are; `logit_bias` is merged with the run's EOS bias.
+    """
 
     user: str
     max_tokens: int
+    sampling: Mapping[str, Any] = attrs.field(factory=dict)
+    logit_bias: Mapping[int, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -111,6 +125,10 @@ class WorkloadParams:
     long_output_tokens: int = 512
     # agent-loop: each turn after the first adds a tool result this long.
     tool_result_words: int = 300
+    # serving: prompt words drawn log-uniform in [min, max]; outputs uniform in [output_tokens, max_output_tokens].
+    min_prompt_words: int = 100
+    max_prompt_words: int = 10_000
+    max_output_tokens: int = 512
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -203,11 +221,55 @@ def agent_loop(params: WorkloadParams, concurrency: int) -> Workload:
     return Workload("agent-loop", tuple(sessions), max_in_flight=concurrency)
 
 
+# serving: the per-row sampling options, one kind per request, drawn with equal odds.
+SERVING_KINDS = ("greedy", "logit_bias", "penalties", "sampled")
+# Token ids a logit_bias row biases: below 500, so they exist in every vocabulary the bench meets.
+BIAS_TOKEN_IDS = range(10, 500)
+
+
+def serving_options(rng: random.Random, kind: str) -> tuple[dict[str, Any], dict[int, float]]:
+    """(body fields, logit_bias) of one serving request of `kind` (one of `SERVING_KINDS`)."""
+    if kind == "logit_bias":
+        first, second = rng.sample(BIAS_TOKEN_IDS, 2)
+        return {}, {first: 2.0, second: -2.0}
+    if kind == "penalties":
+        return {"presence_penalty": 0.5, "frequency_penalty": 0.5}, {}
+    if kind == "sampled":
+        return {"temperature": 0.7, "top_p": 0.9, "seed": rng.randrange(2**31)}, {}
+    return {}, {}
+
+
+def log_uniform_int(rng: random.Random, low: int, high: int) -> int:
+    """An integer in [low, high] whose logarithm is uniform (as many 100-1k prompts as 1k-10k ones)."""
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= low <= high, got {low}, {high}")
+    return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high))))))
+
+
+def serving(params: WorkloadParams, concurrency: int) -> Workload:
+    """N single-turn requests, Poisson arrivals, mixed prompt and output lengths and sampling options.
+
+    Each request's `tag` is its sampling kind, so the summary can compare them.
+    """
+    rng = random.Random(params.seed)
+    arrivals = poisson_arrivals(rng, params.num_requests, params.rate_per_s)
+    sessions = []
+    for i, arrival_s in enumerate(arrivals):
+        prompt_words = log_uniform_int(rng, params.min_prompt_words, params.max_prompt_words)
+        max_tokens = rng.randint(params.output_tokens, max(params.output_tokens, params.max_output_tokens))
+        kind = rng.choice(SERVING_KINDS)
+        sampling, bias = serving_options(rng, kind)
+        turn = Turn(f"Request {i}: {words(rng, prompt_words)}.", max_tokens, sampling=sampling, logit_bias=bias)
+        sessions.append(Session(f"serving-{i}", None, (turn,), arrival_s=arrival_s, tag=kind))
+    return Workload("serving", tuple(sessions), max_in_flight=concurrency)
+
+
 def build(name: str, params: WorkloadParams, concurrency: int) -> Workload:
     """The named workload (one of `WORKLOADS`) for one run at `concurrency`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt, "agent-loop": agent_loop}
+    generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt, "agent-loop": agent_loop,
+                  "serving": serving}
     if name not in generators:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     return generators[name](params, concurrency)

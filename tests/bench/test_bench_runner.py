@@ -199,3 +199,23 @@ async def test_a_cancelled_matrix_keeps_the_runs_that_finished(autojump_clock: A
         await run_matrix([_FakeServer("A")], "uniform", WorkloadParams(num_requests=2, prompt_words=3), [1, 2], 1,
                          _options(hang_on_second_concurrency), records=records)
     assert [(r.concurrency, len(r.results)) for r in records] == [(1, 2)]
+
+
+async def test_serving_requests_carry_their_own_sampling_fields_and_bias_beside_the_eos_bias() -> None:
+    """Each body has the run's EOS bias plus the row's own bias and fields; greedy rows send temperature 0 alone."""
+    bodies: list[dict[str, Any]] = []
+    params = WorkloadParams(num_requests=24, min_prompt_words=3, max_prompt_words=9, output_tokens=4,
+                            max_output_tokens=6)
+    workload = workloads.build("serving", params, 8)
+    results = await run_workload(URL, workload, _options(_echo_server(bodies), logit_bias={2: -100.0}))
+    assert len(results) == 24 and all(r.ok for r in results)
+    by_user = {b["messages"][-1]["content"]: b for b in bodies}
+    for session in workload.sessions:
+        turn = session.turns[0]
+        body = by_user[turn.user]
+        assert body["max_tokens"] == turn.max_tokens
+        assert body["logit_bias"] == {"2": -100.0, **{str(k): v for k, v in turn.logit_bias.items()}}
+        assert {k: body[k] for k in turn.sampling} == dict(turn.sampling)
+        assert body["temperature"] == turn.sampling.get("temperature", 0.0)
+        if session.tag == "greedy":
+            assert set(body) == {"messages", "max_tokens", "temperature", "stream", "stream_options", "logit_bias"}

@@ -97,3 +97,52 @@ def test_agent_loop_agents_share_a_system_prompt_and_send_tool_results_with_no_t
     for session in w.sessions:
         assert session.turns[0].user.startswith("Task ")
         assert all(t.user.startswith("Tool result ") and len(t.user.split()) > 300 for t in session.turns[1:])
+
+
+def test_serving_draws_lengths_outputs_kinds_and_options_in_a_fixed_order_from_its_seed() -> None:
+    """Re-derived from random.Random(seed) in order: arrivals, then per request length, output, kind, options."""
+    params = WorkloadParams(num_requests=40, seed=5, rate_per_s=2.0, min_prompt_words=100, max_prompt_words=10_000,
+                            output_tokens=128, max_output_tokens=512)
+    w = build("serving", params, 8)
+    rng = random.Random(5)
+    assert [s.arrival_s for s in w.sessions] == poisson_arrivals(rng, 40, 2.0)
+    for i, session in enumerate(w.sessions):
+        (turn,) = session.turns
+        n_words = workloads.log_uniform_int(rng, 100, 10_000)
+        assert turn.max_tokens == rng.randint(128, 512)
+        kind = rng.choice(workloads.SERVING_KINDS)
+        sampling, bias = workloads.serving_options(rng, kind)
+        assert (session.tag, dict(turn.sampling), dict(turn.logit_bias)) == (kind, sampling, bias)
+        assert turn.user == f"Request {i}: {workloads.words(rng, n_words)}."
+        assert len(turn.user.split()) == n_words + 2
+        assert session.system is None and session.session_id == f"serving-{i}"
+    assert w.max_in_flight == 8
+
+
+def test_serving_options_per_kind() -> None:
+    rng = random.Random(1)
+    assert workloads.serving_options(rng, "greedy") == ({}, {})
+    assert workloads.serving_options(rng, "penalties") == ({"presence_penalty": 0.5, "frequency_penalty": 0.5}, {})
+    sampling, bias = workloads.serving_options(rng, "sampled")
+    assert (sampling["temperature"], sampling["top_p"], bias) == (0.7, 0.9, {})
+    assert isinstance(sampling["seed"], int)
+    sampling, bias = workloads.serving_options(rng, "logit_bias")
+    assert sampling == {} and sorted(bias.values()) == [-2.0, 2.0] and len(bias) == 2
+    assert all(k in workloads.BIAS_TOKEN_IDS for k in bias)
+
+
+def test_serving_lengths_span_the_range_log_uniformly_and_every_kind_appears() -> None:
+    w = build("serving", WorkloadParams(num_requests=400, min_prompt_words=100, max_prompt_words=10_000), 8)
+    lengths = [len(s.turns[0].user.split()) - 2 for s in w.sessions]
+    assert min(lengths) >= 100 and max(lengths) <= 10_000
+    below_1k = sum(n < 1000 for n in lengths)
+    assert 150 <= below_1k <= 250  # log-uniform: half the mass below the geometric mean (1000)
+    assert {s.tag for s in w.sessions} == set(workloads.SERVING_KINDS)
+    assert all(128 <= s.turns[0].max_tokens <= 512 for s in w.sessions)
+
+
+def test_log_uniform_int_stays_in_bounds_and_refuses_a_bad_range() -> None:
+    rng = random.Random(0)
+    assert {workloads.log_uniform_int(rng, 7, 7) for _ in range(5)} == {7}
+    with pytest.raises(ValueError):
+        workloads.log_uniform_int(rng, 0, 5)

@@ -1,0 +1,1 @@
+"""Tests of mlx_trio/profiling/."""
