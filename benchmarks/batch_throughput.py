@@ -304,7 +304,7 @@ def window_jobs(job_log: list[tuple[str, float, float]], run: dict[str, Any], ro
 
     start, end = run["dec_start"], run["dec_end"]
     inside = [(name, a, b) for name, a, b in job_log if a >= start and b <= end]
-    steps = [b - a for name, a, b in inside if name.endswith("._link")]
+    steps = [b - a for name, a, b in inside if name == "_steps_then"]  # the step chain's links (actors/decode_step.py)
     if not steps or end <= start:
         return {}
     busy = sum(max(0.0, min(b, end) - max(a, start)) for _, a, b in job_log)  # jobs clipped to the window
