@@ -357,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
     if args.tensor_parallel > 1 and not scale_out.launched():
-        return scale_out.launch_local_ranks(args.tensor_parallel, list(argv if argv is not None else sys.argv[1:]))
+        return scale_out.launch_local_ranks(args.tensor_parallel, list(argv if argv is not None else sys.argv[1:]),
+                                            host=args.host, port=args.port)
     if scale_out.launched():
         with scale_out.joined_group(stop_timeout_s=args.collective_timeout) as (rank, size):
             if rank > 0:

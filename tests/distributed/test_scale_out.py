@@ -35,3 +35,77 @@ def test_once_the_group_is_lost_every_job_fails_at_once_and_runs_nowhere() -> No
     with pytest.raises(GroupLost, match="a follower was lost"):
         leader.run_job(ran.append, (1,))
     assert ran == [] and leader.jobs == 0
+
+
+def _solo_leader():
+    """A Leader over MLX's group of one (its collectives return their input): the broadcast works."""
+    import mlx.core as mx
+
+    from mlx_trio.engine.distributed.leader import Leader
+    from mlx_trio.engine.distributed.world import World
+
+    return Leader(World(rank=0, size=2, backend="ring", host="h", group=mx.distributed.init()))
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def test_a_job_that_fails_in_the_backend_loses_the_group_and_its_own_failure_does_not() -> None:
+    from mlx_trio.engine.distributed.leader import GroupLost
+
+    leader = _solo_leader()
+    with pytest.raises(ValueError):
+        leader.run_job(_raise, (ValueError("a bad request"),))
+    assert leader.lost is None  # a job's own error: it failed on every rank alike
+    with pytest.raises(RuntimeError):
+        leader.run_job(_raise, (RuntimeError("[ring] connection to a peer was lost"),))
+    assert leader.lost == "a follower was lost: [ring] connection to a peer was lost"
+    with pytest.raises(GroupLost):  # the next collective on it might never return: nothing is sent
+        leader.run_job(int, (1,))
+
+
+def test_a_broadcast_that_fails_loses_the_group() -> None:
+    from mlx_trio.engine.distributed.leader import Leader
+    from mlx_trio.engine.distributed.world import World
+
+    leader = Leader(World(rank=0, size=2, backend="ring", host="h", group=object()))  # not a group: it fails
+    with pytest.raises(Exception):  # noqa: B017 - whatever MLX raises for it
+        leader.run_job(int, (1,))
+    assert leader.lost is not None and leader.jobs == 0
+
+
+def test_port_0_is_pinned_to_one_free_port_for_every_launch() -> None:
+    from mlx_trio.local_group import pinned_port
+
+    assert pinned_port(["serve", "--port", "8000"], "127.0.0.1", 8000) == ["serve", "--port", "8000"]
+    pinned = pinned_port(["serve", "--port", "0"], "127.0.0.1", 0)
+    assert pinned[:3] == ["serve", "--port", "0"] and pinned[3] == "--port" and int(pinned[4]) > 0
+
+
+_RANK = r"""
+import os, signal, sys, time
+from pathlib import Path
+rank, marks = int(os.environ["MLX_RANK"]), Path(sys.argv[1])
+first = not (marks / "started").exists()
+if rank == 0:
+    (marks / "started").touch()
+    if not first:
+        sys.exit(0)  # the second generation stops for good
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))  # told its follower died: exit (any code)
+    time.sleep(60)
+    sys.exit(4)
+sys.exit(1 if first else 0)  # the first generation's follower dies at once
+"""
+
+
+def test_a_follower_that_dies_is_told_to_rank_0_and_the_ranks_are_launched_again(tmp_path: Path) -> None:
+    """mlx_trio/local_group.py with stand-in ranks: generation 1's follower exits; the launcher signals
+    rank 0 (which exits), launches both again; generation 2's rank 0 exits 0, which ends the command."""
+    import sys
+
+    from mlx_trio.local_group import LocalGroup
+
+    group = LocalGroup(2, [str(tmp_path)], program=[sys.executable, "-c", _RANK])
+    assert group.run() == 0
+    assert group.generation == 2
