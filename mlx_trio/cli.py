@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with scale_out.joined_group(stop_timeout_s=args.collective_timeout) as (rank, size):
             if rank > 0:
                 return 0  # a follower's whole life ran in joined_group
-            refused = scale_out.refusal(args.tensor_parallel, size, engine_config.prompt_cache_dir)
+            refused = scale_out.refusal(args.tensor_parallel, size, engine_config)
             if refused is not None:
                 print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
                 return 2

@@ -18,9 +18,12 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_trio.local_group import REFORM_ENV, REFORM_EXIT
+
+if TYPE_CHECKING:
+    from mlx_trio.config import EngineConfig
 
 RANK_ENV = "MLX_RANK"  # set by mlx.launch for every rank it starts (engine/distributed/world.py reads it too)
 
@@ -42,12 +45,22 @@ def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int)
     return LocalGroup(ranks, pinned_port(argv, host, port)).run()
 
 
-def refusal(tensor_parallel: int, size: int, prompt_cache_dir: object) -> str | None:
-    """Why this group cannot serve with these flags, or None."""
+def refusal(tensor_parallel: int, size: int, config: EngineConfig) -> str | None:
+    """Why this group cannot serve with these flags, or None: said at start, never as a failure mid-request."""
     if tensor_parallel > 1 and size != tensor_parallel:
         return f"--tensor-parallel {tensor_parallel} but mlx.launch started {size} ranks"
-    if size > 1 and prompt_cache_dir is not None:
+    if size <= 1:
+        return None
+    if config.prompt_cache_dir is not None:
         return "--prompt-cache-dir is not supported across ranks yet: each rank holds its own shard of the KV"
+    if config.serves_adapters:
+        return ("LoRA adapters (--lora-modules, --enable-lora-admin) are not supported across ranks yet: an "
+                "adapter's matrices would have to be split as its sharded base layers are")
+    if config.draft_model is not None:
+        return ("--draft-model is not supported across ranks yet: it is loaded whole on every rank, outside the "
+                "sharded load, and was never run in lockstep (--prompt-lookup is supported)")
+    if config.kv_bits is not None:
+        return "--kv-bits is not supported across ranks yet: quantized KV was never run in lockstep"
     return None
 
 

@@ -8,13 +8,32 @@ import pytest
 
 from mlx_trio import scale_out
 from mlx_trio.cli import build_parser, configs_from_args
+from mlx_trio.config import EngineConfig
 
 
 def test_a_group_of_the_wrong_size_or_with_an_ssd_tier_is_refused() -> None:
-    assert scale_out.refusal(2, 2, None) is None
-    assert scale_out.refusal(1, 3, None) is None  # plain mlx.launch: its own rank count
-    assert "started 3 ranks" in scale_out.refusal(2, 3, None)
-    assert "--prompt-cache-dir" in scale_out.refusal(1, 2, Path("/tmp/x"))
+    plain = EngineConfig()
+    assert scale_out.refusal(2, 2, plain) is None
+    assert scale_out.refusal(1, 3, plain) is None  # plain mlx.launch: its own rank count
+    assert "started 3 ranks" in scale_out.refusal(2, 3, plain)
+    assert "--prompt-cache-dir" in scale_out.refusal(1, 2, EngineConfig(prompt_cache_dir=Path("/tmp/x")))
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--lora-modules", "a=/tmp/a"], "LoRA adapters"),
+    (["--enable-lora-admin"], "LoRA adapters"),
+    (["--draft-model", "/tmp/draft"], "--draft-model"),
+    (["--kv-bits", "8"], "--kv-bits"),
+])
+def test_a_feature_not_run_in_lockstep_is_refused_at_start_across_ranks_only(flags: list[str], named: str) -> None:
+    engine, _ = configs_from_args(build_parser().parse_args(["serve", *flags]))
+    assert named in scale_out.refusal(1, 2, engine)
+    assert scale_out.refusal(1, 1, engine) is None
+
+
+def test_prompt_lookup_is_served_across_ranks() -> None:
+    engine, _ = configs_from_args(build_parser().parse_args(["serve", "--prompt-lookup"]))
+    assert scale_out.refusal(2, 2, engine) is None
 
 
 def test_the_scale_out_flags_reach_the_config() -> None:
