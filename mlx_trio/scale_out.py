@@ -2,7 +2,7 @@
 
 Three cases, decided before anything binds a port or loads a model:
 * not launched, `--tensor-parallel 1`: one process, nothing changes;
-* not launched, `--tensor-parallel N`: start N local ranks of this same command (the ring backend
+* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): start N local ranks of this same command (the ring backend
   over loopback) and launch them again whenever the group is lost (mlx_trio/local_group.py);
 * launched (by that, or by `mlx.launch`: any backend, any hosts): join the group; rank 0 serves
   (the actor tree and HTTP), a rank > 0 runs only the follower loop (engine/distributed/follower.py).
@@ -45,10 +45,14 @@ def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int)
     return LocalGroup(ranks, pinned_port(argv, host, port)).run()
 
 
-def refusal(tensor_parallel: int, size: int, config: EngineConfig) -> str | None:
-    """Why this group cannot serve with these flags, or None: said at start, never as a failure mid-request."""
-    if tensor_parallel > 1 and size != tensor_parallel:
-        return f"--tensor-parallel {tensor_parallel} but mlx.launch started {size} ranks"
+def refusal(ranks: int, size: int, config: EngineConfig) -> str | None:
+    """Why this group cannot serve with these flags, or None: said at start, never as a failure mid-request.
+
+    `ranks`: what --tensor-parallel or --pipeline-parallel asked for (1: whatever the launcher started).
+    """
+    if ranks > 1 and size != ranks:
+        return (f"{ranks} ranks asked for (--tensor-parallel, --pipeline-parallel) but the launcher started "
+                f"{size} ranks")
     if size <= 1:
         return None
     if config.prompt_cache_dir is not None:
@@ -65,8 +69,9 @@ def refusal(tensor_parallel: int, size: int, config: EngineConfig) -> str | None
 
 
 @contextmanager
-def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
+def joined_group(*, stop_timeout_s: float, pipeline: bool = False) -> Iterator[tuple[int, int]]:
     """Join mlx.launch's group for the block: yields (rank, size). Rank 0 stops the followers on exit.
+    With `pipeline`, the model is split by layers (mlx-lm's `pipeline()`), not tensor parallel.
 
     A rank > 0 runs its whole life (the follower loop) inside the `with`, then yields: callers
     check `rank` and return. When the followers do not take rank 0's stop within
@@ -76,7 +81,7 @@ def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
     from mlx_trio.engine.distributed.leader import leader_for
     from mlx_trio.engine.distributed.world import join_world
 
-    world = join_world()
+    world = join_world(pipeline=pipeline)
     if not world.leader:
         # A follower lives until rank 0 stops the group (or is lost): a Ctrl-C is rank 0's to handle.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -128,3 +128,20 @@ def test_a_follower_that_dies_is_told_to_rank_0_and_the_ranks_are_launched_again
     group = LocalGroup(2, [str(tmp_path)], program=[sys.executable, "-c", _RANK])
     assert group.run() == 0
     assert group.generation == 2
+
+
+def test_pipeline_parallel_is_refused_for_a_model_without_pipeline_naming_those_with_it() -> None:
+    import mlx.nn as nn
+
+    from mlx_trio.engine.distributed.world import World, shard_model
+
+    world = World(rank=0, size=2, backend="ring", host="h", group=object(), pipeline=True)
+    with pytest.raises(ValueError, match=r"has no pipeline\(\) in mlx-lm; the model types that do: .*qwen2"):
+        shard_model(nn.Linear(2, 2), world)
+
+
+def test_tensor_and_pipeline_parallel_together_are_refused_before_any_rank_starts(capsys) -> None:
+    from mlx_trio.cli import main
+
+    assert main(["serve", "--tensor-parallel", "2", "--pipeline-parallel", "2"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlx_trio import open_engine
-from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
 from tests.distributed.two_ranks import prompt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,3 +58,17 @@ async def test_prompt_lookup_on_two_ranks_gives_the_one_process_tokens() -> None
                                       "0", "1", "2", "3"))
     assert report["rounds"] == [expected, expected]
     assert report["speculative_proposed"] > 0  # rows were verified against proposals, in lockstep
+
+
+@pytest.mark.slow
+async def test_pipeline_parallel_on_two_ranks_gives_the_one_process_tokens() -> None:
+    """A qwen2 model (mlx-lm gives it pipeline()) split by layers over 2 ranks, --batch 4: each request's
+    one-process tokens, in both rounds, and rank 0 holds only its run of layers."""
+    path = tiny_model(TinyModelSpec("qwen2"))
+    async with open_engine(str(path), batch=1) as engine:
+        expected = [list((await engine.complete(prompt(i), max_tokens=16)).token_ids) for i in range(4)]
+        whole = engine.actors.lane.model.weights_bytes
+    report = _report(launch_two_ranks("tests.distributed.two_ranks", str(path), "4", "16", '{"pipeline": true}',
+                                      "0", "1", "2", "3"))
+    assert report["rounds"] == [expected, expected]
+    assert report["weights_bytes"] < whole  # half the layers (embedding, norm and head on every rank)

@@ -5,7 +5,8 @@ of each prompt in order, for two rounds (the second from the prompt cache); the 
 with a one-process engine's.
 
 Usage: python -m tests.distributed.two_ranks MODEL_PATH BATCH MAX_TOKENS ENGINE_OPTIONS_JSON PROMPT_INDEX...
-(ENGINE_OPTIONS_JSON: keyword arguments of `open_engine`, e.g. '{"prompt_lookup": true}')
+(ENGINE_OPTIONS_JSON: keyword arguments of `open_engine`, e.g. '{"prompt_lookup": true}', and
+"pipeline": true for pipeline parallel instead of tensor parallel)
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ async def _serve(path: str, batch: int, max_tokens: int, options: dict, prompts:
 def main(argv: list[str]) -> int:
     path, batch, max_tokens, options = argv[0], int(argv[1]), int(argv[2]), json.loads(argv[3])
     prompts = [prompt(int(i)) for i in argv[4:]]
-    world = join_world()
+    world = join_world(pipeline=options.pop("pipeline", False))
     if not world.leader:
         serve_follower(world)
         return 0
