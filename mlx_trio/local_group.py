@@ -107,18 +107,18 @@ class LocalGroup:
     def _watch(self) -> int:
         """Until rank 0 exits: its exit code, `REFORM_EXIT` when a follower died first.
 
-        A follower's death is told to rank 0 (`LOST_SIGNAL`, again every poll, in case it came
-        before rank 0 listens): its collective with the dead rank may never return on its own
-        (measured on the ring backend: sometimes it raises, sometimes it waits for good).
+        A follower's death is told to rank 0 (`LOST_SIGNAL`, once): its collective with the dead
+        rank may never return on its own (measured on the ring backend: sometimes it raises,
+        sometimes it waits for good). A rank 0 that does not listen yet (still starting: no request
+        is in flight) dies of the signal, which ends the generation just as well.
         """
         leader, died_at = self._processes[0], None
         while (code := leader.poll()) is None:
             if died_at is None and not self.stopping and any(p.poll() is not None for p in self._processes[1:]):
                 died_at = time.monotonic()
-            if died_at is not None:
                 leader.send_signal(LOST_SIGNAL)
-                if time.monotonic() - died_at > _LEADER_EXIT_S:
-                    leader.kill()  # it cannot even drain: start again anyway
+            if died_at is not None and time.monotonic() - died_at > _LEADER_EXIT_S:
+                leader.kill()  # it cannot even drain: start again anyway
             time.sleep(_POLL_S)
         return REFORM_EXIT if died_at is not None else code
 
