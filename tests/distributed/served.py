@@ -27,14 +27,16 @@ LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "m
 
 @contextmanager
 def two_rank_server(model: Path, *flags: str, env: dict[str, str] | None = None, log: Path,
-                    mlx_launch: bool = False) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+                    mlx_launch: bool = False,
+                    split: str = "--tensor-parallel") -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """Yields (base URL, the process): `serve --tensor-parallel 2` (mlx-trio's own launcher, which
     launches the ranks again when the group is lost), or with `mlx_launch` the same server under
     `mlx.launch -n 2 --backend ring` (no re-forming). SIGTERM on exit (killed, with every rank, if it
-    will not stop; at once under mlx.launch, which passes no signal on to its ranks)."""
+    will not stop; at once under mlx.launch, which passes no signal on to its ranks). `split`:
+    --tensor-parallel or --pipeline-parallel."""
     serve = ["-m", "mlx_trio.cli", "serve", "--model", str(model), "--port", "0", *flags]
     argv = ([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, *serve] if mlx_launch
-            else [sys.executable, *serve, "--tensor-parallel", "2"])
+            else [sys.executable, *serve, split, "2"])
     process = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                start_new_session=True)

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_trio import open_engine
 from mlx_trio.engine.distributed.heartbeat import HANG_AT_BEAT_ENV
-from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
 from tests.distributed.served import two_rank_server
 from tests.prompts import PROMPTS
 
@@ -46,6 +46,16 @@ async def test_four_concurrent_http_requests_on_two_ranks_give_the_one_process_t
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         process.terminate()
         assert process.wait(60) == 0  # rank 0 drained and stopped its follower
+
+
+async def test_serve_pipeline_parallel_gives_the_one_process_text(tmp_path: Path) -> None:
+    """`serve --pipeline-parallel 2` on a qwen2 model: 4 concurrent requests over HTTP, the one-process text."""
+    path = tiny_model(TinyModelSpec("qwen2"))
+    async with open_engine(str(path), batch=1) as engine:
+        expected = [(await engine.complete(p, max_tokens=16)).text for p in PROMPTS[:4]]
+    with two_rank_server(path, "--batch", "4", split="--pipeline-parallel", log=tmp_path / "serve.log") as (url, _):
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda p: _complete(url, p), PROMPTS[:4])) == expected
 
 
 def test_a_hung_follower_is_reported_by_health_within_its_collective_timeout(tmp_path: Path) -> None:
