@@ -339,6 +339,8 @@ class Engine:
                 target = self.actors.submit_target
                 if target is not None and self.health()[0]:
                     return target
+                if self.actors.group_lost is not None:  # no restart here brings it back: fail now, retryable
+                    raise EngineDown(f"scale-out group lost: {self.actors.group_lost}")
                 await trio.sleep(0.01)
         raise EngineRestarted(f"the engine did not recover within {self.config.resume_timeout_s:.0f} s: "
                               f"{self.health()[1]}")

@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--tensor-parallel", type=positive_int, default=1,
         help="split the model over this many local ranks (tensor parallel, mlx.distributed's ring backend); "
              "under mlx.launch, the number of ranks it started (docs/scale-out.md) (default: %(default)s)")
+    arg("--pipeline-parallel", type=positive_int, default=1,
+        help="split the model's layers over this many local ranks instead (pipeline parallel: model types "
+             "with pipeline() in mlx-lm, e.g. qwen2, qwen3_moe, deepseek_v3); not with --tensor-parallel "
+             "(default: %(default)s)")
     arg("--collective-timeout", type=positive_float, default=_ENGINE.collective_timeout_s.default,
         help="seconds within which every rank must answer rank 0's heartbeat (queued behind other GPU jobs) "
              "before the group counts as lost and /health says so (default: %(default)s)")
@@ -357,13 +361,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidParameter, ValueError, TypeError) as exc:
         print(f"mlx-trio: invalid option: {exc}", file=sys.stderr)
         return 2
-    if args.tensor_parallel > 1 and not scale_out.launched():
-        return scale_out.launch_local_ranks(args.tensor_parallel, list(argv if argv is not None else sys.argv[1:]))
+    if args.tensor_parallel > 1 and args.pipeline_parallel > 1:
+        print("mlx-trio: invalid option: --tensor-parallel and --pipeline-parallel cannot be combined yet",
+              file=sys.stderr)
+        return 2
+    ranks = max(args.tensor_parallel, args.pipeline_parallel)
+    if ranks > 1 and not scale_out.launched():
+        return scale_out.launch_local_ranks(ranks, list(argv if argv is not None else sys.argv[1:]),
+                                            host=args.host, port=args.port)
     if scale_out.launched():
-        with scale_out.joined_group(stop_timeout_s=args.collective_timeout) as (rank, size):
+        with scale_out.joined_group(stop_timeout_s=args.collective_timeout,
+                                    pipeline=args.pipeline_parallel > 1) as (rank, size):
             if rank > 0:
                 return 0  # a follower's whole life ran in joined_group
-            refused = scale_out.refusal(args.tensor_parallel, size, engine_config.prompt_cache_dir)
+            refused = scale_out.refusal(ranks, size, engine_config)
             if refused is not None:
                 print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
                 return 2

@@ -2,10 +2,10 @@
 
 Three cases, decided before anything binds a port or loads a model:
 * not launched, `--tensor-parallel 1`: one process, nothing changes;
-* not launched, `--tensor-parallel N`: start N local ranks of this same command through MLX's
-  launcher (`mlx.launch -n N`, the ring backend over loopback) and wait for them;
-* launched by `mlx.launch` (any backend, any hosts): join the group; rank 0 serves (the actor
-  tree and HTTP), a rank > 0 runs only the follower loop (engine/distributed/follower.py).
+* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): start N local ranks of this same command (the ring backend
+  over loopback) and launch them again whenever the group is lost (mlx_trio/local_group.py);
+* launched (by that, or by `mlx.launch`: any backend, any hosts): join the group; rank 0 serves
+  (the actor tree and HTTP), a rank > 0 runs only the follower loop (engine/distributed/follower.py).
 
 MLX is imported only on the launched path (the CLI reports a bad flag before it imports MLX).
 """
@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# mlx.launch has no `python -m` entry of its own: this runs its console script's function.
-_LAUNCHER = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+from mlx_trio.local_group import REFORM_ENV, REFORM_EXIT
+
+if TYPE_CHECKING:
+    from mlx_trio.config import EngineConfig
+
 RANK_ENV = "MLX_RANK"  # set by mlx.launch for every rank it starts (engine/distributed/world.py reads it too)
 
 
@@ -30,41 +32,46 @@ def launched() -> bool:
     return RANK_ENV in os.environ
 
 
-def launch_local_ranks(ranks: int, argv: Sequence[str]) -> int:
-    """Run this `mlx-trio` command as `ranks` local ranks under mlx.launch (ring backend); their exit code.
+def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int) -> int:
+    """Run this `mlx-trio` command as `ranks` local ranks (ring backend), launched again whenever the group
+    is lost (mlx_trio/local_group.py); rank 0's last exit code.
 
     SIGINT or SIGTERM here goes to every rank as SIGINT: rank 0 drains its requests and stops the
-    followers, which ignore the signal itself. When a rank exits with an error mlx.launch sends
-    SIGTERM to the others and stops relaying their output (it fail-stops the group): rank 0 drains
-    and exits too, and this command ends, for a process supervisor to start again (mlx.launch itself does not pass a Ctrl-C on to its ranks, measured with mlx 0.32.4).
+    followers, which ignore the signal itself, and nothing is launched again. A `--port 0` is made
+    one free port first, so the server keeps its URL across launches.
     """
-    command = [sys.executable, "-c", _LAUNCHER, "-n", str(ranks), "--backend", "ring",
-               "--python", sys.executable, "-m", "mlx_trio.cli", *argv]
-    launcher = subprocess.Popen(command, start_new_session=True)
+    from mlx_trio.local_group import LocalGroup, pinned_port
 
-    def forward(signum: int, _frame: object) -> None:
-        # To the ranks, not the launcher: it relays their output until they are done.
-        ranks = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-        for pid in ranks:
-            os.kill(int(pid), signal.SIGINT)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    return launcher.wait()
+    return LocalGroup(ranks, pinned_port(argv, host, port)).run()
 
 
-def refusal(tensor_parallel: int, size: int, prompt_cache_dir: object) -> str | None:
-    """Why this group cannot serve with these flags, or None."""
-    if tensor_parallel > 1 and size != tensor_parallel:
-        return f"--tensor-parallel {tensor_parallel} but mlx.launch started {size} ranks"
-    if size > 1 and prompt_cache_dir is not None:
+def refusal(ranks: int, size: int, config: EngineConfig) -> str | None:
+    """Why this group cannot serve with these flags, or None: said at start, never as a failure mid-request.
+
+    `ranks`: what --tensor-parallel or --pipeline-parallel asked for (1: whatever the launcher started).
+    """
+    if ranks > 1 and size != ranks:
+        return (f"{ranks} ranks asked for (--tensor-parallel, --pipeline-parallel) but the launcher started "
+                f"{size} ranks")
+    if size <= 1:
+        return None
+    if config.prompt_cache_dir is not None:
         return "--prompt-cache-dir is not supported across ranks yet: each rank holds its own shard of the KV"
+    if config.serves_adapters:
+        return ("LoRA adapters (--lora-modules, --enable-lora-admin) are not supported across ranks yet: an "
+                "adapter's matrices would have to be split as its sharded base layers are")
+    if config.draft_model is not None:
+        return ("--draft-model is not supported across ranks yet: it is loaded whole on every rank, outside the "
+                "sharded load, and was never run in lockstep (--prompt-lookup is supported)")
+    if config.kv_bits is not None:
+        return "--kv-bits is not supported across ranks yet: quantized KV was never run in lockstep"
     return None
 
 
 @contextmanager
-def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
+def joined_group(*, stop_timeout_s: float, pipeline: bool = False) -> Iterator[tuple[int, int]]:
     """Join mlx.launch's group for the block: yields (rank, size). Rank 0 stops the followers on exit.
+    With `pipeline`, the model is split by layers (mlx-lm's `pipeline()`), not tensor parallel.
 
     A rank > 0 runs its whole life (the follower loop) inside the `with`, then yields: callers
     check `rank` and return. When the followers do not take rank 0's stop within
@@ -74,7 +81,7 @@ def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
     from mlx_trio.engine.distributed.leader import leader_for
     from mlx_trio.engine.distributed.world import join_world
 
-    world = join_world()
+    world = join_world(pipeline=pipeline)
     if not world.leader:
         # A follower lives until rank 0 stops the group (or is lost): a Ctrl-C is rank 0's to handle.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -86,11 +93,19 @@ def joined_group(*, stop_timeout_s: float) -> Iterator[tuple[int, int]]:
     # died (it then waits for this one to exit on its SIGTERM). A full pipe must not block this
     # rank's Trio thread in a log write, or it never sees that SIGTERM: so writes that would block
     # are dropped instead (measured: the ring backend's "socket closed" flood filled it).
-    os.set_blocking(sys.stdout.fileno(), False)
-    os.set_blocking(sys.stderr.fileno(), False)
+    # (Not under mlx-trio's own launcher: there the ranks write straight to its output, which they
+    # share, and the flag would be set on the launcher's descriptors too.)
+    if not os.environ.get(REFORM_ENV):
+        os.set_blocking(sys.stdout.fileno(), False)
+        os.set_blocking(sys.stderr.fileno(), False)
     try:
         yield world.rank, world.size
     finally:
+        if leader is not None and leader.lost is not None:
+            # The group is gone: a stop sent over it would wait on a collective that never completes.
+            print(f"mlx-trio: rank 0 exits, the scale-out group was lost ({leader.lost})", file=sys.stderr,
+                  flush=True)
+            os._exit(REFORM_EXIT if os.environ.get(REFORM_ENV) else 1)
         if leader is not None:
             stopper = threading.Thread(target=_stop, args=(leader,), name="stop-followers", daemon=True)
             stopper.start()

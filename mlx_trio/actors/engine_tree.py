@@ -116,6 +116,11 @@ class EngineActors:
         """Where a session submits `Generate`: the lane's admission."""
         return self.lane.admission
 
+    @property
+    def group_lost(self) -> str | None:
+        """Scale-out only: why rank 0 lost its group, which never comes back in this process (docs/scale-out.md)."""
+        return self.ranks.lost if self.ranks is not None else None
+
     def health(self) -> tuple[bool, str]:
         """(ok, reason): ok only when the model is loaded and every engine actor runs."""
         lane = self.lane
@@ -123,8 +128,8 @@ class EngineActors:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
             return False, "loading model"
-        if self.ranks is not None and self.ranks.lost is not None:
-            return False, f"scale-out group lost: {self.ranks.lost}"
+        if self.group_lost is not None:
+            return False, f"scale-out group lost: {self.group_lost}"
         down = self.retrying.down
         if down is not None:
             return False, f"engine down: {down.reason}; starting again in {down.retry_in_s():.0f} s"

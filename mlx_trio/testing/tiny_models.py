@@ -131,8 +131,8 @@ class TinyModelSpec:
     tools: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.arch not in ("llama", "qwen3"):
-            raise ValueError(f"arch must be 'llama' or 'qwen3', got {self.arch!r}")
+        if self.arch not in ("llama", "qwen3", "qwen2"):  # qwen2: a model type with pipeline() in mlx-lm
+            raise ValueError(f"arch must be 'llama', 'qwen3' or 'qwen2', got {self.arch!r}")
         if self.sliding_window is not None and self.arch != "llama":
             raise ValueError("sliding_window is only supported for arch='llama'")
 

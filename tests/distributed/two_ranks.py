@@ -4,7 +4,9 @@ Rank 0 prints one JSON line, `{"rounds": [[[...], ...], [...]], "world": {...}, 
 of each prompt in order, for two rounds (the second from the prompt cache); the tests compare them
 with a one-process engine's.
 
-Usage: python -m tests.distributed.two_ranks MODEL_PATH BATCH MAX_TOKENS PROMPT_INDEX...
+Usage: python -m tests.distributed.two_ranks MODEL_PATH BATCH MAX_TOKENS ENGINE_OPTIONS_JSON PROMPT_INDEX...
+(ENGINE_OPTIONS_JSON: keyword arguments of `open_engine`, e.g. '{"prompt_lookup": true}', and
+"pipeline": true for pipeline parallel instead of tensor parallel)
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ def prompt(index: int) -> str:
     return SHARED + PROMPTS[index]
 
 
-async def _serve(path: str, batch: int, max_tokens: int, prompts: list[str]) -> tuple[list[list[tuple[int, ...]]], int, int]:
+async def _serve(path: str, batch: int, max_tokens: int, options: dict, prompts: list[str]) -> tuple[list[list[tuple[int, ...]]], int, dict]:
     """Two rounds of the prompts at once: the second starts from the first's prompt-cache entries."""
     rounds: list[list[tuple[int, ...]]] = []
-    async with open_engine(path, batch=batch) as engine:
+    async with open_engine(path, batch=batch, **options) as engine:
         model = engine.actors.lane.model
         assert model is not None
         for _ in range(2):
@@ -45,24 +47,26 @@ async def _serve(path: str, batch: int, max_tokens: int, prompts: list[str]) -> 
                 for i in range(len(prompts)):
                     nursery.start_soon(one, i)
             rounds.append([got[i] for i in range(len(prompts))])
-        hits = engine.status()["prompt_cache"]["hits"]
-    return rounds, model.weights_bytes, hits
+        status = engine.status()
+    return rounds, model.weights_bytes, status
 
 
 def main(argv: list[str]) -> int:
-    path, batch, max_tokens = argv[0], int(argv[1]), int(argv[2])
-    prompts = [prompt(int(i)) for i in argv[3:]]
-    world = join_world()
+    path, batch, max_tokens, options = argv[0], int(argv[1]), int(argv[2]), json.loads(argv[3])
+    prompts = [prompt(int(i)) for i in argv[4:]]
+    world = join_world(pipeline=options.pop("pipeline", False))
     if not world.leader:
         serve_follower(world)
         return 0
     leader = leader_for(world)
     assert leader is not None
     try:
-        rounds, weights, hits = trio.run(_serve, path, batch, max_tokens, prompts)
+        rounds, weights, status = trio.run(_serve, path, batch, max_tokens, options, prompts)
     finally:
         leader.stop_followers()
-    print(json.dumps({"rounds": rounds, "cache_hits": hits, "world": {"size": world.size, "backend": world.backend},
+    print(json.dumps({"rounds": rounds, "cache_hits": status["prompt_cache"]["hits"],
+                      "speculative_proposed": status["counters"]["speculative_proposed"],
+                      "world": {"size": world.size, "backend": world.backend},
                       "weights_bytes": weights, "jobs": leader.jobs, "bytes": leader.bytes_sent}), flush=True)
     return 0
 

@@ -43,7 +43,8 @@ class Leader:
         Raises:
           NotMirrored: an argument is engine state no job returned (nothing was sent: the job did
             not run anywhere).
-          RuntimeError: the backend lost a follower (mlx: "connection to a peer was lost").
+          RuntimeError: the backend lost a follower (mlx: "connection to a peer was lost"); from then
+            on the group is lost (`lost`).
           GroupLost: a follower was lost before (nothing is sent).
         """
         if self.lost is not None:
@@ -53,15 +54,23 @@ class Leader:
         message = pickle.dumps((self.mirror.next_key, self.mirror.take_dropped(), payload),
                                protocol=pickle.HIGHEST_PROTOCOL)
         assert self.world.group is not None
-        frames.send(self.world.group, message)
+        try:
+            frames.send(self.world.group, message)
+        except Exception as exc:  # a broadcast is only collectives: it fails only when the group does
+            self.lost = f"a follower was lost: {exc}"
+            raise
         self.broadcast_s += time.perf_counter() - start
         self.jobs += 1
         self.bytes_sent += len(message)
         counters["jobs_run"] += 1
         try:
             result = fn(*args)
-        except BaseException:
+        except BaseException as exc:
             counters["jobs_failed"] += 1
+            if backend_failed(exc):
+                # Later collectives on this group may never return (measured on the ring backend:
+                # the first raises, a later one waited for good): no job is sent over it again.
+                self.lost = f"a follower was lost: {exc}"
             raise
         self.mirror.add_result(result)
         counters["objects"] = len(self.mirror)
@@ -71,6 +80,15 @@ class Leader:
         """Tell the followers to leave their loop (the server is stopping). Any thread with MLX."""
         assert self.world.group is not None
         frames.send(self.world.group, frames.STOP)
+
+
+# How MLX's distributed backends begin their errors ("[ring] connection to a peer was lost").
+_BACKEND_PREFIXES = ("[ring]", "[mpi]", "[nccl]", "[jaccl]", "[distributed]")
+
+
+def backend_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a distributed backend's failure (a lost peer), not the job's own error."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_BACKEND_PREFIXES)
 
 
 _leader: Leader | None = None

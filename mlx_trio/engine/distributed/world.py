@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import attrs
 import mlx.core as mx
@@ -27,6 +28,9 @@ class World:
     backend: str
     host: str
     group: mx.distributed.Group | None = attrs.field(default=None, eq=False, repr=False)
+    # How the model is split over the ranks: tensor parallel (`shard()`), or pipeline parallel
+    # (`pipeline()`: each rank holds a run of layers).
+    pipeline: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -46,7 +50,7 @@ def launched() -> bool:
     return RANK_ENV in os.environ
 
 
-def join_world(backend: str = "any") -> World:
+def join_world(backend: str = "any", *, pipeline: bool = False) -> World:
     """Join the group mlx.launch set up (once per process, before any lease thread); SOLO if not launched.
 
     Raises:
@@ -57,7 +61,7 @@ def join_world(backend: str = "any") -> World:
         return SOLO
     group = mx.distributed.init(strict=True, backend=backend)
     _world = World(rank=group.rank(), size=group.size(), backend=backend if backend != "any" else _backend_name(),
-                   host=socket.gethostname(), group=group)
+                   host=socket.gethostname(), group=group, pipeline=pipeline)
     return _world
 
 
@@ -67,20 +71,36 @@ def current_world() -> World:
 
 
 def shard_model(model: nn.Module, world: World) -> None:
-    """Keep only this rank's tensor-parallel shard of `model`'s (still lazy) weights: mlx-lm's `shard()`.
+    """Keep only this rank's shard of `model`'s (still lazy) weights: mlx-lm's `shard()` (tensor parallel),
+    or its `pipeline()` (`world.pipeline`: this rank's run of layers; the others become None).
 
     Called between a lazy load and the weights' evaluation, so each rank reads and holds only its
     shard (mlx-lm's `sharded_load` does the same). The sharded layers sum their partial outputs
     across the group (`all_sum`), so every rank computes the same logits.
 
     Raises:
-      ValueError: the model has no tensor-parallel sharding in mlx-lm.
+      ValueError: the model has no such sharding in mlx-lm (for pipeline: naming the model types that do).
     """
     if not world.distributed:
+        return
+    if world.pipeline:
+        if not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(f"{type(model).__module__} has no pipeline() in mlx-lm; the model types that do: "
+                             f"{', '.join(pipeline_model_types())}")
+        model.model.pipeline(world.group)
         return
     if not hasattr(model, "shard"):
         raise ValueError(f"{type(model).__module__} has no tensor-parallel shard() in mlx-lm")
     model.shard(world.group)
+
+
+def pipeline_model_types() -> list[str]:
+    """The mlx-lm model types whose model has `pipeline()` (its PipelineMixin), read from their source."""
+    import mlx_lm.models
+
+    root = Path(mlx_lm.models.__path__[0])
+    return sorted(path.stem for path in root.glob("*.py")
+                  if path.stem != "pipeline" and "PipelineMixin" in path.read_text(encoding="utf-8"))
 
 
 def _backend_name() -> str:

@@ -20,6 +20,7 @@ would (docs/design.md §9.3). Runs on the lease thread.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -77,7 +78,8 @@ class SpeculationConfig:
 
     @classmethod
     def prompt_lookup(cls, num_draft_tokens: int, max_ngram: int) -> SpeculationConfig:
-        return cls(num_draft_tokens, lambda _rid, tokens: NgramLookup(tokens, max_ngram=max_ngram))
+        # A partial of a module function, not a lambda: scale-out sends it to the follower ranks by pickle.
+        return cls(num_draft_tokens, functools.partial(_ngram_lookup, max_ngram=max_ngram))
 
     @classmethod
     def draft(cls, model: Any, num_draft_tokens: int, *, prefill_step_size: int = 2048,
@@ -134,3 +136,7 @@ class Speculator:
         """Each row's proposal for the next verification (batch order; [] for rows that do not speculate)."""
         k = self._config.num_draft_tokens
         return [[] if row is None else row.propose(k)[:k] for row in self._rows]
+
+
+def _ngram_lookup(_request_id: str, tokens: Sequence[int], *, max_ngram: int) -> NgramLookup:
+    return NgramLookup(tokens, max_ngram=max_ngram)

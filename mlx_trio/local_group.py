@@ -1,0 +1,163 @@
+"""`mlx-trio serve --tensor-parallel N`: this process launches the N local ranks, and launches them again
+when the group is lost (docs/scale-out.md "Recovery").
+
+Why this process and not mlx.launch: a group cannot be re-formed inside a running rank. MLX keeps
+the first group of each backend for the life of the process (`mx.distributed.init` returns the
+cached group on every later call: mlx/distributed/distributed.cpp), has no call that closes a
+group, and a collective waiting on a hung peer cannot be cancelled (it holds its thread for good).
+So every rank of a lost group, rank 0 included, is a process that must end, and the one that
+re-forms the group is this launcher, which is no rank and holds no MLX state. mlx.launch cannot
+do it: it fail-stops (SIGTERM to every rank once one died) and exits 0 either way.
+
+The ranks are this same command with `MLX_RANK` and `MLX_HOSTFILE` set, as mlx.launch's ring
+backend sets them (a hostfile of one loopback port per rank, fresh ports for every launch); their
+output goes straight to this process's stdout and stderr (no relay pipe to fill).
+
+A generation ends when rank 0 exits. Rank 0 exits with `REFORM_EXIT` when it lost its group
+(it was started with `REFORM_ENV`: it ends its in-flight requests with a retryable 503 and
+drains first). A follower that dies is seen here first, and told to rank 0 (`LOST_SIGNAL`).
+Either way the other ranks are stopped and a new generation starts, on the same HTTP port. Any other
+exit of rank 0 (a stop signal, a model that does not load) ends this command with its code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+# Rank 0's exit code when it lost its group and the ranks must be launched again (EX_TEMPFAIL).
+REFORM_EXIT = 75
+# Set for rank 0 by this launcher: on a lost group, drain and exit with REFORM_EXIT (actors/rank_watch.py).
+REFORM_ENV = "MLX_TRIO_REFORM_ON_LOSS"
+# A group that is lost this many times within REFORM_WINDOW_S is not launched again: something is wrong
+# beyond one rank (a follower that cannot start, a fault that comes back).
+MAX_REFORMS = 5
+REFORM_WINDOW_S = 300.0
+# Sent by the launcher to rank 0 when a follower process exited: the group is lost (actors/rank_watch.py).
+LOST_SIGNAL = signal.SIGUSR1
+# How long a follower may take to exit once rank 0 ended (it sees rank 0 go at its next collective).
+_FOLLOWER_EXIT_S = 10.0
+# How long rank 0 may take to drain and exit once a follower died, before it is killed.
+_LEADER_EXIT_S = 60.0
+_POLL_S = 0.25
+
+
+@attrs.define
+class LocalGroup:
+    """Launches `ranks` local ranks of `argv` (an `mlx-trio` command line) until rank 0 stops for good."""
+
+    ranks: int
+    argv: list[str]
+    # What each rank runs, before `argv` (another program only in tests).
+    program: list[str] = attrs.field(factory=lambda: [sys.executable, "-m", "mlx_trio.cli"])
+    stopping: bool = False
+    generation: int = 0
+    _processes: list[subprocess.Popen[bytes]] = attrs.field(factory=list)
+
+    def run(self) -> int:
+        """Launch, watch, re-launch; rank 0's last exit code (1 when re-forming gave up)."""
+        previous = {signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._generations()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _generations(self) -> int:
+        reforms: list[float] = []
+        while True:
+            code = self._one_generation()
+            if self.stopping or code != REFORM_EXIT:
+                return code
+            now = time.monotonic()
+            reforms = [t for t in reforms if now - t < REFORM_WINDOW_S] + [now]
+            if len(reforms) > MAX_REFORMS:
+                print(f"mlx-trio: the scale-out group was lost {len(reforms)} times within "
+                      f"{REFORM_WINDOW_S:g} s; not launching it again", file=sys.stderr, flush=True)
+                return 1
+            print(f"mlx-trio: the scale-out group was lost; launching its {self.ranks} ranks again",
+                  file=sys.stderr, flush=True)
+
+    def _one_generation(self) -> int:
+        self.generation += 1
+        with tempfile.TemporaryDirectory(prefix="mlx-trio-ranks-") as scratch:
+            hostfile = Path(scratch) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(self.ranks)]))
+            base = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+            self._processes = [
+                subprocess.Popen([*self.program, *self.argv],
+                                 env={**base, "MLX_RANK": str(rank), **({REFORM_ENV: "1"} if rank == 0 else {})})
+                for rank in range(self.ranks)]
+            try:
+                code = self._watch()
+            finally:
+                self._end_followers()
+        return code
+
+    def _watch(self) -> int:
+        """Until rank 0 exits: its exit code, `REFORM_EXIT` when a follower died first.
+
+        A follower's death is told to rank 0 (`LOST_SIGNAL`, once): its collective with the dead
+        rank may never return on its own (measured on the ring backend: sometimes it raises,
+        sometimes it waits for good). A rank 0 that does not listen yet (still starting: no request
+        is in flight) dies of the signal, which ends the generation just as well.
+        """
+        leader, died_at = self._processes[0], None
+        while (code := leader.poll()) is None:
+            if died_at is None and not self.stopping and any(p.poll() is not None for p in self._processes[1:]):
+                died_at = time.monotonic()
+                leader.send_signal(LOST_SIGNAL)
+            if died_at is not None and time.monotonic() - died_at > _LEADER_EXIT_S:
+                leader.kill()  # it cannot even drain: start again anyway
+            time.sleep(_POLL_S)
+        return REFORM_EXIT if died_at is not None else code
+
+    def _end_followers(self) -> None:
+        """Followers leave once rank 0 stopped them (or is gone); one that does not (hung) is killed."""
+        deadline = time.monotonic() + _FOLLOWER_EXIT_S
+        for process in self._processes[1:]:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _stop(self, _signum: int, _frame: object) -> None:
+        """SIGINT or SIGTERM: rank 0 drains and stops its followers (which ignore SIGINT); no new launch."""
+        self.stopping = True
+        for process in self._processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` loopback ports free now (bound together, so distinct; closed before the ranks bind them)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def pinned_port(argv: Sequence[str], host: str, port: int) -> list[str]:
+    """`argv` with `--port 0` made one fixed free port, so every generation serves at the same URL."""
+    if port != 0:
+        return list(argv)
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(address)
+        return [*argv, "--port", str(probe.getsockname()[1])]
