@@ -206,6 +206,13 @@ class SessionActor:
     async def _tokens(self, token_ids: tuple[int, ...], logprobs: tuple[SampledLogprobs, ...] | None,
                       text: TextStream, eos: frozenset[int]) -> bool:
         """Relay new tokens; True when a stop string ended the request."""
+        if logprobs is None and text.batches:  # no stop string, no logprobs: the whole message at once
+            self.generated.extend(token_ids)
+            shown = tuple(token for token in token_ids if token not in eos)  # EOS counted, never shown
+            piece = text.add_many(shown)
+            if shown or piece:
+                await self._emit(TextDelta(piece, shown))
+            return False
         visible: list[int] = []
         visible_logprobs: list[TokenLogprob] = []
         pieces: list[str] = []

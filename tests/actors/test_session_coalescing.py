@@ -40,8 +40,10 @@ class _QueueingLane:
         command.reply.close()
 
 
-async def _run(engine, lane: _QueueingLane, **params) -> list[object]:
-    request = engine.prepare(PROMPTS[0], max_tokens=len(lane.tokens), **params)
+async def _run(engine, lane: _QueueingLane, *, max_tokens: int | None = None,
+               **params) -> tuple[list[object], SessionActor]:
+    """One session over `lane`: every event it hands its caller, and the session."""
+    request = engine.prepare(PROMPTS[0], max_tokens=max_tokens or len(lane.tokens), **params)
 
     async def target() -> object:
         return lane
@@ -51,7 +53,7 @@ async def _run(engine, lane: _QueueingLane, **params) -> list[object]:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.run)
         async with recv:
-            return [event async for event in recv]
+            return [event async for event in recv], session
 
 
 def _tokens(engine) -> list[int]:
@@ -75,7 +77,7 @@ async def test_waiting_tokens_go_out_as_one_delta_in_order(logprobs: bool) -> No
     async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
         tokens = _tokens(engine)
         assert len(tokens) >= 8
-        events = await _run(engine, _QueueingLane(tokens, per_message=3, logprobs=logprobs), logprobs=logprobs)
+        events, _ = await _run(engine, _QueueingLane(tokens, per_message=3, logprobs=logprobs), logprobs=logprobs)
         expected_text, _ = _reference_text(engine, tokens)
         model = engine.model
     deltas = [e for e in events if isinstance(e, TextDelta)]
@@ -103,7 +105,7 @@ async def test_a_stop_string_spanning_coalesced_messages_cuts_there() -> None:
         stop = ("Paris.",)
         expected_text, used = _reference_text(engine, tokens, stop)
         assert used < len(tokens) and expected_text == TEXT[:TEXT.index("Paris.")]
-        events = await _run(engine, _QueueingLane(tokens, per_message=2), stop=list(stop))
+        events, _ = await _run(engine, _QueueingLane(tokens, per_message=2), stop=list(stop))
     deltas = [e for e in events if isinstance(e, TextDelta)]
     assert len(deltas) == 1 and deltas[0].token_ids == tuple(tokens[:used]) and deltas[0].text == expected_text
     finished = events[-1]
@@ -115,17 +117,6 @@ async def test_a_lane_that_fails_after_queued_tokens_still_relays_them_first() -
     """No GenerationEnded: the waiting tokens are relayed (merged), then the attempt reports the lane failure."""
     async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
         tokens = _tokens(engine)[:6]
-        lane = _QueueingLane(tokens, per_message=2, end=False)
-        request = engine.prepare(PROMPTS[0], max_tokens=20)
-
-        async def target() -> object:
-            return lane
-
-        send, recv = trio.open_memory_channel[object](0)
-        session = SessionActor(request, get_target=target, model=engine.model, out=send)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(session.run)
-            async with recv:
-                events = [event async for event in recv]
+        events, session = await _run(engine, _QueueingLane(tokens, per_message=2, end=False), max_tokens=20)
     assert [e.token_ids for e in events if isinstance(e, TextDelta)] == [tuple(tokens)]
     assert session.generated == tokens and session.failure is not None
