@@ -5,6 +5,7 @@ Usage:
     python benchmarks/trio_thread_cpu.py --concurrency 64 --rounds 3 --json out.json
     python benchmarks/trio_thread_cpu.py --profile /tmp/trio.txt   # where the Trio thread's time goes
     python benchmarks/trio_thread_cpu.py --src /tmp/other-checkout  # the server from another checkout
+    python benchmarks/trio_thread_cpu.py --micro [--src ...]         # one event's own work, no sockets
 
 The server runs in its own process (`python -m mlx_trio.cli serve`, tiny random
 model unless `--model`), and so do the clients (`--client`: c asyncio tasks
@@ -16,6 +17,11 @@ usage chunks' `completion_tokens`, summed. The table shows, per concurrency,
 the median over `--rounds` runs of the Trio thread's µs of CPU per streamed
 token, the other threads' (the lease thread, MLX's, the worker pool), SSE
 events per token, and aggregate tok/s.
+
+`--micro` measures instead, in a process of its own, what one streamed chat
+event costs the Trio thread without any socket: detokenize a message of
+`--micro-tokens` tokens, route, render and encode it (`time.thread_time`,
+the minimum of 7 repeats), the part of an event's work that is ours.
 
 `--profile FILE` samples the server's Trio thread's stack every millisecond and
 writes where its busy time goes to FILE when the server stops (`serve_profiled`);
@@ -154,11 +160,15 @@ def main() -> None:
     parser.add_argument("--src", help="run the server from this checkout (PYTHONPATH)")
     parser.add_argument("--profile", help="sample the server's Trio thread's stacks; the report goes to this file")
     parser.add_argument("--json", help="write the runs here")
+    parser.add_argument("--micro", action="store_true", help="one event's own work, without sockets")
+    parser.add_argument("--micro-tokens", type=int, default=3, help="tokens per event for --micro")
     # The client process's own arguments.
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--eos", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
+    if sys.argv[1:2] == ["--micro-child"]:  # the process of --micro, importing the checkout on PYTHONPATH
+        return micro(int(sys.argv[2]))
     if sys.argv[1:2] == ["--serve-profiled"]:  # the server process of --profile: the rest is serve's argv
         return serve_profiled(sys.argv[2], sys.argv[3:])
     args = parser.parse_args()
@@ -166,6 +176,11 @@ def main() -> None:
         args.concurrency = int(args.concurrency)
         return client_main(args)
 
+    if args.micro:
+        src = args.src or str(Path(__file__).resolve().parents[1])
+        subprocess.run([sys.executable, __file__, "--micro-child", str(args.micro_tokens)],
+                       env={**os.environ, "PYTHONPATH": src}, cwd=src, check=True)
+        return None
     from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
     model = args.model or str(tiny_model(LLAMA))
@@ -210,6 +225,41 @@ def main() -> None:
               f"{med('events_per_token'):>11.2f} {med('tok_s'):>8.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def micro(per_event: int) -> None:
+    """Print the Trio-thread µs of one chat event's own work: detokenize, route, render, encode (no socket)."""
+    from mlx_lm.tokenizer_utils import load
+
+    from mlx_trio.engine.model.text import TextStream
+    from mlx_trio.http.completion.output_router import OutputRouter
+    from mlx_trio.http.openai.objects import ResponseShape
+    from mlx_trio.http.openai.render import CompletionRenderer
+    from mlx_trio.output_format import PLAIN
+    from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+    tokenizer = load(tiny_model(LLAMA))
+    ids = tokenizer.encode("The capital of France is Paris. It has a river, many bridges and cafés. " * 40,
+                           add_special_tokens=False)
+
+    def one_stream() -> None:
+        text, router = TextStream(tokenizer.detokenizer), OutputRouter(PLAIN)
+        renderer = CompletionRenderer(ResponseShape.new(chat=True, model="tiny"), include_usage=True)
+        for start in range(0, len(ids), per_event):
+            part = ids[start:start + per_event]
+            if getattr(text, "batches", False):  # an older checkout has no add_many
+                piece = text.add_many(part)
+            else:
+                piece = "".join(text.add(token).text for token in part)
+            b"".join(renderer.delta(router.feed(piece, len(part)), None))
+
+    runs = []
+    for _ in range(7):
+        start_s = time.thread_time()
+        for _ in range(5):
+            one_stream()
+        runs.append(1e6 * (time.thread_time() - start_s) / (5 * len(ids)))
+    print(f"{per_event} tokens per event: {min(runs):.2f} µs per token, {min(runs) * per_event:.1f} µs per event")
 
 
 def serve_profiled(out: str, argv: list[str]) -> None:
