@@ -6,6 +6,11 @@ strings included) and usage, and forwards events to the caller. Ending it
 channel; the lane actor holding the request notices at its next send, drops
 the request and frees its KV cache.
 
+Per lane message, not per token: a decode message's tokens are detokenized
+together and relayed as one `TextDelta`, and the messages that queued while
+the caller was busy are merged into it first (`_coalesced`), so a stream
+that falls behind catches up in one SSE event instead of one per step.
+
 Resume: a session holds the prompt ids and every token id received so far.
 If the lane fails under it (an actor crashed and is being restarted) it
 ends without `Finished`, and so does a session that crashes itself; the
