@@ -6,6 +6,11 @@ strings included) and usage, and forwards events to the caller. Ending it
 channel; the lane actor holding the request notices at its next send, drops
 the request and frees its KV cache.
 
+Per lane message, not per token: a decode message's tokens are detokenized
+together and relayed as one `TextDelta`, and the messages that queued while
+the caller was busy are merged into it first (`_coalesced`), so a stream
+that falls behind catches up in one SSE event instead of one per step.
+
 Resume: a session holds the prompt ids and every token id received so far.
 If the lane fails under it (an actor crashed and is being restarted) it
 ends without `Finished`, and so does a session that crashes itself; the
@@ -162,31 +167,39 @@ class SessionActor:
 
     async def _relay(self, replies: trio.MemoryReceiveChannel[DecodeEvent], text: TextStream, *,
                      offset: int) -> BaseException | None:
-        eos = self._model.eos_token_ids  # type: ignore[attr-defined]
-        total = len(self._request.prompt_ids)
-        async for event in replies:
-            self.left_queue = True
-            # Before the event changes any state: a crash here loses nothing a resume can't redo.
-            self._faults.check(self._id)
-            if isinstance(event, PrefillProgressed):
-                if not offset:  # a resumed attempt's re-prefill is invisible to the caller
-                    self.cached_tokens = event.cached_tokens
-                    await self._emit(PromptProgress(min(event.processed, total), total))
-            elif isinstance(event, TokensDecoded):
-                self.speculative[0] += event.proposed
-                self.speculative[1] += event.accepted
-                if await self._tokens(event.token_ids, event.logprobs, text, eos):
-                    return None
-            elif isinstance(event, GenerationEnded):
-                if event.reason == FinishReason.ERROR:
-                    error = event.error
-                    if isinstance(error, RequestError):
-                        raise error
-                    return error if error is not None else ActorCrashed("unknown error")
-                await self._end(text, event.reason)
-                return None
+        async for first in replies:
+            for event in _coalesced(first, replies):
+                self.left_queue = True
+                # Before the event changes any state: a crash here loses nothing a resume can't redo.
+                self._faults.check(self._id)
+                ended = await self._handle(event, text, offset=offset)
+                if ended is not _RUNNING:
+                    return ended
         # The channel closed without a GenerationEnded: the lane failed mid-request.
         return ActorCrashed("the lane stopped before the request finished")
+
+    async def _handle(self, event: DecodeEvent, text: TextStream, *, offset: int) -> object:
+        """Relay one lane event; `_RUNNING` while the request goes on, else what `_relay` returns."""
+        if isinstance(event, PrefillProgressed):
+            if not offset:  # a resumed attempt's re-prefill is invisible to the caller
+                total = len(self._request.prompt_ids)
+                self.cached_tokens = event.cached_tokens
+                await self._emit(PromptProgress(min(event.processed, total), total))
+        elif isinstance(event, TokensDecoded):
+            self.speculative[0] += event.proposed
+            self.speculative[1] += event.accepted
+            eos = self._model.eos_token_ids  # type: ignore[attr-defined]
+            if await self._tokens(event.token_ids, event.logprobs, text, eos):
+                return None
+        elif isinstance(event, GenerationEnded):
+            if event.reason == FinishReason.ERROR:
+                error = event.error
+                if isinstance(error, RequestError):
+                    raise error
+                return error if error is not None else ActorCrashed("unknown error")
+            await self._end(text, event.reason)
+            return None
+        return _RUNNING
 
     async def _end(self, text: TextStream, reason: FinishReason) -> None:
         """The generation ended (`reason`): the text the detokenizer held back, then `Finished`."""
@@ -198,6 +211,13 @@ class SessionActor:
     async def _tokens(self, token_ids: tuple[int, ...], logprobs: tuple[SampledLogprobs, ...] | None,
                       text: TextStream, eos: frozenset[int]) -> bool:
         """Relay new tokens; True when a stop string ended the request."""
+        if logprobs is None and text.batches:  # no stop string, no logprobs: the whole message at once
+            self.generated.extend(token_ids)
+            shown = tuple(token for token in token_ids if token not in eos)  # EOS counted, never shown
+            piece = text.add_many(shown)
+            if shown or piece:
+                await self._emit(TextDelta(piece, shown))
+            return False
         visible: list[int] = []
         visible_logprobs: list[TokenLogprob] = []
         pieces: list[str] = []
@@ -247,3 +267,32 @@ class SessionActor:
                       cached_tokens=self.cached_tokens, speculative_proposed=self.speculative[0],
                       speculative_accepted=self.speculative[1])
         await self._emit(Finished(reason, usage, stop_sequence))
+
+
+_RUNNING = object()  # what `SessionActor._handle` returns while the request goes on
+
+
+def _coalesced(first: DecodeEvent, replies: trio.MemoryReceiveChannel[DecodeEvent]) -> list[DecodeEvent]:
+    """`first` and the events already waiting behind it, with consecutive `TokensDecoded` merged into one.
+
+    Why: when the caller falls behind (a slow client, a busy event loop),
+    decode steps queue up in `replies`; relaying them as one `TextDelta`
+    makes one SSE event, not one per step. Only what has already arrived is
+    taken (`receive_nowait`): no token ever waits for more. The merge keeps
+    order, and the logprobs and speculative counts of every part.
+    """
+    events: list[DecodeEvent] = [first]
+    while isinstance(events[-1], TokensDecoded):
+        try:
+            nxt = replies.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break  # nothing more yet; a closed channel ends `_relay`'s loop at its next receive
+        last = events[-1]
+        if isinstance(nxt, TokensDecoded) and (last.logprobs is None) == (nxt.logprobs is None):
+            events[-1] = TokensDecoded(
+                last.request_id, last.token_ids + nxt.token_ids,
+                None if last.logprobs is None else last.logprobs + nxt.logprobs,  # type: ignore[operator]
+                last.proposed + nxt.proposed, last.accepted + nxt.accepted)
+        else:
+            events.append(nxt)
+    return events

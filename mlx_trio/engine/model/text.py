@@ -29,6 +29,12 @@ class TextUpdate:
 
 _NOTHING = TextUpdate("")  # a token that shows no text yet (frozen: one instance serves all)
 
+# mlx-lm's detokenizers whose `text` only grows inside `add_token` (reading `last_segment` has no effect
+# but to move its offset), so that one read after several tokens is their segments joined. The naive one's
+# `text` property decodes and flushes at each read: it must be read after every token. By name: this
+# module stays free of mlx-lm imports (the session actor, which may not import it, uses it).
+_APPEND_ONLY = frozenset({"BPEStreamingDetokenizer", "SPMStreamingDetokenizer"})
+
 
 class TextStream:
     """Incremental detokenizer plus stop-string matcher for one request."""
@@ -41,6 +47,8 @@ class TextStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self._stopped = False
+        # Whether `add_many` may feed a message's tokens at once: no stop string to find token by token.
+        self.batches = not self._stop and type(detokenizer).__name__ in _APPEND_ONLY
 
     def add(self, token_id: int) -> TextUpdate:
         """Feed one generated token id; returns the text that may be shown now."""
@@ -52,6 +60,19 @@ class TextStream:
             return TextUpdate(segment) if segment else _NOTHING
         self._pending += segment
         return self._release(final=False)
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """Feed several token ids at once (only when `batches`); returns the text they show, read once.
+
+        The same text as `add` of each in turn, joined, with one read of the
+        detokenizer and no per-token update objects (the session feeds a whole
+        decode message, usually several tokens per row, this way).
+        """
+        if not self.batches:
+            raise RuntimeError("add_many() on a stream that must go token by token")
+        for token_id in token_ids:
+            self._detokenizer.add_token(token_id)
+        return self._detokenizer.last_segment
 
     def finish(self) -> TextUpdate:
         """Flush what the detokenizer still holds; call once when generation ends."""

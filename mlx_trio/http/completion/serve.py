@@ -143,6 +143,10 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
                   prompt_tokens: int) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
 
+    Each event's frames go out as one body chunk (one ASGI send, one socket
+    write), the finish's with the closing frames; several tokens in one event
+    are the session's doing (`actors/session.py`, `_coalesced`).
+
     A failure after the headers is the last event; an unexpected one (a crash
     of this handler) is also counted in `crashes`.
 
@@ -151,36 +155,34 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
     the request in the engine and frees its KV cache.
     """
     outcome = "cancelled"
+    frames: list[bytes] = []  # not yet sent
+    last: list[bytes] = []  # the finish's or the error's frames
     try:
         async with closing(events):
-            for frame in renderer.opening(prompt_tokens):
-                yield frame
+            frames = renderer.opening(prompt_tokens)
             item = first
             while not isinstance(item, Finished):
                 if isinstance(item, PromptProgress):
-                    for frame in renderer.keepalive(item.processed, item.total):
-                        yield frame
+                    frames.extend(renderer.keepalive(item.processed, item.total))
                 elif isinstance(item, TextDelta):
                     pieces = router.feed(item.text, len(item.token_ids))
-                    for frame in renderer.delta(pieces, item.logprobs if logprobs else None):
-                        yield frame
+                    frames.extend(renderer.delta(pieces, item.logprobs if logprobs else None))
+                if frames:  # one body chunk per event: one write, not one per frame
+                    yield b"".join(frames)
+                    frames = []
                 item = await _next(events)
                 request_log.saw(item)
             outcome = item.finish_reason
-            pieces = router.finish()
-            for frame in renderer.finish(pieces, _counted(item, router), router.num_tool_calls):
-                yield frame
+            last = [*frames, *renderer.finish(router.finish(), _counted(item, router), router.num_tool_calls)]
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
         error = _stream_failure(exc, renderer.id)
         if error.code == INTERNAL_ERROR:
             crashes.record(exc)
         outcome = error.code or error.type
-        for frame in renderer.error(error):
-            yield frame
+        last = [*frames, *renderer.error(error)]
     finally:
         request_log.done(outcome)
-    for frame in renderer.closing():
-        yield frame
+    yield b"".join([*last, *renderer.closing()])
 
 
 async def _next(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:

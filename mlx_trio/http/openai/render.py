@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlx_trio.events import Finished
-from mlx_trio.http.completion.output_router import Content, Piece
+from mlx_trio.http.completion.output_router import Content, Piece, Reasoning
 from mlx_trio.http.openai.logprobs import text_length
 from mlx_trio.http.openai.objects import ResponseShape, gather
 from mlx_trio.http.server.errors import ApiError
-from mlx_trio.http.server.sse import comment, event
+from mlx_trio.http.server.sse import SLOT, StringTemplate, comment, event
 from mlx_trio.logprobs import TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -30,6 +30,14 @@ DONE = b"data: [DONE]\n\n"
 def finish_reason(finished: Finished, tool_calls: int) -> str:
     """OpenAI's "tool_calls" when the model stopped after calling tools, else the engine's reason."""
     return "tool_calls" if finished.finish_reason == "stop" and tool_calls else finished.finish_reason
+
+
+def _templates(shape: ResponseShape) -> dict[type, StringTemplate]:
+    """A chat stream's content and reasoning chunks as templates; none if SLOT is in the shape (its model name)."""
+    try:
+        return {kind: StringTemplate(shape.piece_chunks(kind(SLOT))[0]) for kind in (Content, Reasoning)}
+    except ValueError:
+        return {}
 
 
 class CompletionRenderer:
@@ -42,6 +50,8 @@ class CompletionRenderer:
         self._include_usage = include_usage
         # Where the next chunk's logprobs start in the completion (the text completions shape counts it).
         self._text_offset = 0
+        # Content and reasoning chunks, which only their text tells apart, as prebuilt bytes (chat only).
+        self._templates = _templates(shape) if shape.chat else {}
 
     @property
     def id(self) -> str:
@@ -60,7 +70,7 @@ class CompletionRenderer:
     def delta(self, pieces: Sequence[Piece], logprobs: Sequence[TokenLogprob] | None) -> list[bytes]:
         shape = self._shape
         if shape.chat:
-            frames = [event(chunk) for piece in pieces for chunk in shape.piece_chunks(piece)]
+            frames = [self._piece(piece) for piece in pieces]
             text = ""  # the pieces' chunks carry the text; logprobs go in a chunk of their own
         else:
             frames = []
@@ -71,6 +81,13 @@ class CompletionRenderer:
         elif text:
             frames.append(event(shape.chunk(text)))
         return frames
+
+    def _piece(self, piece: Piece) -> bytes:
+        """The chat chunks of one piece, framed (`ResponseShape.piece_chunks`)."""
+        template = self._templates.get(type(piece))
+        if template is not None:
+            return template.fill(piece.text)  # type: ignore[union-attr]
+        return b"".join(event(chunk) for chunk in self._shape.piece_chunks(piece))
 
     def finish(self, pieces: Sequence[Piece], finished: Finished, tool_calls: int) -> list[bytes]:
         frames = self.delta(pieces, None)

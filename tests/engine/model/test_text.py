@@ -78,3 +78,24 @@ def test_the_matched_stop_string_is_named() -> None:
     updates = [stream.add(ord(ch)) for ch in "abzz"[:2]]
     assert updates[-1].stopped and updates[-1].stop == "b" and updates[-1].text == ""
     assert not updates[0].stopped and updates[0].stop is None
+
+
+def test_add_many_shows_what_add_shows_token_by_token() -> None:
+    """A real BPE detokenizer (the tiny Llama's), text with multi-byte characters split across tokens:
+    feeding a message's tokens at once gives the joined per-token text, chunk by chunk, and the same tail."""
+    from mlx_lm.tokenizer_utils import load  # noqa: PLC0415  (tests may import mlx-lm)
+
+    from mlx_trio.testing import LLAMA, tiny_model  # noqa: PLC0415
+
+    tokenizer = load(tiny_model(LLAMA))
+    ids = tokenizer.encode("Où est le café? Ünïcödé 🙂 spaces  and\nnew lines.", add_special_tokens=False)
+    one, many = TextStream(tokenizer.detokenizer), TextStream(tokenizer.detokenizer)
+    assert many.batches and not TextStream(tokenizer.detokenizer, ["x"]).batches
+    for start in range(0, len(ids), 3):
+        part = ids[start:start + 3]
+        assert many.add_many(part) == "".join(one.add(t).text for t in part)
+    assert many.finish() == one.finish()
+
+
+def test_a_detokenizer_read_with_effects_goes_token_by_token() -> None:
+    assert not TextStream(CharDetokenizer()).batches

@@ -92,13 +92,16 @@ async def _frames(response: Response) -> list[bytes]:
 
 
 async def test_a_stream_is_opening_keepalives_deltas_finish_closing() -> None:
-    """Every frame is the renderer's, in order: a keep-alive per prefill progress, then the deltas."""
+    """Every frame is the renderer's, in order: a keep-alive per prefill progress, then the deltas.
+
+    One body chunk (one write) per event: the opening goes with the first event, the closing with the finish.
+    """
     response = await serve_completion(_state(FakeEngine()), _call(stream=True), FakeRenderer())
     assert response.status_code == 200 and response.mimetype == "text/event-stream"
     assert await _frames(response) == [
-        b"opening 2", b"keepalive 0/2", b"keepalive 2/2",
+        b"opening 2" b"keepalive 0/2", b"keepalive 2/2",
         b"delta content:w0  logprobs=None", b"delta content:w1  logprobs=None", b"delta content:w2  logprobs=None",
-        b"finish  length calls=0", b"closing",
+        b"finish  length calls=0" b"closing",
     ]
 
 
@@ -107,7 +110,7 @@ async def test_an_error_after_the_headers_goes_to_the_renderer_and_the_stream_st
     engine = FakeEngine()
     engine.fail_with = ActorCrashed("boom")
     response = await serve_completion(_state(engine), _call(stream=True), FakeRenderer())
-    assert await _frames(response) == [b"opening 2", b"keepalive 0/2", b"error 500 actor_crashed", b"closing"]
+    assert await _frames(response) == [b"opening 2" b"keepalive 0/2", b"error 500 actor_crashed" b"closing"]
     assert engine.active == 0 and engine.closed_streams == 1
 
 
@@ -136,7 +139,7 @@ async def test_chat_text_is_routed_and_tool_calls_get_the_renderers_id_prefix(to
     frames = await _frames(await serve_completion(_state(engine), call, FakeRenderer()))
     shown = b"".join(f for f in frames if f.startswith(b"delta")).decode()
     assert "reasoning:Hm" in shown and "content:Ok" in shown and "call#0:get_weather:True" in shown
-    assert frames[-2:] == [b"finish  stop calls=1", b"closing"]
+    assert frames[-1] == b"finish  stop calls=1" b"closing"
     whole = await (await serve_completion(_state(engine), _call(stream=False, chat=True, prompt=call.prompt,
                                                                  tools=call.tools), FakeRenderer())).get_json()
     # Routed delta by delta, as the stream was: the same pieces.
