@@ -20,6 +20,9 @@
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
+#   churn:  benchmarks/churn.py (issue #20 point 3): c=64 serving churn on the embedded engine (prompts 100-1000
+#           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
+#           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2). PARTS=churn, <= 150 s.
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -37,7 +40,7 @@
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
-#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   LONG_LIMIT_S (120), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -346,6 +349,11 @@ for m in $MODELS; do
       --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
       --log-dir "/tmp/bench-logs-long-$m" \
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
+  ;; esac
+  case " $PARTS " in *" churn "*)
+    script_part churn "${CHURN_LIMIT_S:-150}" "churn, $m: c=64 serving churn, row slots on vs off, A/B alternated" \
+      $PY benchmarks/churn.py --model "$dir" --requests "${CHURN_REQUESTS:-128}" --ab "${CHURN_ROUNDS:-2}" \
+      --json "$RESULTS/churn-$m.json"
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
