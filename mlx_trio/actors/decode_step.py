@@ -137,7 +137,8 @@ class DecodeStepActor:
             self._model = await self._lane.wait_model()
             self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
                                                         _speculation(self._lane),
-                                                        compile_decode=self._model.compile_decode))
+                                                        compile_decode=self._model.compile_decode,
+                                                        max_rows=self._lane.config.batch))
             while True:
                 if not self._rows:
                     # Idle: sleep until a row arrives (no busy loop, no lease jobs).
