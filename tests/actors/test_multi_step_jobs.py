@@ -34,3 +34,32 @@ async def test_twenty_rows_with_staggered_lengths_equal_their_runs_alone() -> No
                 await trio.sleep(0.01)
         assert engine.actors.lane.decode_step.statistics().active_rows == 0
     assert [got[i] for i in range(len(requests))] == expected
+
+
+async def test_each_membership_change_is_one_lease_job_and_rows_stay_exact() -> None:
+    """Staggered rows join and leave: every settle is one `_membership` job (no separate flush, leave or join)."""
+    requests = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", 3 + 2 * i) for i in range(8)]
+    path = str(tiny_model(LLAMA))
+    async with open_engine(path, batch=1) as alone:
+        expected = [(await alone.complete(p, max_tokens=n)).token_ids for p, n in requests]
+    got: dict[int, tuple[int, ...]] = {}
+    async with open_engine(path, batch=8) as engine:
+        lease = engine.actors.lane.lease
+        lease.job_log = log = []
+
+        async def one(i: int) -> None:
+            await trio.sleep(0.01 * i)
+            prompt, n = requests[i]
+            got[i] = (await engine.complete(prompt, max_tokens=n)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(requests)):
+                nursery.start_soon(one, i)
+        with trio.fail_after(10):
+            while engine.status()["counters"]["kv_bytes"]:
+                await trio.sleep(0.01)
+        lease.job_log = None
+    names = {name for name, _, _ in log}
+    assert "_membership" in names
+    assert not names & {"DecodeBatch.flush_decoded", "DecodeBatch.leave", "DecodeBatch.join_many"}
+    assert [got[i] for i in range(len(requests))] == expected
