@@ -139,7 +139,7 @@ class DecodeBatch:
                  speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False,
                  max_rows: int | None = None) -> None:
         self._model = model
-        # Row slots (engine/kv/row_slots.py): grown by half, up to `max_rows` (the lane's row cap) when given.
+        # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
         self._max_rows = max_rows
         self._slots_wanted = row_slots.wanted()
         # The slot of each row (aligned with _rows), or None: row i is in slot i and every slot holds a row.
@@ -217,9 +217,10 @@ class DecodeBatch:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
 
         One row into an empty batch is adopted (zero copy: it keeps the serial
-        graph); otherwise every layer takes all the joiners in one merge or
-        extend, so the running rows' KV is copied once per settle, not once per
-        joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
+        graph); with row slots the joiners are written into free slots (the
+        running rows' KV is not copied unless a re-layout is due); otherwise
+        every layer takes all the joiners in one merge or extend, so the
+        running rows' KV is copied once per settle, not once per joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
         (the batch is unchanged then); the caller keeps such models serial.
         """
         if self._unread:
@@ -233,8 +234,9 @@ class DecodeBatch:
         if not rows:
             return
         self._convert_for_join(rows)
+        copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
         if self._rows and not self._solo and self._slots_usable(rows):
-            self._join_slots(rows)
+            copied = self._join_slots(rows)
         elif not self._rows and len(rows) == 1:
             self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
             self._solo = True
@@ -267,10 +269,12 @@ class DecodeBatch:
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
-        # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
-        # the device now, or the allocator's cache holds one stale copy per join.
+        # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
+        # the device now, or the allocator's cache holds one stale copy per join. A join into free
+        # slots replaced none: the allocator keeps its cache for the next steps.
         mx.eval(self._caches_state())
-        mx.clear_cache()
+        if copied:
+            mx.clear_cache()
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
@@ -278,8 +282,8 @@ class DecodeBatch:
                 and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
                 and row_slots.supports_slots(self._caches) and row_slots.can_fill([row.caches for row in joiners]))
 
-    def _join_slots(self, rows: Sequence[SoloRow]) -> None:
-        """Write the joiners into free slots (growing the slots by half when too few are free)."""
+    def _join_slots(self, rows: Sequence[SoloRow]) -> bool:
+        """Write the joiners into free slots (more slots when too few are free); whether every row was copied."""
         slots = self._slots if self._slots is not None else list(range(len(self._rows)))
         taken = set(slots)
         free = [s for s in range(self._num_slots) if s not in taken]
@@ -288,12 +292,14 @@ class DecodeBatch:
             need = num_slots + len(rows) - len(free)
             num_slots = max(need, min(num_slots + max(1, num_slots // SLOT_GROWTH), self._max_rows or need))
             free += list(range(self._num_slots, num_slots))
-        row_slots.write_rows(self._caches, free[:len(rows)], [row.caches for row in rows], num_slots)
+        copied = row_slots.write_rows(self._caches, free[:len(rows)], [row.caches for row in rows], num_slots)
         self._num_slots = num_slots
         self._set_slots([*slots, *free[:len(rows)]])
+        return copied
 
-    def _leave_slots(self, keep: list[int]) -> None:
-        """The rows `keep` stay in their slots; compacted (mlx-lm's filter) once `MAX_FREE_SLOTS` are free."""
+    def _leave_slots(self, keep: list[int]) -> bool:
+        """The rows `keep` stay in their slots, compacted (mlx-lm's filter) once `MAX_FREE_SLOTS` are free;
+        whether every row was copied (compacted, or its shared front cut)."""
         slots = self._slots if self._slots is not None else list(range(len(self._rows)))
         kept = [slots[i] for i in keep]
         if self._num_slots - len(kept) > MAX_FREE_SLOTS * self._num_slots:
@@ -302,9 +308,10 @@ class DecodeBatch:
             batch_kv.share_offsets(self._caches)
             self._num_slots = len(kept)
             self._set_slots(None)
-            return
-        row_slots.trim_front(self._caches, kept)
+            return True
+        trimmed = row_slots.trim_front(self._caches, kept)
         self._set_slots(kept)
+        return trimmed
 
     def _compact(self) -> None:
         """Back to one row per slot, in row order (mlx-lm's filter), before a path that knows no slots."""
@@ -569,6 +576,7 @@ class DecodeBatch:
             return
         if len(keep) == len(self._rows):
             return
+        copied = not self._solo
         if not self._solo:
             if len(keep) == 1 and batch_caches.can_extract(self._caches):
                 self._caches = [batch_caches.extract_layer(c, self._slot(keep[0])) for c in self._caches]
@@ -576,7 +584,7 @@ class DecodeBatch:
                 self._num_slots = 1
                 self._set_slots(None)
             elif self._slots_usable():
-                self._leave_slots(keep)
+                copied = self._leave_slots(keep)
             else:
                 for cache in self._caches:
                     batch_caches.filter_layer(cache, [self._slot(i) for i in keep])
@@ -595,7 +603,8 @@ class DecodeBatch:
         if self._unread_logprobs is not None:
             self._unread_logprobs = self._unread_logprobs.keep(keep)
         mx.eval(self._caches_state())
-        mx.clear_cache()  # as in join: the filtered-out copies go back to the device
+        if copied:
+            mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
     def _caches_state(self) -> list[Any]:
         return [c.state for c in self._caches]

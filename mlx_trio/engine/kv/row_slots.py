@@ -15,7 +15,7 @@ axis of a `HostPaddedBatchKVCache` layer is a set of *slots*:
   before sits in the padded, masked positions;
 - only a joiner longer than `idx`, or more joiners than free slots, forces a
   re-layout: one copy of every row into fresh buffers (the rows shifted right
-  by the excess, the slots grown by half, KV capacity rounded up to mlx-lm's
+  by the excess, the slots grown by an eighth, KV capacity rounded up to mlx-lm's
   256-token step so the next steps do not grow it again);
 - a front that every live row has as padding is cut off (the same re-layout,
   shifted left) once it is a quarter of `idx`, so attention does not read a
@@ -71,17 +71,19 @@ def can_fill(rows: Sequence[Sequence[Any]]) -> bool:
 
 
 def write_rows(caches: Sequence[HostPaddedBatchKVCache], slots: Sequence[int], rows: Sequence[Sequence[KVCache]],
-               num_slots: int) -> None:
+               num_slots: int) -> bool:
     """Write each joiner's layers (`rows[j]`, solo) into slot `slots[j]` of every layer, with `num_slots` slots.
 
     A re-layout (one copy of every row) happens only when `num_slots` grows
-    or a joiner is longer than the batch; see the module docstring.
+    or a joiner is longer than the batch (see the module docstring); returns whether one did.
     """
+    relaid = False
     for i, cache in enumerate(caches):
         layer_rows = [row[i] for row in rows]
         shift = max(0, max(r.offset for r in layer_rows) - cache._idx)
         if shift or num_slots != len(cache.host_padding):
             _relayout(cache, num_slots, shift)
+            relaid = True
         idx = cache._idx
         padding = list(cache.host_padding)
         for slot, row in zip(slots, layer_rows):
@@ -91,6 +93,7 @@ def write_rows(caches: Sequence[HostPaddedBatchKVCache], slots: Sequence[int], r
             padding[slot] = idx - n
         _set_padding(cache, padding)
     batch_kv.share_offsets(caches)
+    return relaid
 
 
 def trim_front(caches: Sequence[HostPaddedBatchKVCache], live: Sequence[int]) -> bool:
