@@ -13,13 +13,20 @@ been sent: prompts of `--prompt-tokens` (100-1000, uniform), `max_tokens` of
 `--batch` = the concurrency, a row joins or leaves every couple of steps.
 
 Every GPU-lease job is logged (`GpuLease.job_log`) and summed by name, in
-these classes: `step` (the decode step chain's links), `flush`, `leave`,
-`join`, `cache` (a leaving row's KV for the prompt cache), `prefill` (every
+these classes: `step` (the decode step chain's links), `settle` (a
+membership change in one job), or where that is separate jobs `flush`, `leave`,
+`join`, `cache` (a leaving row's KV for the prompt cache); `prefill` (every
 prefill job: chunks, cohorts, token 0) and `other`. It prints each class's
 jobs, seconds and share of the lease's busy time, the lease's idle share of
 the run, the decode-step actor's chains (one per membership change, plus one
 each time Trio fell behind) per generated token, and the aggregate tok/s.
 `--json PATH` writes the same numbers.
+
+`--rows-only` drives a `DecodeBatch` directly instead (no actors, no lease):
+`--concurrency` rows prefilled up front, then `--settles` times: `--steps-between`
+steps, then a settle as the decode-step actor does it (flush, one row leaves,
+one prefilled row joins). It reports ms per step and ms per leave + join, the
+membership change's own cost without the scheduling around it.
 
 `--ab N` runs N rounds of two runs each, row slots on then off
 (`MLX_TRIO_NO_ROW_SLOTS=1`, engine/kv/row_slots.py), each on a fresh engine,
@@ -44,19 +51,21 @@ from typing import Any
 import trio
 
 from mlx_trio import open_engine
-from mlx_trio.engine.kv.row_slots import KILL_SWITCH
 from mlx_trio.events import TextDelta
 from mlx_trio.testing.shaped_models import SHAPES, resolve_model
 
+# engine/kv/row_slots.KILL_SWITCH, spelled out so that this script also runs against a checkout without it.
+KILL_SWITCH = "MLX_TRIO_NO_ROW_SLOTS"
 # Lease job name (its function's __qualname__, gpu_lease._name) -> class; prefill jobs are matched by module below.
 CLASSES = {
     "_steps_then": "step",
+    "_membership": "settle",  # actors/decode_step.py: flush + prompt-cache puts + leave + join in one job
     "DecodeBatch.flush_decoded": "flush",
     "DecodeBatch.leave": "leave",
     "DecodeBatch.join_many": "join",
     "DecodeBatch.cache_entry": "cache",
 }
-ORDER = ("step", "flush", "leave", "join", "cache", "prefill", "other")
+ORDER = ("step", "settle", "flush", "leave", "join", "cache", "prefill", "other")
 
 
 def job_class(name: str) -> str:
@@ -128,6 +137,52 @@ async def churn(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def rows_only(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A churning DecodeBatch without actors: ms per step and per leave + join (see the module docstring)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.batch.solo_row import SoloRow
+    from mlx_trio.params import SamplingParams
+
+    model = load(str(model_dir))[0]
+    rng = random.Random(args.seed)
+
+    def row(i: int) -> tuple[SoloRow, int]:
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(*args.prompt_tokens))]
+        solo = SoloRow(model, f"r{i}", prompt, SamplingParams(max_tokens=10**6), prefill_step_size=args.prefill_step_size)
+        while solo.prefill_remaining:
+            solo.prefill_chunk()
+        token0 = solo.first_token()
+        mx.eval([c.state for c in solo.caches])
+        return solo, token0
+
+    batch = DecodeBatch(model, max_rows=args.concurrency)
+    batch.join_many([row(i) for i in range(args.concurrency)])
+    joiners = [row(args.concurrency + i) for i in range(args.settles)]
+    for _ in range(4):  # warm-up
+        batch.step_decoded()
+    batch.flush_decoded()
+    step_s = settle_s = 0.0
+    steps = 0
+    for joiner in joiners:
+        start = time.perf_counter()
+        for _ in range(args.steps_between):
+            batch.step_decoded()
+        batch.flush_decoded()
+        middle = time.perf_counter()
+        batch.leave([rng.choice(batch.request_ids)])
+        batch.join_many([joiner])
+        settle_s += time.perf_counter() - middle
+        step_s += middle - start
+        steps += args.steps_between
+    batch.close()
+    return {"rows": args.concurrency, "settles": args.settles, "steps": steps,
+            "ms_per_step": 1000 * step_s / steps, "ms_per_leave_join": 1000 * settle_s / args.settles,
+            "share_in_settles": settle_s / (settle_s + step_s)}
+
+
 def report(result: dict[str, Any], label: str) -> None:
     print(f"# {label}")
     print(f"{result['requests']} requests, c={result['concurrency']}: {result['tokens']} tokens in "
@@ -159,6 +214,9 @@ def main() -> int:
     p.add_argument("--stagger-s", type=float, default=1.0, help="the workers' start times spread over this")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows-only", action="store_true", help="drive a DecodeBatch directly (see above)")
+    p.add_argument("--settles", type=int, default=24, help="--rows-only: membership changes timed")
+    p.add_argument("--steps-between", type=int, default=2, help="--rows-only: decode steps between two")
     p.add_argument("--ab", type=int, default=0, metavar="N",
                    help="N rounds of (row slots on, row slots off), each run on a fresh engine")
     p.add_argument("--json", help="write the numbers here")
@@ -172,16 +230,23 @@ def main() -> int:
             for slots in (("on", "off") if args.ab else ("",)):
                 if slots:
                     os.environ[KILL_SWITCH] = "1" if slots == "off" else "0"  # read when each batch is made
-                result = trio.run(churn, model_dir, args)
-                report(result, f"{label}" + (f", row slots {slots}" if slots else ""))
+                title = f"{label}" + (f", row slots {slots}" if slots else "")
+                if args.rows_only:
+                    result = rows_only(model_dir, args)
+                    print(f"# {title}: {result['rows']} rows, {result['steps']} steps: "
+                          f"{result['ms_per_step']:.2f} ms/step, {result['ms_per_leave_join']:.2f} ms per leave + join "
+                          f"({100 * result['share_in_settles']:.1f} % of the time)")
+                else:
+                    result = trio.run(churn, model_dir, args)
+                    report(result, title)
                 runs.append((slots, result))
-    if args.ab:
-        print("| row slots | tok/s | step s | flush+leave+join s | prefill s | chains/token |")
+    if args.ab and not args.rows_only:
+        print("| row slots | tok/s | step s | settle s (flush+leave+join+cache) | prefill s | chains/token |")
         print("|---|---:|---:|---:|---:|---:|")
         for slots, r in runs:
             c = r["classes"]
-            print(f"| {slots} | {r['tok_per_s']:.0f} | {c['step']['s']:.3f} | "
-                  f"{c['flush']['s'] + c['leave']['s'] + c['join']['s']:.3f} | {c['prefill']['s']:.3f} | "
+            settle = sum(c[k]["s"] for k in ("settle", "flush", "leave", "join", "cache"))
+            print(f"| {slots} | {r['tok_per_s']:.0f} | {c['step']['s']:.3f} | {settle:.3f} | {c['prefill']['s']:.3f} | "
                   f"{r['chains_per_token']:.4f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"label": label, "runs": [{"row_slots": s, **r} for s, r in runs]},

@@ -22,7 +22,8 @@
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
 #   churn:  benchmarks/churn.py (issue #20 point 3): c=64 serving churn on the embedded engine (prompts 100-1000
 #           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
-#           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2). PARTS=churn, <= 150 s.
+#           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2), then
+#           the leave + join alone on a 64-row DecodeBatch (--rows-only), on vs off. PARTS=churn, <= 150 s.
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -351,9 +352,10 @@ for m in $MODELS; do
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
   ;; esac
   case " $PARTS " in *" churn "*)
+    # The served churn A/B (row slots on/off, alternated), then the membership change alone (--rows-only).
     script_part churn "${CHURN_LIMIT_S:-150}" "churn, $m: c=64 serving churn, row slots on vs off, A/B alternated" \
-      $PY benchmarks/churn.py --model "$dir" --requests "${CHURN_REQUESTS:-128}" --ab "${CHURN_ROUNDS:-2}" \
-      --json "$RESULTS/churn-$m.json"
+      bash -c "$PY benchmarks/churn.py --model $dir --requests ${CHURN_REQUESTS:-128} --ab ${CHURN_ROUNDS:-2} \
+        --json $RESULTS/churn-$m.json; $PY benchmarks/churn.py --model $dir --rows-only --ab 2 --settles 32"
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
