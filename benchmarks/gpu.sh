@@ -35,6 +35,10 @@
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
 #           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
 #           threads, top jobs and sampled functions. PARTS=profile MODELS=1b, <= PROFILE_LIMIT_S (240).
+#   churn:  benchmarks/churn.py (issue #20 point 3): c=64 serving churn on the embedded engine (prompts 100-1000
+#           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
+#           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2), then
+#           the leave + join alone on a 64-row DecodeBatch (--rows-only), on vs off. PARTS=churn, <= 150 s.
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -53,7 +57,7 @@
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
 #   LONG_LIMIT_S (120), PROFILE_LIMIT_S (240), PROFILE_CONCURRENCY (8,64,256), PROFILE_ARGS (more serving_profile.py
-#   flags, e.g. "--workloads serving,agents"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   flags, e.g. "--workloads serving,agents"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -384,6 +388,12 @@ for m in $MODELS; do
   case " $PARTS " in *" verify "*)
     script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
       $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,3,4
+  ;; esac
+  case " $PARTS " in *" churn "*)
+    # The served churn A/B (row slots on/off, alternated), then the membership change alone (--rows-only).
+    script_part churn "${CHURN_LIMIT_S:-150}" "churn, $m: c=64 serving churn, row slots on vs off, A/B alternated" \
+      bash -c "$PY benchmarks/churn.py --model $dir --requests ${CHURN_REQUESTS:-128} --ab ${CHURN_ROUNDS:-2} \
+        --json $RESULTS/churn-$m.json; $PY benchmarks/churn.py --model $dir --rows-only --ab 2 --settles 32"
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \

@@ -137,7 +137,8 @@ class DecodeStepActor:
             self._model = await self._lane.wait_model()
             self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
                                                         _speculation(self._lane),
-                                                        compile_decode=self._model.compile_decode))
+                                                        compile_decode=self._model.compile_decode,
+                                                        max_rows=self._lane.config.batch))
             while True:
                 if not self._rows:
                     # Idle: sleep until a row arrives (no busy loop, no lease jobs).
@@ -160,47 +161,66 @@ class DecodeStepActor:
                 self._lease.free_nowait(self._batch.close)
 
     async def _settle(self, joins: list[JoinRow]) -> None:
-        """Change membership: flush the pipeline, drop finished rows, join new ones."""
+        """Change membership: flush the pipeline, drop finished rows, join new ones, in one lease job.
+
+        One job (`_membership`) rather than one per flush, prompt-cache put,
+        leave and join: each would be a hop to Trio and back with the lease
+        idle, a settle every couple of steps under a serving load
+        (benchmarks/churn.py). The rows that leave are those done before it;
+        a row that the flushed tokens finish leaves in a second (leave-only)
+        job right after, before any step feeds it again.
+        """
         batch = self._batch
         assert batch is not None
         self._joining = list(joins)
         leaving = [rid for rid, row in self._rows.items() if row.done]
         if not joins and not leaving:
             return
-        if batch.size:
-            decoded = await self._lease.run(batch.flush_decoded)
-            if decoded is not None:
-                self._emit(batch.request_ids, [decoded])
-            leaving = [rid for rid, row in self._rows.items() if row.done]
-        if leaving:
-            await self._put_finished(leaving)
-            await self._lease.run(batch.leave, leaving)
-            for rid in leaving:
+        ids = batch.request_ids
+        puts = self._puts(leaving)
+        # One join for every waiting row: the running rows' KV is copied once at most, not once per joiner.
+        decoded, entries = await self._lease.run(_membership, batch, leaving, [(rid, tokens) for rid, tokens, _ in puts],
+                                                 [(join.row, join.token0) for join in self._joining])
+        self._stored(puts, entries)
+        for rid in leaving:
+            self._lane.end_request(self._rows.pop(rid).request)
+        for join in self._joining:
+            self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
+        self._joining = []
+        if decoded is not None:
+            self._emit(ids, [decoded])  # rows that left are gone: their wasted tokens are dropped
+        finished = [rid for rid, row in self._rows.items() if row.done]
+        if finished:
+            puts = self._puts(finished)
+            _, entries = await self._lease.run(_membership, batch, finished, [(rid, tokens) for rid, tokens, _ in puts],
+                                               [])
+            self._stored(puts, entries)
+            for rid in finished:
                 self._lane.end_request(self._rows.pop(rid).request)
-        if self._joining:
-            # One job for every waiting row: the running rows' KV is copied once, not once per joiner.
-            await self._lease.run(batch.join_many, [(join.row, join.token0) for join in self._joining])
-            for join in self._joining:
-                self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
-            self._joining = []
         self._kv_bytes = batch.nbytes
 
-    async def _put_finished(self, leaving: list[str]) -> None:
-        """Finish-time put (docs/design.md §6.3): leaving rows' KV goes to the prompt cache.
+    def _puts(self, leaving: list[str]) -> list[tuple[str, tuple[int, ...], Any]]:
+        """Finish-time put (docs/design.md §6.3): the leaving rows whose KV goes to the prompt cache.
 
-        A lone row hands its caches over without a copy; a batched row with a
-        long enough prompt is extracted before the filter drops it.
+        (request id, its tokens, the prompt cache) each: a lone row hands its
+        caches over without a copy; a batched row with a long enough prompt is
+        extracted before the leave drops it.
         """
         batch = self._batch
         if self._lane.caching is None or batch is None:
-            return
+            return []
+        puts = []
         for rid in leaving:
             row = self._rows[rid]
             caching = self._lane.caching_for(row.request)  # a row with an adapter: its namespace
             if caching is None or not (batch.is_solo or len(row.request.prompt_ids) >= EXTRACT_MIN_PROMPT_TOKENS):
                 continue
-            tokens = row.request.prompt_ids + tuple(row.generated)
-            entry = await self._lease.run(batch.cache_entry, rid, tokens)
+            puts.append((rid, row.request.prompt_ids + tuple(row.generated), caching))
+        return puts
+
+    @staticmethod
+    def _stored(puts: list[tuple[str, tuple[int, ...], Any]], entries: list[Any]) -> None:
+        for (_, _, caching), entry in zip(puts, entries, strict=True):
             if entry is not None:
                 caching.store(entry)
 
@@ -356,6 +376,22 @@ def _speculation(lane: Lane) -> SpeculationConfig | None:
 
 def _failed(request: Generate, error: BaseException) -> GenerationEnded:
     return GenerationEnded(request.request_id, FinishReason.ERROR, error)
+
+
+def _membership(batch: DecodeBatch, leaving: list[str], puts: list[tuple[str, tuple[int, ...]]],
+                joiners: list[tuple[Any, int]]) -> tuple[Decoded | None, list[Any]]:
+    """A settle's lease job: flush, the leavers' prompt-cache entries, leave, join; (flushed tokens, entries).
+
+    The flushed tokens are in the batch order from before the job. A module
+    function over the batch, as `_steps_then` (scale-out runs it on every rank).
+    """
+    decoded = batch.flush_decoded()
+    entries = [batch.cache_entry(rid, tokens) for rid, tokens in puts]
+    if leaving:
+        batch.leave(leaving)
+    if joiners:
+        batch.join_many(joiners)
+    return decoded, entries
 
 
 def _steps_then(batch: DecodeBatch, steps: int, report: Callable[[list[Decoded]], None],

@@ -307,10 +307,12 @@ def run_schedule(engine: tuple[Callable[..., Any], Any, RecordingModel | None], 
             ever_alone.add(fed[0][0])
         previous = _ids(batch.step_decoded())
         logits = batch.last_logits if recorder is None else recorder.last
+        # The forward runs over the batch's row slots (engine/kv/row_slots.py): row i's logits are its slot's.
+        slots = batch.row_slots if recorder is not None else list(range(len(fed)))
         out.max_batch = max(out.max_batch, len(fed))
         for i, (rid, num_fed) in enumerate(fed):
             padded = isinstance(batch, ReferenceBatch) and any(p > 0 for p in batch.left_padding(rid))
-            keep_logits(rid, num_fed + 1 - len(by_id[rid].prompt_ids), logits[i], padded)
+            keep_logits(rid, num_fed + 1 - len(by_id[rid].prompt_ids), logits[slots[i]], padded)
         num_steps += 1
         if on_step is not None:
             on_step(num_steps, batch)

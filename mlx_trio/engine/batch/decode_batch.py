@@ -26,6 +26,15 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
 - **Leave** filters the rows out; full-attention layers drop the padding all
   survivors share. When one row remains it is extracted back to solo caches,
   so B=1 is the serial graph again (measured in `leave`).
+- **Row slots** (engine/kv/row_slots.py): on plain float full-attention
+  layers, with no speculation, quantized KV or adapters, a leave only frees
+  the row's slot and a join writes the joiner into a free one, so neither
+  copies the other rows' KV. A freed slot decodes junk until it is reused:
+  the forward runs over every slot (a gather maps the rows' inputs to their
+  slots and the slots' logits back to the rows, only while some row is not in
+  its own slot), and the rows' state stays in row order as without slots.
+  When more than `MAX_FREE_SLOTS` of the slots are free, a leave compacts them
+  (mlx-lm's `filter`, the path without slots). Every other layout takes that path.
 
 Invariant: every row's KV cache holds exactly the tokens fed so far: its
 prompt, then every token that has been a forward's input (`BatchRow.num_fed`
@@ -57,7 +66,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.batch import compiled_step
 from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, rows_selected
 from mlx_trio.engine.adapters.resident import AdapterUse
-from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_rollback
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_rollback, row_slots
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
@@ -72,6 +81,11 @@ _CLEAR_CACHE_EVERY = 256
 # After a speculative step finds no proposal anywhere, this many plain (pipelined) steps at most
 # run before proposals are looked for again (the wait doubles from 1 while none are found).
 MAX_QUIET_STEPS = 8
+# Row slots (see the module docstring): the slots grow by this fraction of theirs (at least one) when a
+# join finds too few free, and a leave compacts them once more than this share is free. A free slot costs
+# a row's forward every step until a joiner takes it; a compaction copies every row's KV once.
+SLOT_GROWTH = 8
+MAX_FREE_SLOTS = 0.25
 # A read of the register that waited longer than this for the device means the device is the
 # bottleneck: the next reported step reads after its launch (see DecodeBatch.step_decoded).
 DEVICE_BOUND_WAIT_S = 1e-4
@@ -122,8 +136,17 @@ class DecodeBatch:
     """
 
     def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
-                 speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False) -> None:
+                 speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False,
+                 max_rows: int | None = None) -> None:
         self._model = model
+        # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
+        self._max_rows = max_rows
+        self._slots_wanted = row_slots.wanted()
+        # The slot of each row (aligned with _rows), or None: row i is in slot i and every slot holds a row.
+        self._slots: list[int] | None = None
+        self._num_slots = 0
+        # While _slots: (each slot's row, or the dummy row B; each row's slot) as index arrays for the forward.
+        self._slot_take: tuple[mx.array, mx.array] | None = None
         # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
         self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         self._kv_scheme = kv_scheme
@@ -161,6 +184,11 @@ class DecodeBatch:
         return len(self._rows)
 
     @property
+    def row_slots(self) -> list[int]:
+        """Each row's index on the batch axis of the caches and of the model's forward (row slots: see above)."""
+        return list(self._slots) if self._slots is not None else list(range(len(self._rows)))
+
+    @property
     def nbytes(self) -> int:
         """The rows' KV bytes, a draft model's included."""
         drafts = self._speculator.nbytes if self._speculator is not None else 0
@@ -196,9 +224,10 @@ class DecodeBatch:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
 
         One row into an empty batch is adopted (zero copy: it keeps the serial
-        graph); otherwise every layer takes all the joiners in one merge or
-        extend, so the running rows' KV is copied once per settle, not once per
-        joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
+        graph); with row slots the joiners are written into free slots (the
+        running rows' KV is not copied unless a re-layout is due); otherwise
+        every layer takes all the joiners in one merge or extend, so the
+        running rows' KV is copied once per settle, not once per joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
         (the batch is unchanged then); the caller keeps such models serial.
         """
         if self._unread:
@@ -212,12 +241,17 @@ class DecodeBatch:
         if not rows:
             return
         self._convert_for_join(rows)
-        if not self._rows and len(rows) == 1:
+        copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
+        if self._rows and not self._solo and self._slots_usable(rows):
+            copied = self._join_slots(rows)
+        elif not self._rows and len(rows) == 1:
             self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
             self._solo = True
+            self._num_slots = 1
         else:
             if not all(batch_caches.can_batch(row.caches) for row in rows):
                 raise TypeError("this model's caches cannot batch")
+            self._compact()
             if self._rows:
                 running, news, solo = self._caches, rows, self._solo
             else:  # several rows into an empty batch: the first plays the running (solo) row
@@ -226,6 +260,7 @@ class DecodeBatch:
                 batch_caches.join_layer(layer, [row.caches[i] for row in news], running_is_solo=solo)
                 for i, layer in enumerate(running)
             ]
+            self._num_slots = len(self._rows) + len(news) + (0 if self._rows else 1)
             batch_kv.share_offsets(self._caches)
             self._solo = False
         tokens = mx.array([token0 for _, token0 in joiners], dtype=mx.uint32)
@@ -241,10 +276,73 @@ class DecodeBatch:
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
-        # A join copies the whole batch KV (pad + concat): give the replaced buffers back to
-        # the device now, or the allocator's cache holds one stale copy per join.
+        # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
+        # the device now, or the allocator's cache holds one stale copy per join. A join into free
+        # slots replaced none: the allocator keeps its cache for the next steps.
         mx.eval(self._caches_state())
-        mx.clear_cache()
+        if copied:
+            mx.clear_cache()
+
+    def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
+        """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
+        return (self._slots_wanted and self._speculator is None and not self._kv_scheme.quantized
+                and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
+                and row_slots.supports_slots(self._caches) and row_slots.can_fill([row.caches for row in joiners]))
+
+    def _join_slots(self, rows: Sequence[SoloRow]) -> bool:
+        """Write the joiners into free slots (more slots when too few are free); whether every row was copied."""
+        slots = self._slots if self._slots is not None else list(range(len(self._rows)))
+        taken = set(slots)
+        free = [s for s in range(self._num_slots) if s not in taken]
+        num_slots = self._num_slots
+        if len(free) < len(rows):
+            need = num_slots + len(rows) - len(free)
+            num_slots = max(need, min(num_slots + max(1, num_slots // SLOT_GROWTH), self._max_rows or need))
+            free += list(range(self._num_slots, num_slots))
+        copied = row_slots.write_rows(self._caches, free[:len(rows)], [row.caches for row in rows], num_slots)
+        self._num_slots = num_slots
+        self._set_slots([*slots, *free[:len(rows)]])
+        return copied
+
+    def _leave_slots(self, keep: list[int]) -> bool:
+        """The rows `keep` stay in their slots, compacted (mlx-lm's filter) once `MAX_FREE_SLOTS` are free;
+        whether every row was copied (compacted, or its shared front cut)."""
+        slots = self._slots if self._slots is not None else list(range(len(self._rows)))
+        kept = [slots[i] for i in keep]
+        if self._num_slots - len(kept) > MAX_FREE_SLOTS * self._num_slots:
+            for cache in self._caches:
+                batch_caches.filter_layer(cache, kept)
+            batch_kv.share_offsets(self._caches)
+            self._num_slots = len(kept)
+            self._set_slots(None)
+            return True
+        trimmed = row_slots.trim_front(self._caches, kept)
+        self._set_slots(kept)
+        return trimmed
+
+    def _compact(self) -> None:
+        """Back to one row per slot, in row order (mlx-lm's filter), before a path that knows no slots."""
+        if self._slots is not None:
+            for cache in self._caches:
+                batch_caches.filter_layer(cache, self._slots)
+            batch_kv.share_offsets(self._caches)
+            self._num_slots = len(self._slots)
+            self._set_slots(None)
+
+    def _set_slots(self, slots: list[int] | None) -> None:
+        if slots is not None and slots == list(range(self._num_slots)):
+            slots = None
+        self._slots = slots
+        if slots is None:
+            self._slot_take = None
+            return
+        row_of = [len(slots)] * self._num_slots  # a free slot reads the dummy input after the rows'
+        for row, slot in enumerate(slots):
+            row_of[slot] = row
+        self._slot_take = mx.array(row_of), mx.array(slots)
+
+    def _slot(self, index: int) -> int:
+        return self._slots[index] if self._slots is not None else index
 
     def steps_decoded(self, count: int, report: Report | None = None) -> list[Decoded | None]:
         """`step_decoded()` `count` times in a row (one lease job; see actors/decode_step.steps_per_job).
@@ -330,7 +428,15 @@ class DecodeBatch:
         return previous
 
     def _forward(self, inputs: mx.array) -> mx.array:
-        """One step's logits `[B, V]`: compiled where it covers the caches, else the model's own graph."""
+        """One step's logits `[B, V]` (rows in row order), over every slot while some row is not in its own."""
+        if self._slot_take is None:
+            return self._forward_slots(inputs)
+        row_of, slots = self._slot_take
+        padded = mx.concatenate([inputs, mx.zeros((1,), inputs.dtype)])
+        return self._forward_slots(padded[row_of])[slots]
+
+    def _forward_slots(self, inputs: mx.array) -> mx.array:
+        """One step's logits `[slots, V]`: compiled where it covers the caches, else the model's own graph."""
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
         if self._compiled is not None and compiled_step.covers(self._caches):
             logits = self._compiled(inputs, self._caches)
@@ -478,14 +584,21 @@ class DecodeBatch:
             return
         if len(keep) == len(self._rows):
             return
+        copied = not self._solo
         if not self._solo:
             if len(keep) == 1 and batch_caches.can_extract(self._caches):
-                self._caches = [batch_caches.extract_layer(c, keep[0]) for c in self._caches]
+                self._caches = [batch_caches.extract_layer(c, self._slot(keep[0])) for c in self._caches]
                 self._solo = True
+                self._num_slots = 1
+                self._set_slots(None)
+            elif self._slots_usable():
+                copied = self._leave_slots(keep)
             else:
                 for cache in self._caches:
-                    batch_caches.filter_layer(cache, keep)
+                    batch_caches.filter_layer(cache, [self._slot(i) for i in keep])
                 batch_kv.share_offsets(self._caches)
+                self._num_slots = len(keep)
+                self._set_slots(None)
         self._rows = [self._rows[i] for i in keep]
         kept = set(keep)
         release_all([use for i, use in enumerate(self._adapters) if i not in kept])
@@ -498,7 +611,8 @@ class DecodeBatch:
         if self._unread_logprobs is not None:
             self._unread_logprobs = self._unread_logprobs.keep(keep)
         mx.eval(self._caches_state())
-        mx.clear_cache()  # as in join: the filtered-out copies go back to the device
+        if copied:
+            mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
     def _caches_state(self) -> list[Any]:
         return [c.state for c in self._caches]
@@ -518,7 +632,7 @@ class DecodeBatch:
         if self._solo:
             caches = list(self._caches)
         else:
-            caches = [batch_caches.extract_layer(c, index) for c in self._caches]
+            caches = [batch_caches.extract_layer(c, self._slot(index)) for c in self._caches]
         excess = num_fed - len(tokens)
         if excess > 0:
             if not cache_clone.trimmable(caches):
@@ -535,6 +649,8 @@ class DecodeBatch:
         self._selected = BASE_ROWS
         self._caches = []
         self._solo = False
+        self._num_slots = 0
+        self._set_slots(None)
         self._inputs = None
         self._unread = False
         self._unread_logprobs = None
