@@ -106,7 +106,9 @@ async def test_a_decoder_restart_resumes_quantized_rows(monkeypatch) -> None:
     results, decode, reserved = await _two_requests_through_a_fault(path, **Q4)
     assert decode["restarts"] == 1 and reserved == 0
     for prompt, first, got in zip(prompts, uninterrupted, results, strict=True):
-        resumed = [first[:k] + _serial(path, prompt + list(first[:k]), 30 - k, **Q4) for k in range(1, 8)]
+        # Which step fails depends on when the second request joins (later on a loaded box): any k from
+        # token 0 to the whole answer, but the rest is always the serial run of the longer prompt.
+        resumed = [first[:k] + _serial(path, prompt + list(first[:k]), 30 - k, **Q4) for k in range(1, 31)]
         assert got in resumed
 
 
