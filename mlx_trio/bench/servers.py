@@ -170,7 +170,10 @@ class ManagedServer:
             try:
                 proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                log.warning("%s: pid %d ignored SIGTERM; killing it", self.name, proc.pid)
+                # Our server drains in-flight streams on SIGTERM (--shutdown-timeout): with clients still
+                # connected (a cut run) that can outlast the grace period.
+                log.warning("%s: pid %d still running %.0f s after SIGTERM; killing it", self.name, proc.pid,
+                            STOP_GRACE_S)
                 proc.kill()
                 proc.wait()
         if self._log is not None:
