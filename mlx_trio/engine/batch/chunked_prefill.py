@@ -15,7 +15,9 @@ chunk at ~6k context: 24-38 ms on a new context, 16-27 ms on a seen one;
 docs/benchmarks.md, ninth pass). A chunk's key length is the context it
 ends at, new for nearly every chunk of every prompt. On the grid, every chunk ends
 at a multiple of `grid` tokens and holds a multiple of `grid` (one of
-`GRID_MULTIPLES`), so prompts walk the same few shapes again. A piece shorter than a grid step (the prompt's tail, or up to a
+`GRID_MULTIPLES`), so prompts walk the same few shapes again; a chunk asked
+for less than a step (a small `--prefill-chunk-ms`) still takes a whole one.
+A piece shorter than a grid step (the prompt's tail, or up to a
 snapshot boundary) is padded to one with dummy tokens, computed and then
 trimmed from the cache: causal attention keeps them out of every real
 token's result, and the next chunk overwrites their slots. A chunk that
@@ -122,14 +124,20 @@ class ChunkedPrefill:
 
     def chunk(self, limit: int | None = None) -> mx.array | None:
         """Prefill up to `step_size` (or `limit`, if smaller) tokens into the caches; return them, or None when done."""
-        n = min(self._step_size, self.remaining, limit or self._step_size)
+        # `most`: what the prompt allows (its tokens, the step size, a snapshot boundary); `limit` only asks.
+        most = min(self._step_size, self.remaining)
         if self._split_at is not None and self.fed < self._split_at:
-            n = min(n, self._split_at - self.fed)
+            most = min(most, self._split_at - self.fed)
+        n = min(most, limit or self._step_size)
         if n == 0:
             return None
         pad = 0
         if self._grid:
-            n, pad = grid_chunk(self.fed, n, self._grid)
+            # A gridded chunk computes at least one grid step (or up to the next grid point) whatever
+            # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
+            # padded to a step cost the same and left the next chunks off the grid, each a new shape
+            # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/benchmarks.md).
+            n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid)
             if self.fed % self._grid == 0:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)

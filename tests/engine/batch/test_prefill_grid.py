@@ -73,6 +73,28 @@ def test_a_gridded_prefill_leaves_the_row_where_mlx_lm_chunks_leave_it(length: i
     assert plain.token0 == gridded.token0
 
 
+def test_a_chunk_asked_for_less_than_a_grid_step_takes_a_whole_one_and_stays_on_the_grid() -> None:
+    """A small limit (a chunk sizer that expects costly chunks) must not pad each chunk and walk off the grid:
+    every chunk but the tail is a whole step of real tokens, and the row ends as mlx-lm's chunks leave it."""
+    model = load(str(tiny_model(LLAMA)))[0]
+    prompt = _prompt(3, 100)
+    plain, _ = _run(model, prompt, grid=0, limit=4)
+    gridded, ends = _run(model, prompt, grid=16, limit=4)
+    assert ends == [16, 32, 48, 64, 80, 96, 99]  # 16 real tokens a chunk although 4 were asked
+    assert gridded.caches[0].offset == 100
+    for a, b in zip(_kv(plain), _kv(gridded), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
+    assert plain.token0 == gridded.token0
+
+
+def test_after_an_off_grid_start_a_small_chunk_goes_to_the_next_grid_point() -> None:
+    model = load(str(tiny_model(LLAMA)))[0]
+    prompt = _prompt(4, 60)
+    row = SoloRow(model, "r", prompt, GREEDY, prefill_grid=16)
+    row.prefill_chunk(5)  # on the grid at 0: a whole step
+    assert row.fed == 16
+
+
 def test_a_sliding_window_model_keeps_mlx_lm_chunks_on_the_grid() -> None:
     """A dummy token would enter a rotating window's state: the grid stays off for such caches."""
     model = load(str(tiny_model(LLAMA_SWA)))[0]
