@@ -81,9 +81,10 @@ MAX_TRACES = 64
 def compile_wanted(requested: bool | None) -> bool:
     """Whether decode steps compile: asked for (no `--no-compile`) and not killed by `MLX_TRIO_NO_COMPILE=1`.
 
-    None (the configuration's default) means on the CPU only: on MLX's CUDA backend the compiled
-    forward's masked attention cannot use the fused decode kernel, and no H200 run has shown it
-    faster yet (docs/benchmarks.md).
+    None (the configuration's default) means on the CPU only, and there for lone rows only
+    (`DecodeBatch`): on MLX's CUDA backend the compiled forward's masked attention cannot use the
+    fused decode kernel and loses at B=1 and B=64 on an H200, and over a CPU batch it attends the whole
+    masked buffer (docs/benchmarks.md, "Compiled decode step").
     """
     if requested is None:
         requested = mx.default_device() != mx.gpu

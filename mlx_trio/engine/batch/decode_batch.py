@@ -149,6 +149,10 @@ class DecodeBatch:
         self._slot_take: tuple[mx.array, mx.array] | None = None
         # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
         self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
+        # The default (None) compiles a lone row's steps only: over a batch the compiled forward attends the
+        # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
+        # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
+        self._compile_batches = compile_decode is True
         self._kv_scheme = kv_scheme
         # Speculation needs caches whose rows can drop a tail (full attention, bf16 or quantized); else none.
         self._speculator = (speculation.speculator() if speculation is not None
@@ -438,7 +442,8 @@ class DecodeBatch:
     def _forward_slots(self, inputs: mx.array) -> mx.array:
         """One step's logits `[slots, V]`: compiled where it covers the caches, else the model's own graph."""
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
-        if self._compiled is not None and compiled_step.covers(self._caches):
+        if (self._compiled is not None and (self._compile_batches or self._solo)
+                and compiled_step.covers(self._caches)):
             logits = self._compiled(inputs, self._caches)
             if logits is not None:
                 return logits

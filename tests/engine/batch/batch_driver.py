@@ -37,7 +37,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  entries: dict[str, CacheEntry | None] | None = None,
                  steps: list[Decoded] | None = None,
                  adapter_of: Callable[[str], Any] | None = None,
-                 compile_decode: bool = False) -> dict[str, Outcome]:
+                 compile_decode: bool | None = False) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
 
     `compile_decode` steps through the compiled forward where it covers the caches (engine/batch/compiled_step.py).

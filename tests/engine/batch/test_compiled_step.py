@@ -63,10 +63,12 @@ class _Counting:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
+        self.rows: list[int] = []  # each call's rows
         original = compiled_step.CompiledForward.__call__
 
         def counted(forward: compiled_step.CompiledForward, inputs: Any, caches: Any) -> Any:
             self.calls += 1
+            self.rows.append(int(inputs.shape[0]))
             return original(forward, inputs, caches)
 
         monkeypatch.setattr(compiled_step.CompiledForward, "__call__", counted)
@@ -214,3 +216,15 @@ def test_traces_are_bounded_and_rebuilt_on_demand(monkeypatch: pytest.MonkeyPatc
         assert mx.array_equal(forward(tokens, got_caches), want).item()
         tokens = mx.argmax(want, axis=-1).astype(mx.uint32)
     assert forward._compiled is not functions[0] and len(forward._traced) == 1
+
+
+def test_by_default_only_a_lone_row_steps_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_decode=None (the CPU's default) compiles a lone row's steps, not a batch's: over a batch the
+    compiled forward attends the whole masked buffer, which cost more than it saved at B=64."""
+    model = _load("llama")
+    counting = _Counting(monkeypatch)
+    run_schedule(model, SCHEDULES["batch"], eos=(), prefill_step_size=64, compile_decode=None)
+    assert counting.rows and set(counting.rows) == {1}  # "a" decodes alone, then the batch steps uncompiled
+    counting.rows.clear()
+    run_schedule(model, SCHEDULES["batch"], eos=(), prefill_step_size=64, compile_decode=True)
+    assert max(counting.rows) > 1
