@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
              "chunk, as mlx-lm (default: %(default)s)")
     arg("--no-compile", action="store_true",
         help="run every decode step's forward uncompiled, as before compiled steps (so does the environment "
-             "variable MLX_TRIO_NO_COMPILE=1; default: compiled on the CPU where the model's caches allow, not yet on a "
-             "GPU, never while adapters are served)")
+             "variable MLX_TRIO_NO_COMPILE=1; default: a lone row's steps compiled on the CPU where the model's caches "
+             "allow, never on a GPU or while adapters are served)")
     arg("--max-tokens", type=positive_int, default=512, help="default max_tokens of a request (default: %(default)s)")
     arg("--temp", type=float, default=0.0, help="default sampling temperature; 0 is greedy (default: %(default)s)")
     arg("--top-p", type=float, default=1.0, help="default nucleus sampling threshold (default: %(default)s)")
