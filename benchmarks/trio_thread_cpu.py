@@ -35,36 +35,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of `pid`: its name and its CPU seconds (user + system) so far."""
-    out: dict[int, tuple[str, float]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-            name = (task / "comm").read_text().strip()
-        except OSError:
-            continue  # the thread ended meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK)
-    return out
-
 
 # ---- the client process ------------------------------------------------------------------------------
 
@@ -138,11 +114,18 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0
 
 
 def measure(pid: int, url: str, concurrency: int, requests: int, tokens: int, eos: list[int]) -> dict[str, Any]:
-    before, t0 = thread_cpu(pid), time.perf_counter()
+    # Imported here: the child processes of --micro and --profile import another checkout's package.
+    from mlx_trio.profiling.thread_cpu import tasks
+
+    before, t0 = tasks(pid), time.perf_counter()
     got = run_clients(url, concurrency, requests, tokens, eos)
-    after, wall = thread_cpu(pid), time.perf_counter() - t0
-    trio_s = after[pid][1] - before.get(pid, ("", 0.0))[1]
-    other_s = sum(cpu - before.get(tid, ("", 0.0))[1] for tid, (_, cpu) in after.items() if tid != pid)
+    after, wall = tasks(pid), time.perf_counter() - t0
+
+    def spent(tid: int) -> float:
+        return after[tid].cpu_s - (before[tid].cpu_s if tid in before else 0.0)
+
+    trio_s = spent(pid)
+    other_s = sum(spent(tid) for tid in after if tid != pid)
     n = max(got["tokens"], 1)
     return {"concurrency": concurrency, "tokens": got["tokens"], "events": got["events"], "wall_s": wall,
             "trio_us_per_token": 1e6 * trio_s / n, "other_us_per_token": 1e6 * other_s / n,
@@ -181,6 +164,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--micro-child", str(args.micro_tokens)],
                        env={**os.environ, "PYTHONPATH": src}, cwd=src, check=True)
         return None
+    from mlx_trio.bench.servers import free_port
     from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
     model = args.model or str(tiny_model(LLAMA))
