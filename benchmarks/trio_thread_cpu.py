@@ -258,6 +258,7 @@ def serve_profiled(out: str, argv: list[str]) -> None:
     import collections
     import threading
 
+    # Its own counting, not mlx_trio.profiling's: this process imports the --src checkout, which may predate it.
     from mlx_trio.cli import main as cli_main
 
     main_id = threading.get_ident()
