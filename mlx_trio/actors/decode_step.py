@@ -177,13 +177,8 @@ class DecodeStepActor:
         if not joins and not leaving:
             return
         ids = batch.request_ids
-        puts = self._puts(leaving)
         # One join for every waiting row: the running rows' KV is copied once at most, not once per joiner.
-        decoded, entries = await self._lease.run(_membership, batch, leaving, [(rid, tokens) for rid, tokens, _ in puts],
-                                                 [(join.row, join.token0) for join in self._joining])
-        self._stored(puts, entries)
-        for rid in leaving:
-            self._lane.end_request(self._rows.pop(rid).request)
+        decoded = await self._change_membership(leaving, [(join.row, join.token0) for join in self._joining])
         for join in self._joining:
             self._rows[join.request.request_id] = RunningRow(join.request, generated=[join.token0])
         self._joining = []
@@ -191,13 +186,23 @@ class DecodeStepActor:
             self._emit(ids, [decoded])  # rows that left are gone: their wasted tokens are dropped
         finished = [rid for rid, row in self._rows.items() if row.done]
         if finished:
-            puts = self._puts(finished)
-            _, entries = await self._lease.run(_membership, batch, finished, [(rid, tokens) for rid, tokens, _ in puts],
-                                               [])
-            self._stored(puts, entries)
-            for rid in finished:
-                self._lane.end_request(self._rows.pop(rid).request)
+            await self._change_membership(finished, [])
         self._kv_bytes = batch.nbytes
+
+    async def _change_membership(self, leaving: list[str], joiners: list[tuple[Any, int]]) -> Decoded | None:
+        """One `_membership` lease job: the leavers' prompt-cache puts, leave, join; end the leavers.
+
+        Returns the tokens the job flushed (batch order from before it), or None.
+        """
+        puts = self._puts(leaving)
+        decoded, entries = await self._lease.run(_membership, self._batch, leaving,
+                                                 [(rid, tokens) for rid, tokens, _ in puts], joiners)
+        for (_, _, caching), entry in zip(puts, entries, strict=True):
+            if entry is not None:
+                caching.store(entry)
+        for rid in leaving:
+            self._lane.end_request(self._rows.pop(rid).request)
+        return decoded
 
     def _puts(self, leaving: list[str]) -> list[tuple[str, tuple[int, ...], Any]]:
         """Finish-time put (docs/design.md §6.3): the leaving rows whose KV goes to the prompt cache.
@@ -217,12 +222,6 @@ class DecodeStepActor:
                 continue
             puts.append((rid, row.request.prompt_ids + tuple(row.generated), caching))
         return puts
-
-    @staticmethod
-    def _stored(puts: list[tuple[str, tuple[int, ...], Any]], entries: list[Any]) -> None:
-        for (_, _, caching), entry in zip(puts, entries, strict=True):
-            if entry is not None:
-                caching.store(entry)
 
     async def _run_steps(self) -> None:
         """Decode until membership must change: a lease chain of step jobs (`GpuLease.chain`).
