@@ -47,8 +47,6 @@ from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 
 # Set to 1 for mlx-lm's filter / extend on every join and leave (the kill switch; benchmarks/churn.py's A/B).
 KILL_SWITCH = "MLX_TRIO_NO_ROW_SLOTS"
-# mlx-lm's KV buffer step: a re-layout rounds the capacity up to it, as mlx-lm's growth would.
-_STEP = 256
 # Cut the front every live row has as padding once it reaches this share of the batch's positions.
 TRIM_SHARE = 0.25
 
@@ -117,7 +115,7 @@ def _relayout(cache: HostPaddedBatchKVCache, num_slots: int, shift: int) -> None
     """
     idx, rows = cache._idx, min(num_slots, len(cache.host_padding))
     new_idx = idx + shift
-    capacity = -(-(new_idx + 1) // _STEP) * _STEP
+    capacity = -(-(new_idx + 1) // cache.step) * cache.step  # mlx-lm's buffer step, as its growth would round
     keep_from = max(0, -shift)
     for name in ("keys", "values"):
         old = getattr(cache, name)
