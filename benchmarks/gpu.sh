@@ -334,8 +334,8 @@ for m in $MODELS; do
   ;; esac
   case " $PARTS " in *" speculative "*)
     script_part speculative "${SPEC_LIMIT_S:-150}" "speculative, $m: prompt lookup and scripted proposals, B=1/4/16" \
-      $PY benchmarks/speculative.py --model "$dir" --batches 1,4,16 --file-tokens 2000 --tokens 256 \
-      --json "$RESULTS/speculative-$m.json"
+      $PY benchmarks/speculative.py --model "$dir" --batches "${SPEC_BATCHES:-1,4,16}" --file-tokens 2000 --tokens 256 \
+      --json "$RESULTS/speculative-$m.json" ${SPEC_ARGS:-}
   ;; esac
   case " $PARTS " in *" spechttp "*)
     lim=$(budget "${SPEC_HTTP_LIMIT_S:-240}")

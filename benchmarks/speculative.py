@@ -36,6 +36,18 @@ against ``plain`` (greedy speculation must not change a token).
 
 tok/s counts `--tokens` per row over the decode window (after every row
 joined, until every row has its tokens). Steps are model forwards.
+
+Attention runs as the engine runs it (`prepare_thread`: on CUDA MLX's own
+kernels unless MLX_TRIO_ATTENTION_BACKEND / MLX_CUDA_USE_CUDNN_SDPA say
+otherwise). Before this, the script ran MLX's default (cuDNN on CUDA), where
+every verify forward, a few queries at a new key length, builds a new cuDNN
+plan: the ~50 ms speculative steps of the tenth H200 pass.
+
+``--phases`` adds, per source, where a step's time goes: each piece of the
+speculative step (the target's forward, the sampler's calls, the proposer,
+the rollback) is evaluated and timed on its own. The forced evaluations
+serialise what the real step overlaps, so the pieces add up to more than
+the step; they say which piece is large, not the step's speed.
 """
 
 from __future__ import annotations
@@ -51,7 +63,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm import load
 
+from mlx_trio.engine.batch import decode_batch as decode_batch_module
 from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.params import SamplingParams
@@ -81,8 +95,62 @@ def _prompts(batch: int, file_tokens: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(file_tokens)] + instruction for _ in range(batch)]
 
 
+class _Phases:
+    """Seconds per piece of the speculative step: each wrapped call is evaluated and timed alone."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, fn: Any, evaluate: Any = None) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(_arrays(out if evaluate is None else evaluate(args)))
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+        return timed
+
+    def instrument(self, batch: DecodeBatch) -> None:
+        """Time the batch's pieces (instance attributes of this one batch; the module's rollback function)."""
+        batch._model = self.wrap("target forward", batch._model)
+        sampler = batch._sampler
+        for name in ("sample", "masks_along", "allowed_proposals", "checkpoint", "rewind", "accept_runs", "accept"):
+            setattr(sampler, name, self.wrap(f"sampler.{name}", getattr(sampler, name)))
+        if batch._speculator is not None:
+            for name in ("proposals", "extend"):
+                setattr(batch._speculator, name, self.wrap(f"proposer.{name}", getattr(batch._speculator, name)))
+        step = batch.step_speculative
+        batch.step_speculative = self.wrap("whole step (timed pieces inside)", step)
+
+    def report(self, steps: int) -> dict[str, float]:
+        return {name: 1000 * sec / max(1, steps) for name, sec in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+
+
+def _arrays(out: Any) -> list[mx.array]:
+    """The arrays in `out` (nested lists / tuples), for `mx.eval`."""
+    if isinstance(out, mx.array):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [a for item in out for a in _arrays(item)]
+    return []
+
+
+class _TimedRollback:
+    """`row_rollback` as decode_batch sees it, with `roll_back_rows` evaluated and timed (``--phases``)."""
+
+    def __init__(self, module: Any, phases: _Phases) -> None:
+        self._module = module
+        self.roll_back_rows = phases.wrap("rollback", module.roll_back_rows,
+                                          evaluate=lambda args: [c.state for c in args[0]])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 def _run(model: Any, prompts: list[list[int]], tokens: int, speculation: SpeculationConfig | None,
-         prefill_step_size: int) -> dict[str, Any]:
+         prefill_step_size: int, phases: _Phases | None = None) -> dict[str, Any]:
     params = SamplingParams(max_tokens=tokens + 64)
     batch = DecodeBatch(model, speculation=speculation)
     out: list[list[int]] = []
@@ -93,6 +161,8 @@ def _run(model: Any, prompts: list[list[int]], tokens: int, speculation: Specula
         out.append([row.first_token()])
         batch.join_many([(row, out[-1][0])])
     steps = proposed = accepted = 0
+    if phases is not None and speculation is not None:
+        phases.instrument(batch)
     start = time.perf_counter()
     while min(len(t) for t in out) < tokens:
         for decoded in batch.steps_decoded(1):
@@ -112,6 +182,7 @@ def _run(model: Any, prompts: list[list[int]], tokens: int, speculation: Specula
     batch.close()
     mx.clear_cache()
     return {"tok_s": len(prompts) * (tokens - 1) / elapsed, "steps": steps, "proposed": proposed,
+            **({"phases_ms_per_step": phases.report(steps)} if phases is not None and speculation is not None else {}),
             "accepted": accepted, "acceptance": accepted / proposed if proposed else 0.0,
             "tokens": [t[:tokens] for t in out]}
 
@@ -151,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--draft", help="a draft model directory (same tokenizer) for the `draft` source")
     parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--phases", action="store_true",
+                        help="also run each source once more with its step's pieces timed alone (ms per step)")
     args = parser.parse_args(argv)
+    prepare_thread()  # the engine's attention settings, before the first attention runs
     if args.tiny:
         from mlx_trio.testing.tiny_models import LLAMA, tiny_model
         model_dir = str(tiny_model(LLAMA))
@@ -165,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.args.vocab_size if hasattr(model, "args") else 512
     vocab = min(vocab, 1000)  # ids the tokenizer surely has (the random file needs no meaning)
     rows = []
-    print(f"model {model_dir} | device {mx.default_device()} | file {args.file_tokens} tokens | "
+    print(f"model {model_dir} | device {mx.default_device()} | attention {chosen_backend()} | "
+          f"file {args.file_tokens} tokens | "
           f"{args.tokens} tokens/row | K={args.k} | edit every {args.edit_every}", flush=True)
     print("| B | source | tok/s | × plain | steps | tokens/step/row | acceptance | exact |")
     print("|---|---|---|---|---|---|---|---|")
@@ -194,6 +269,17 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             rows.append({"B": B, "source": name, **{k: v for k, v in result.items() if k != "tokens"},
                          "exact": exact})
+            if args.phases and speculation is not None:
+                phases = _Phases()
+                real = decode_batch_module.row_rollback
+                decode_batch_module.row_rollback = _TimedRollback(real, phases)
+                try:
+                    timed = _run(model, prompts, args.tokens, speculation, args.prefill_step_size, phases)
+                finally:
+                    decode_batch_module.row_rollback = real
+                pieces = ", ".join(f"{k} {v:.2f}" for k, v in timed["phases_ms_per_step"].items())
+                print(f"|   | {name} pieces (ms per step, each evaluated alone) | {pieces} |", flush=True)
+                rows[-1]["phases_ms_per_step"] = timed["phases_ms_per_step"]
         if B == 1:
             for name, result in _mlx_lm(model, prompts[0], args.tokens, args.k, args.prefill_step_size).items():
                 exact = result["tokens"] == plain["tokens"][0]
