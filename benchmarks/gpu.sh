@@ -22,6 +22,8 @@
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
 #   verify: benchmarks/verify_shapes.py, what a speculative verify forward (L=3/4) costs at new, seen and grid key
 #           lengths (issue #23). PARTS=verify, <= VERIFY_LIMIT_S (120).
+#   smallm: benchmarks/small_m_ops.py, one forward's ops (projections, LM head, attention, RoPE, RMSNorm) at
+#           L=1..8 tokens: where a verify forward's extra time goes (issues #23, #25). PARTS=smallm, <= 90 s.
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
 #   cudnn:  prefill-only cuDNN attention (issue #19): benchmarks/prefill_shapes.py with MLX's own kernels, then
@@ -388,6 +390,10 @@ for m in $MODELS; do
   case " $PARTS " in *" verify "*)
     script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
       $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,3,4
+  ;; esac
+  case " $PARTS " in *" smallm "*)
+    script_part smallm "${SMALLM_LIMIT_S:-90}" "small-M ops, $m: one forward's ops at L=1..8" \
+      $PY benchmarks/small_m_ops.py --shape llama-1b ${SMALLM_ARGS:-}
   ;; esac
   case " $PARTS " in *" churn "*)
     # The served churn A/B (row slots on/off, alternated), then the membership change alone (--rows-only).
