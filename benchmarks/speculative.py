@@ -41,7 +41,9 @@ Attention runs as the engine runs it (`prepare_thread`: on CUDA MLX's own
 kernels unless MLX_TRIO_ATTENTION_BACKEND / MLX_CUDA_USE_CUDNN_SDPA say
 otherwise). Before this, the script ran MLX's default (cuDNN on CUDA), where
 every verify forward, a few queries at a new key length, builds a new cuDNN
-plan: the ~50 ms speculative steps of the tenth H200 pass.
+plan: the ~50 ms speculative steps of the tenth H200 pass. Each source first
+runs 16 tokens on the same rows (kernels compiled, as the server's warm-up
+compiles them), then the timed run.
 
 ``--phases`` adds, per source, where a step's time goes: each piece of the
 speculative step (the target's forward, the sampler's calls, the proposer,
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         if draft is not None:
             sources["draft"] = SpeculationConfig.draft(draft, args.k)
         for name, speculation in sources.items():
+            if name != "plain":  # its kernels compiled first, as the server's warm-up does (engine/batch/warmup.py)
+                _run(model, prompts, 16, speculation, args.prefill_step_size)
             result = plain if name == "plain" else _run(model, prompts, args.tokens, speculation,
                                                         args.prefill_step_size)
             exact = result["tokens"] == plain["tokens"]

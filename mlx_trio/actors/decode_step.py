@@ -28,7 +28,9 @@ import trio
 from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
+from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
+from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.errors import ActorCrashed
 from mlx_trio.events import FinishReason
@@ -136,7 +138,7 @@ class DecodeStepActor:
         try:
             self._model = await self._lane.wait_model()
             self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
-                                                        _speculation(self._lane),
+                                                        speculation_for(self._lane.config, self._lane.model),
                                                         compile_decode=self._model.compile_decode,
                                                         max_rows=self._lane.config.batch))
             while True:
@@ -362,9 +364,8 @@ class DecodeStepActor:
         self._kv_bytes = 0
 
 
-def _speculation(lane: Lane) -> SpeculationConfig | None:
-    """How this lane's batch speculates (--draft-model, else --prompt-lookup), or None."""
-    config, model = lane.config, lane.model
+def speculation_for(config: EngineConfig, model: LoadedModel | None) -> SpeculationConfig | None:
+    """How a lane's batch speculates (--draft-model, else --prompt-lookup), or None."""
     if model is not None and model.draft is not None:
         return SpeculationConfig.draft(model.draft, config.num_draft_tokens, prefill_step_size=config.prefill_step_size,
                                        vocab_size=model.vocab_size)

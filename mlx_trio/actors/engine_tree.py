@@ -32,7 +32,7 @@ import trio
 from mlx_trio.actors.admission import AdmissionActor, Limits
 from mlx_trio.actors.cache_persistence import ACTOR_ID as PERSISTENCE_ID
 from mlx_trio.actors.cache_persistence import CachePersistenceActor, PersistenceStatistics, store_opener
-from mlx_trio.actors.decode_step import DecodeStepActor
+from mlx_trio.actors.decode_step import DecodeStepActor, speculation_for
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.prefill import PrefillActor
@@ -332,7 +332,7 @@ class EngineActors:
         start = time.monotonic()
         try:
             ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme,
-                                  model.compile_decode)
+                                  model.compile_decode, speculation_for(self.config, model))
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)

@@ -10,6 +10,12 @@ join with padding, reported steps, leave, extract) compile those kernels before 
 request arrives. The CPU backend compiles nothing at first use, so the
 engine warms up only on a GPU (`warm_up_gpu`). With quantized KV the rows
 go through twice: bf16 (rows before the start) and quantized from the start.
+A server that speculates (`--prompt-lookup`, `--draft-model`) takes the rows
+through speculative steps too: verify forwards of K+1 queries, per-row
+rollback, the draft's own prefill and steps. Without that, the first
+speculative requests on a fresh H200 paid the compiles: a same-model draft
+decoded at 58 tok/s over its first 256 tokens where the warm steps ran at
+about 150 (benchmarks/speculative.py, docs/benchmarks.md).
 
 Runs on the lease thread.
 """
@@ -28,6 +34,7 @@ from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.params import SamplingParams
 
 # Prompt lengths: past one 256-token KV buffer step and one token (these two prefill as a cohort),
@@ -37,33 +44,40 @@ _STEPS = 3
 
 
 def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(),
-                compile_decode: bool | None = False) -> bool:
+                compile_decode: bool | None = False, speculation: SpeculationConfig | None = None) -> bool:
     """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return False
     warm_up(model, vocab_size, compile_decode=compile_decode)
     if kv_scheme.quantized:
         warm_up(model, vocab_size, attrs.evolve(kv_scheme, start=0), compile_decode=compile_decode)
+    if speculation is not None:
+        warm_up(model, vocab_size, kv_scheme, compile_decode=compile_decode, speculation=speculation)
     return True
 
 
 def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(), *,
-            compile_decode: bool | None = False) -> None:
+            compile_decode: bool | None = False, speculation: SpeculationConfig | None = None) -> None:
     """Take a few random rows through prefill, join, steps and leave, then free everything.
 
     With `compile_decode` the steps run compiled, so the fused kernels are built here (a new
-    `(B, capacity)` later only retraces: engine/batch/compiled_step.py).
+    `(B, capacity)` later only retraces: engine/batch/compiled_step.py). With `speculation`
+    the steps are speculative; prompt lookup is stood in for by a proposer that always
+    proposes (a random prompt may give lookup nothing to propose, and the verify forward,
+    not the lookup, is what compiles), a draft model proposes itself.
     """
     rng = random.Random(0)
     top = max(min(vocab_size, 1000), 4)
     params = [SamplingParams(max_tokens=_STEPS * 4), SamplingParams(max_tokens=_STEPS * 4),
               SamplingParams(max_tokens=_STEPS * 4, temperature=0.7, top_p=0.9, seed=0)]
+    if speculation is not None and speculation.draft_model is None:
+        speculation = attrs.evolve(speculation, proposers=partial(_Proposing, token=top - 1))
     makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p,
                       kv_scheme=kv_scheme)
               for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
     outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
     rows = [row for row in outcomes if isinstance(row, SoloRow)]
-    batch = DecodeBatch(model, kv_scheme, compile_decode=compile_decode)
+    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode)
     try:
         for failed in outcomes:
             if isinstance(failed, Exception):
@@ -89,6 +103,19 @@ def _decode(batch: DecodeBatch, rows: list[SoloRow]) -> None:
     _steps(batch)
     batch.leave([first.request_id])
     _steps(batch)
+
+
+class _Proposing:
+    """A row proposer that always proposes `k` copies of one token (the warm-up's prompt lookup)."""
+
+    def __init__(self, _request_id: str, _tokens: object, *, token: int) -> None:
+        self._token = token
+
+    def extend(self, _tokens: object) -> None:
+        pass
+
+    def propose(self, k: int) -> list[int]:
+        return [self._token] * k
 
 
 def _token0(row: SoloRow) -> int:
