@@ -36,7 +36,7 @@ async def _workload(model: str, requests: int, tokens: int) -> dict[str, Any]:
     from mlx_trio.events import Finished, TextDelta
 
     async with open_engine(model, batch=requests) as engine:
-        await engine.complete(WORDS, max_tokens=4)  # warm-up: the first graphs
+        await engine.complete(_chat(WORDS), max_tokens=4)  # warm-up: the first graphs
         ttft: list[float] = []
         generated = 0
 
@@ -44,7 +44,7 @@ async def _workload(model: str, requests: int, tokens: int) -> dict[str, Any]:
             nonlocal generated
             start = time.perf_counter()
             first = True
-            async for event in engine.generate(f"{i}: {WORDS}", max_tokens=tokens, temperature=0.0):
+            async for event in engine.generate(_chat(f"{i}: {WORDS}"), max_tokens=tokens, temperature=0.0):
                 if isinstance(event, TextDelta) and first:
                     ttft.append(time.perf_counter() - start)
                     first = False
@@ -61,6 +61,11 @@ async def _workload(model: str, requests: int, tokens: int) -> dict[str, Any]:
             "tokens": generated, "weights_mib": weights / 2**20}
 
 
+def _chat(text: str) -> list[dict[str, str]]:
+    """One user message: an instruct model answers it (a bare prompt may end at once on its EOS)."""
+    return [{"role": "user", "content": text}]
+
+
 def worker(args: argparse.Namespace) -> None:
     """One configuration, in this process: 1 rank, or one rank of mlx.launch's group."""
     import trio
@@ -69,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     from mlx_trio.engine.distributed.leader import leader_for
     from mlx_trio.engine.distributed.world import join_world
 
-    world = join_world()
+    world = join_world(pipeline=args.pipeline)
     if not world.leader:
         serve_follower(world)
         return
@@ -82,7 +87,8 @@ def worker(args: argparse.Namespace) -> None:
     if leader is not None:
         result |= {"jobs": leader.jobs, "broadcast_ms_per_job": 1000 * leader.broadcast_s / max(leader.jobs, 1),
                    "bytes_per_job": leader.bytes_sent / max(leader.jobs, 1)}
-    print("RESULT " + json.dumps({"ranks": world.size, **result}), flush=True)
+    split = "pipeline" if args.pipeline and world.size > 1 else "tensor" if world.size > 1 else "-"
+    print("RESULT " + json.dumps({"ranks": world.size, "split": split, **result}), flush=True)
 
 
 def _run(command: list[str]) -> dict[str, Any]:
@@ -101,22 +107,24 @@ def main() -> None:
     parser.add_argument("--backend", default="ring")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--pipeline", action="store_true",
+                        help="pipeline parallel (mlx-lm's pipeline(): qwen2, ...); with --tiny a tiny qwen2")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny and args.model is None:
-        from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+        from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
 
-        args.model = str(tiny_model(LLAMA))
+        args.model = str(tiny_model(TinyModelSpec("qwen2") if args.pipeline else LLAMA))
     if args.worker:
         worker(args)
         return
     here = [sys.executable, __file__, "--worker", "--model", args.model, "--requests", str(args.requests),
-            "--tokens", str(args.tokens)]
+            "--tokens", str(args.tokens), *(["--pipeline"] if args.pipeline else [])]
     launcher = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
                 "-n", str(args.ranks), "--backend", args.backend, "--python", sys.executable, "--"]
     rows = [_run(here), _run(launcher + here[1:])]
-    keys = ["ranks", "tok_s", "ttft_ms", "weights_mib", "jobs", "broadcast_ms_per_job", "bytes_per_job"]
+    keys = ["ranks", "split", "tok_s", "ttft_ms", "weights_mib", "jobs", "broadcast_ms_per_job", "bytes_per_job"]
     print(f"\nmodel {args.model}, {args.requests} concurrent greedy requests x {args.tokens} tokens, "
           f"backend {args.backend}\n")
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))

@@ -145,3 +145,15 @@ def test_tensor_and_pipeline_parallel_together_are_refused_before_any_rank_start
 
     assert main(["serve", "--tensor-parallel", "2", "--pipeline-parallel", "2"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_heads_that_do_not_split_over_the_ranks_are_refused_naming_the_counts_that_would() -> None:
+    from types import SimpleNamespace
+
+    from mlx_trio.engine.distributed.world import check_heads_split
+
+    smollm2 = SimpleNamespace(args=SimpleNamespace(num_attention_heads=9, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"9 attention heads and 3 KV heads.*over 2 ranks: --tensor-parallel 3 would"):
+        check_heads_split(smollm2, 2)
+    check_heads_split(smollm2, 3)  # splits
+    check_heads_split(SimpleNamespace(args=SimpleNamespace(num_attention_heads=32, num_key_value_heads=8)), 4)

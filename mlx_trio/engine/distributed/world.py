@@ -79,7 +79,8 @@ def shard_model(model: nn.Module, world: World) -> None:
     across the group (`all_sum`), so every rank computes the same logits.
 
     Raises:
-      ValueError: the model has no such sharding in mlx-lm (for pipeline: naming the model types that do).
+      ValueError: the model has no such sharding in mlx-lm (for pipeline: naming the model types that do),
+        or its heads do not split evenly over the ranks (naming the rank counts that would).
     """
     if not world.distributed:
         return
@@ -91,7 +92,31 @@ def shard_model(model: nn.Module, world: World) -> None:
         return
     if not hasattr(model, "shard"):
         raise ValueError(f"{type(model).__module__} has no tensor-parallel shard() in mlx-lm")
+    check_heads_split(model, world.size)
     model.shard(world.group)
+
+
+def check_heads_split(model: nn.Module, ranks: int) -> None:
+    """Refuse a tensor-parallel split whose attention heads do not divide evenly over `ranks`.
+
+    mlx-lm's `shard()` splits each projection's output rows over the ranks without checking: with
+    SmolLM2-135M's 9 query and 3 KV heads on 2 ranks the shards hold 4.5 heads and the first
+    attention fails with a shape error deep in the warm-up. Reads the model's `args`
+    (`num_attention_heads`, `num_key_value_heads`); a model without them is left to `shard()`.
+
+    Raises:
+      ValueError: naming the heads and the rank counts that divide them.
+    """
+    args = getattr(model, "args", None)
+    heads = [getattr(args, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
+    counts = [h for h in heads if isinstance(h, int) and h > 0]
+    if not counts or all(h % ranks == 0 for h in counts):
+        return
+    fits = [n for n in range(2, max(counts) + 1) if all(h % n == 0 for h in counts)]
+    advice = (f"--tensor-parallel {' or '.join(map(str, fits))} would" if fits
+              else "no tensor-parallel rank count would; try --pipeline-parallel where the model type has it")
+    raise ValueError(f"the model has {heads[0]} attention heads and {heads[1]} KV heads, which do not split "
+                     f"evenly over {ranks} ranks: {advice}")
 
 
 def pipeline_model_types() -> list[str]:
