@@ -136,10 +136,11 @@ async def test_a_stream_cut_mid_chunk_is_resumed_on_the_next_generation_as_one_r
     await _with_front(test)
 
 
-async def test_a_stream_that_rank_0_ends_with_lost_is_resumed_too() -> None:
-    first = ScriptedRank0(lambda _: _sse("msg_1 9", OPENING + commit(()), b"data: a\n\n" + commit((4,)),
-                                         b"data: b\n\n" + LOST + b"event: error\ndata: {}\n\n"))
-    second = ScriptedRank0(lambda _: _sse("msg_1 9", b"data: B\n\n" + commit((5,)), b"event: message_stop\n\n"))
+async def _across_a_relaunch(first: ScriptedRank0, second: ScriptedRank0, path: str,
+                             body: dict[str, Any]) -> tuple[int, dict[bytes, bytes], bytes]:
+    """`body` to `path` through a front whose generation 1 (`first`) is lost once it got the request, and
+    relaunched as generation 2 (`second`)."""
+    answers = []
 
     async def test(front: Front, group: GroupState, nursery: trio.Nursery) -> None:
         await first.serve(nursery)
@@ -153,11 +154,19 @@ async def test_a_stream_that_rank_0_ends_with_lost_is_resumed_too() -> None:
             group.launched(2, second.port, "relaunched")
 
         nursery.start_soon(relaunch)
-        status, _, body = await _call(front, "/v1/messages", {"stream": True})
-        assert status == 200 and body == OPENING + b"data: a\n\ndata: B\n\nevent: message_stop\n\n"
-        assert second.requests[0][1][RESUME_KEY]["groups"] == [[4]]
+        answers.append(await _call(front, path, body))
 
     await _with_front(test)
+    return answers[0]
+
+
+async def test_a_stream_that_rank_0_ends_with_lost_is_resumed_too() -> None:
+    first = ScriptedRank0(lambda _: _sse("msg_1 9", OPENING + commit(()), b"data: a\n\n" + commit((4,)),
+                                         b"data: b\n\n" + LOST + b"event: error\ndata: {}\n\n"))
+    second = ScriptedRank0(lambda _: _sse("msg_1 9", b"data: B\n\n" + commit((5,)), b"event: message_stop\n\n"))
+    status, _, body = await _across_a_relaunch(first, second, "/v1/messages", {"stream": True})
+    assert status == 200 and body == OPENING + b"data: a\n\ndata: B\n\nevent: message_stop\n\n"
+    assert second.requests[0][1][RESUME_KEY]["groups"] == [[4]]
 
 
 async def test_a_non_streamed_request_that_met_a_lost_group_is_sent_again_whole() -> None:
@@ -166,24 +175,9 @@ async def test_a_non_streamed_request_that_met_a_lost_group_is_sent_again_whole(
     whole = b'{"choices": []}'
     second = ScriptedRank0(lambda _: [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
                                       b"\r\n\r\n%s" % (len(whole), whole)])
-
-    async def test(front: Front, group: GroupState, nursery: trio.Nursery) -> None:
-        await first.serve(nursery)
-        await second.serve(nursery)
-        group.launched(1, first.port, "starting")
-
-        async def relaunch() -> None:
-            while not first.requests:
-                await trio.sleep(0.01)
-            first.healthy = False
-            group.launched(2, second.port, "relaunched")
-
-        nursery.start_soon(relaunch)
-        status, _, body = await _call(front, "/v1/completions", {"prompt": "x"})
-        assert (status, body) == (200, whole)
-        assert RESUME_KEY not in second.requests[0][1]  # nothing was delivered: the request as the client sent it
-
-    await _with_front(test)
+    status, _, body = await _across_a_relaunch(first, second, "/v1/completions", {"prompt": "x"})
+    assert (status, body) == (200, whole)
+    assert RESUME_KEY not in second.requests[0][1]  # nothing was delivered: the request as the client sent it
 
 
 async def test_with_no_rank_0_serving_requests_wait_a_bounded_time_then_get_a_retryable_503_in_their_shape() -> None:
