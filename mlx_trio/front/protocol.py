@@ -1,7 +1,8 @@
 """What the front and rank 0 tell each other about a request, beyond plain HTTP (docs/scale-out.md "Recovery").
 
 Rank 0 honours these only on a request that carries `SECRET_HEADER` with the launch's secret (its
-`SECRET_ENV`); the front strips that header from every client request, so no client can ask for them.
+`SECRET_ENV`); the front strips that header from every client request, and `RESUME_KEY` from their
+bodies, so no client can ask for them.
 
 Rank 0, on such a request:
 * a streamed answer it can resume gets `LINK_HEADER` (its value: the response id and created time),

@@ -147,6 +147,8 @@ class Front:
         if not isinstance(doc, dict):
             await self._once(scope, body, send)  # rank 0 answers the 400
             return
+        if doc.pop(RESUME_KEY, None) is not None:  # the front's alone to send, as its secret is
+            body = json.dumps(doc, ensure_ascii=False).encode()
         streamed = doc.get("stream") is True
         splice, link, started = Splice(), None, False
         while True:

@@ -1,7 +1,7 @@
 """The front (mlx_trio/front/proxy.py) before scripted rank 0s on loopback (raw HTTP, no model, no ranks):
 a stream cut mid-chunk resumes on the next generation as one response, `: lost` too, a non-streamed answer
 is sent again, /health says why nothing serves, waiting is bounded, and a client's internal header is
-replaced by the launch's secret."""
+replaced by the launch's secret (its resume key dropped)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ async def test_a_stream_cut_mid_chunk_is_resumed_on_the_next_generation_as_one_r
         answer: list[tuple[int, dict[bytes, bytes], bytes]] = []
 
         async def client() -> None:
-            answer.append(await _call(front, "/v1/chat/completions", {"stream": True},
+            answer.append(await _call(front, "/v1/chat/completions", {"stream": True, RESUME_KEY: {"id": "x"}},
                                       headers=[(SECRET_HEADER.encode(), b"a client's guess")]))
 
         nursery.start_soon(client)
@@ -129,8 +129,9 @@ async def test_a_stream_cut_mid_chunk_is_resumed_on_the_next_generation_as_one_r
         status, headers, body = answer[0]
         assert status == 200 and LINK_HEADER.encode() not in headers
         assert body == OPENING + b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"  # one response, no comment of ours
-        (seen, _), (_, resumed) = first.requests[0], second.requests[0]
+        (seen, sent), (_, resumed) = first.requests[0], second.requests[0]
         assert seen[SECRET_HEADER.encode()] == SECRET.encode()  # the client's guess replaced
+        assert sent == {"stream": True}  # and its resume key dropped
         assert resumed[RESUME_KEY] == {"id": "chatcmpl-1", "created": 123, "opened": True, "groups": [[1, 2]]}
 
     await _with_front(test)
