@@ -276,8 +276,13 @@ class Engine:
         async for event in self.stream(request):
             yield event
 
-    async def stream(self, request: Request) -> AsyncGenerator[GenerationEvent, None]:
+    async def stream(self, request: Request, *,
+                     replay: Sequence[Sequence[int]] = ()) -> AsyncGenerator[GenerationEvent, None]:
         """Run an already prepared request (see `prepare`); the one resume loop.
+
+        `replay`: tokens an earlier process generated for this request, as the chunks its client got
+        them in (the scale-out front resumes it: docs/scale-out.md "Recovery"). They come first, one
+        `TextDelta` per chunk, as they came then, and the generation carries on after them.
 
         Each attempt is one session actor. If it ends without `Finished`
         (the lane failed under it, or it crashed itself), a new one carries
@@ -297,7 +302,8 @@ class Engine:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
             # A resume waits a moment for the restarting actors; longer after each fruitless try.
             actor = SessionActor(request, get_target=self._healthy_target, model=self.model, out=send,
-                                 faults=self.faults, resume_from=actor, delay_s=0.01 * 2**stalled if stalled else 0.0)
+                                 faults=self.faults, resume_from=actor, delay_s=0.01 * 2**stalled if stalled else 0.0,
+                                 replay=replay if actor is None else ())
             try:
                 await self._sessions.start_child(
                     # A resumed session gets its own id: the crashed one may not be reaped yet.

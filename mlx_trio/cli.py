@@ -32,6 +32,7 @@ from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
+from mlx_trio.front.protocol import SECRET_ENV as FRONT_SECRET_ENV
 from mlx_trio.http.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_BYTES, ServerConfig
 from mlx_trio.params import SamplingParams
 
@@ -276,8 +277,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
             nursery.cancel_scope.cancel()
             raise
         profiling.watch_counters(engine.actors.counters)  # MLX_TRIO_PROFILE's steps, tokens, requests
-        print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
-              f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
+        if os.environ.get(FRONT_SECRET_ENV):  # rank 0 behind the front: the front's line is the "serving" one
+            print(f"mlx-trio: rank 0 ready behind the front at {server.url} ({engine.model_id})", flush=True)
+        else:
+            print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
+                  f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
         task_status.started(server)
 
 
@@ -368,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ranks = max(args.tensor_parallel, args.pipeline_parallel)
     if ranks > 1 and not scale_out.launched():
         return scale_out.launch_local_ranks(ranks, list(argv if argv is not None else sys.argv[1:]),
-                                            host=args.host, port=args.port)
+                                            host=args.host, port=args.port, label=args.model or "the model")
     if scale_out.launched():
         with scale_out.joined_group(stop_timeout_s=args.collective_timeout,
                                     pipeline=args.pipeline_parallel > 1) as (rank, size):

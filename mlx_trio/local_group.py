@@ -14,10 +14,15 @@ backend sets them (a hostfile of one loopback port per rank, fresh ports for eve
 output goes straight to this process's stdout and stderr (no relay pipe to fill).
 
 A generation ends when rank 0 exits. Rank 0 exits with `REFORM_EXIT` when it lost its group
-(it was started with `REFORM_ENV`: it ends its in-flight requests with a retryable 503 and
-drains first). A follower that dies is seen here first, and told to rank 0 (`LOST_SIGNAL`).
-Either way the other ranks are stopped and a new generation starts, on the same HTTP port. Any other
-exit of rank 0 (a stop signal, a model that does not load) ends this command with its code.
+(it was started with `REFORM_ENV`: it ends its in-flight requests and drains first). A follower
+that dies is seen here first, and told to rank 0 (`LOST_SIGNAL`). Either way the other ranks are
+stopped and a new generation starts. Any other exit of rank 0 (a stop signal, a model that does not
+load) ends this command with its code.
+
+With a `front` (mlx_trio/front/: what `serve --tensor-parallel N` runs), the public --host/--port is
+the front's, for the life of this command; each generation's rank 0 serves on a loopback port of its
+own (`--host 127.0.0.1 --port P` added to its command line) and gets the launch's secret (the front's
+requests carry it), and `front` is told each launch and each loss, with its reason.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+
+from mlx_trio.front.group_state import GroupState
+from mlx_trio.front.protocol import SECRET_ENV
 
 # Rank 0's exit code when it lost its group and the ranks must be launched again (EX_TEMPFAIL).
 REFORM_EXIT = 75
@@ -60,9 +67,13 @@ class LocalGroup:
     argv: list[str]
     # What each rank runs, before `argv` (another program only in tests).
     program: list[str] = attrs.field(factory=lambda: [sys.executable, "-m", "mlx_trio.cli"])
+    # The front to tell about each generation, and the secret its requests carry (None: no front).
+    front: GroupState | None = None
+    secret: str = ""
     stopping: bool = False
     generation: int = 0
     _processes: list[subprocess.Popen[bytes]] = attrs.field(factory=list)
+    _reason: str = "starting: the ranks are loading the model"  # why no generation serves, for the front
 
     def run(self) -> int:
         """Launch, watch, re-launch; rank 0's last exit code (1 when re-forming gave up)."""
@@ -90,18 +101,28 @@ class LocalGroup:
 
     def _one_generation(self) -> int:
         self.generation += 1
+        *ports, http = free_ports(self.ranks + 1)
+        argv, leader_env = list(self.argv), {REFORM_ENV: "1"}
+        if self.front is not None:
+            argv += ["--host", "127.0.0.1", "--port", str(http)]  # after the user's: the last one counts
+            leader_env[SECRET_ENV] = self.secret
+            self.front.launched(self.generation, http, self._reason)
         with tempfile.TemporaryDirectory(prefix="mlx-trio-ranks-") as scratch:
             hostfile = Path(scratch) / "hosts.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(self.ranks)]))
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
             base = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
             self._processes = [
-                subprocess.Popen([*self.program, *self.argv],
-                                 env={**base, "MLX_RANK": str(rank), **({REFORM_ENV: "1"} if rank == 0 else {})})
+                subprocess.Popen([*self.program, *argv],
+                                 env={**base, "MLX_RANK": str(rank), **(leader_env if rank == 0 else {})})
                 for rank in range(self.ranks)]
             try:
                 code = self._watch()
             finally:
                 self._end_followers()
+        if code == REFORM_EXIT:
+            self._reason = f"the scale-out group is being relaunched: {self._reason}"
+            if self.front is not None:
+                self.front.lost(self._reason)
         return code
 
     def _watch(self) -> int:
@@ -114,13 +135,22 @@ class LocalGroup:
         """
         leader, died_at = self._processes[0], None
         while (code := leader.poll()) is None:
-            if died_at is None and not self.stopping and any(p.poll() is not None for p in self._processes[1:]):
+            if died_at is None and not self.stopping and self._dead_follower() is not None:
                 died_at = time.monotonic()
+                if self.front is not None:
+                    self.front.lost(f"the scale-out group was lost: {self._dead_follower()}")
                 leader.send_signal(LOST_SIGNAL)
             if died_at is not None and time.monotonic() - died_at > _LEADER_EXIT_S:
                 leader.kill()  # it cannot even drain: start again anyway
             time.sleep(_POLL_S)
+        # Rank 0 often sees a killed follower first (its collective fails) and is gone before the poll above.
+        self._reason = self._dead_follower() or "rank 0 lost its group (a follower hung or was unreachable)"
         return REFORM_EXIT if died_at is not None else code
+
+    def _dead_follower(self) -> str | None:
+        """The first follower that exited, and how, or None."""
+        dead = [(rank, p.returncode) for rank, p in enumerate(self._processes) if rank and p.poll() is not None]
+        return f"rank {dead[0][0]} exited ({_exit_status(dead[0][1])})" if dead else None
 
     def _end_followers(self) -> None:
         """Followers leave once rank 0 stopped them (or is gone); one that does not (hung) is killed."""
@@ -152,12 +182,5 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def pinned_port(argv: Sequence[str], host: str, port: int) -> list[str]:
-    """`argv` with `--port 0` made one fixed free port, so every generation serves at the same URL."""
-    if port != 0:
-        return list(argv)
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.bind(address)
-        return [*argv, "--port", str(probe.getsockname()[1])]
+def _exit_status(code: int | None) -> str:
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"

@@ -2,8 +2,9 @@
 
 Three cases, decided before anything binds a port or loads a model:
 * not launched, `--tensor-parallel 1`: one process, nothing changes;
-* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): start N local ranks of this same command (the ring backend
-  over loopback) and launch them again whenever the group is lost (mlx_trio/local_group.py);
+* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): start N local ranks of this same
+  command (the ring backend over loopback), launch them again whenever the group is lost
+  (mlx_trio/local_group.py), and serve HTTP in front of them (mlx_trio/front/);
 * launched (by that, or by `mlx.launch`: any backend, any hosts): join the group; rank 0 serves
   (the actor tree and HTTP), a rank > 0 runs only the follower loop (engine/distributed/follower.py).
 
@@ -32,17 +33,44 @@ def launched() -> bool:
     return RANK_ENV in os.environ
 
 
-def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int) -> int:
+def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int, label: str) -> int:
     """Run this `mlx-trio` command as `ranks` local ranks (ring backend), launched again whenever the group
-    is lost (mlx_trio/local_group.py); rank 0's last exit code.
+    is lost (mlx_trio/local_group.py), behind the front on `host`:`port` (mlx_trio/front/); rank 0's last
+    exit code.
 
     SIGINT or SIGTERM here goes to every rank as SIGINT: rank 0 drains its requests and stops the
-    followers, which ignore the signal itself, and nothing is launched again. A `--port 0` is made
-    one free port first, so the server keeps its URL across launches.
+    followers, which ignore the signal itself, and nothing is launched again. The front then stops.
+    `label` names the model in the front's "serving" line.
     """
-    from mlx_trio.local_group import LocalGroup, pinned_port
+    import secrets
 
-    return LocalGroup(ranks, pinned_port(argv, host, port)).run()
+    from mlx_trio.front.group_state import GroupState
+    from mlx_trio.front.proxy import Front
+    from mlx_trio.front.thread import FrontThread
+    from mlx_trio.local_group import LocalGroup
+
+    group = GroupState()
+    secret = secrets.token_hex(16)
+    url: list[str] = []
+
+    def serving(generation: Any) -> None:
+        if generation.number == 1:
+            print(f"mlx-trio: serving {label} at {url[0]}/v1 (the front of {ranks} ranks; health: {url[0]}/health)",
+                  flush=True)
+        else:
+            print(f"mlx-trio: the {ranks} ranks serve again (generation {generation.number})", file=sys.stderr,
+                  flush=True)
+
+    front = FrontThread(Front(group, secret, on_serving=serving), host, port)
+    try:
+        url.append(front.start())
+    except Exception as exc:  # noqa: BLE001 - a CLI says why it cannot start (e.g. the port is taken)
+        print(f"mlx-trio: cannot listen on {host}:{port}: {exc!r}", file=sys.stderr)
+        return 1
+    try:
+        return LocalGroup(ranks, list(argv), front=group, secret=secret).run()
+    finally:
+        front.stop()
 
 
 def refusal(ranks: int, size: int, config: EngineConfig) -> str | None:

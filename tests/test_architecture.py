@@ -245,6 +245,12 @@ def test_supervision_and_http_never_import_engine(path: Path) -> None:
     assert not {n for n in _imported_modules(path) if n.startswith("mlx_trio.engine")}
 
 
+@pytest.mark.parametrize("path", _files("front"), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_front_imports_no_mlx_and_no_engine(path: Path) -> None:
+    """The scale-out front outlives the ranks in a process that holds no MLX state (mlx_trio/front/)."""
+    assert not {n for n in _imported_modules(path) if _top(n) in {"mlx", "mlx_lm"} or n.startswith("mlx_trio.engine")}
+
+
 @pytest.mark.parametrize("path", _files("profiling"), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_profiling_imports_no_mlx_no_trio_and_nothing_else_of_the_package(path: Path) -> None:
     """The lease (actors/) calls into profiling/, and the profiler thread runs beside MLX: it stands alone."""

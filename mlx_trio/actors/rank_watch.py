@@ -9,9 +9,10 @@ stays wherever the missing rank left it (an MLX collective has no timeout): the 
 it and makes every later job fail at once, so requests end with an error instead of hanging,
 and stops beating. A group is never re-formed inside a running rank (MLX keeps a process's first
 group for good: mlx_trio/local_group.py says why): under mlx-trio's own launcher
-(`--tensor-parallel N`) rank 0 then drains, as on SIGTERM (its in-flight requests end with a
-retryable 503), and exits for the launcher to start every rank again; under any other launcher
-it stays up, saying the group is lost, until it is restarted.
+(`--tensor-parallel N`) rank 0 then drains, as on SIGTERM (its in-flight requests end: the
+front resumes them on the next ranks, mlx_trio/front/), and exits for the launcher to start
+every rank again; under any other launcher it stays up, saying the group is lost, until it is
+restarted.
 """
 
 from __future__ import annotations

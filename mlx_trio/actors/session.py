@@ -20,12 +20,21 @@ healthy lane and re-submits prompt + received tokens as the new prompt,
 `max_tokens` reduced by what it already has and the random draws already
 made skipped, so the caller sees one uninterrupted stream: the detokenizer
 and the stop-string matcher simply carry on.
+
+Replay: a request that an earlier *process* began (the scale-out front
+resumes it once the group that ran it is gone: docs/scale-out.md "Recovery")
+comes with the tokens that process generated, as the chunks they were sent
+in (`replay`). The first session relays them as if the lane had just sent
+them, one `TextDelta` per chunk, through the same detokenizer and stop-string
+matcher, then goes on as a resumed attempt (prompt + those tokens
+re-prefilled, their random draws skipped), so every event after them is the
+one the first process would have sent.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
@@ -63,11 +72,15 @@ class SessionActor:
 
     def __init__(self, request: Request, *, get_target: GetTarget, model: object,
                  out: trio.MemorySendChannel[SessionOutput], faults: Faults | None = None,
-                 resume_from: SessionActor | None = None, delay_s: float = 0.0) -> None:
+                 resume_from: SessionActor | None = None, delay_s: float = 0.0,
+                 replay: Sequence[Sequence[int]] = ()) -> None:
         # `model` has detokenizer() and eos_token_ids. `resume_from` is an earlier attempt at
         # the same request that ended without `Finished`: this one carries on from its state,
         # after `delay_s` (inside the actor, so a stopping engine cancels the wait with it).
+        # `replay` (a first attempt only): an earlier process's tokens, relayed first (see above).
+        assert not (replay and resume_from is not None)
         self._delay_s = delay_s
+        self._replay = tuple(tuple(chunk) for chunk in replay)
         self._request = request
         self._get_target = get_target
         self._model = model
@@ -114,7 +127,8 @@ class SessionActor:
             with self._scope:
                 try:
                     await trio.sleep(self._delay_s)
-                    self.failure = await self._attempt(self._text)
+                    if not await self._replayed(self._text):
+                        self.failure = await self._attempt(self._text)
                 except MlxTrioError as exc:
                     await self._out.send(exc)
                 except trio.BrokenResourceError:
@@ -128,6 +142,15 @@ class SessionActor:
         dropped request stops at the next chunk). Idempotent; harmless once ended.
         """
         self._scope.cancel()
+
+    async def _replayed(self, text: TextStream) -> bool:
+        """Relay `replay`'s chunks as the lane's messages would be; True if that ended the request (a stop string)."""
+        eos = self._model.eos_token_ids  # type: ignore[attr-defined]
+        for chunk in self._replay:
+            if await self._tokens(chunk, None, text, eos):
+                return True
+        self._replay = ()
+        return False
 
     async def _attempt(self, text: TextStream) -> BaseException | None:
         """Submit what remains of the request and relay it to the end; returns why the lane failed, if it did.

@@ -1,6 +1,6 @@
 """`mlx-trio serve` on 2 ranks over HTTP (CPU ring backend): the one-process text, each rank's heartbeat in
 /v1/status, a hung follower reported by /health within its collective timeout, and a killed follower
-launched again with every stream finishing as in one process."""
+launched again with every stream resumed by the front to the one-process text."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import attrs
 import httpx
 import pytest
 
@@ -87,88 +89,119 @@ def _ranks_of(process) -> list[int]:
     return sorted((int(p) for p in out.split()), key=rank)
 
 
-def _wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + 240  # a bound on the test (the ranks load again), not an assertion on time
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # between two launches nothing listens
-        assert time.monotonic() < deadline, "the group never came back"
-        time.sleep(0.5)
+@attrs.frozen
+class Stream:
+    """One client's streamed request: its wire API, prompt and sampling (OpenAI chat bans the EOS, as the
+    one-process run does; Anthropic has no logit_bias, so its prompts are ones that run long greedily)."""
+
+    api: str  # "chat" or "messages"
+    prompt: str
+    sampling: dict[str, Any]
 
 
-def _stream_until_done(url: str, prompt: str, max_tokens: int, logit_bias: dict[int, float],
-                       streaming: threading.Barrier, attempts: list[str]) -> str:
-    """Stream a greedy completion; on an error (in-band, a 503, a cut connection) wait until the server
-    is healthy again and send it again, as a client of a retryable error does. Its text."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "logit_bias": {str(token): bias for token, bias in logit_bias.items()}}
-    first = True
-    while True:
-        text, done, error = "", False, None
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-                if response.status_code != 200:
-                    error = f"HTTP {response.status_code}"
-                else:
-                    for line in response.iter_lines():
-                        if line == "data: [DONE]":
-                            done = True
-                        elif line.startswith("data: "):
-                            payload = json.loads(line.removeprefix("data: "))
-                            if "error" in payload:
-                                error = payload["error"].get("code") or "error"
-                                continue
-                            text += "".join(c.get("text") or "" for c in payload["choices"])
-                            if first and len(text) > 8:  # a few tokens in: ready for the kill
-                                first = False
-                                streaming.wait(timeout=240)
-        except httpx.TransportError as exc:
-            error = type(exc).__name__
-        if done and error is None:
-            return text
-        attempts.append(error or "no [DONE]")
-        _wait_healthy(url)
+def _read_stream(url: str, stream: Stream, max_tokens: int, no_eos: dict[int, float],
+                 streaming: threading.Barrier) -> tuple[str, int]:
+    """Send `stream` once (no retry: the server must finish it) and read it to its end; (text, completion
+    tokens). Fails on an error event, an HTTP error, or a stream that does not end as its API ends one."""
+    messages = [{"role": "user", "content": stream.prompt}]
+    if stream.api == "chat":
+        path = "/v1/chat/completions"
+        body = {"messages": messages, "max_tokens": max_tokens, "stream": True, **stream.sampling,
+                "stream_options": {"include_usage": True},
+                "logit_bias": {str(token): bias for token, bias in no_eos.items()}}
+    else:
+        path = "/v1/messages"
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "stream": True, **stream.sampling}
+    text, tokens, ended, waited = "", None, False, False
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=240) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                ended = True
+                continue
+            payload = json.loads(line.removeprefix("data: "))
+            assert "error" not in payload, payload
+            if stream.api == "chat":
+                if payload.get("usage"):
+                    tokens = payload["usage"]["completion_tokens"]
+                text += "".join(c["delta"].get("content") or "" for c in payload["choices"])
+            elif payload["type"] == "content_block_delta":
+                text += payload["delta"]["text"]
+            elif payload["type"] == "message_delta":
+                tokens = payload["usage"]["output_tokens"]
+            elif payload["type"] == "message_stop":
+                ended = True
+            if not waited and len(text) > 8:  # a few tokens in: ready for the kill
+                waited = True
+                streaming.wait(timeout=240)
+    assert ended, f"{stream.api} stream did not end: {text[-80:]!r}"
+    assert tokens is not None
+    return text, tokens
 
 
-async def test_a_killed_follower_is_launched_again_and_every_stream_finishes_with_the_one_process_text(
+def _sessions(status: dict[str, Any]) -> int:
+    """How many session actors run in the supervision tree of /v1/status."""
+    def find(node: dict[str, Any]) -> dict[str, Any] | None:
+        if node.get("id") == "sessions":
+            return node
+        return next((found for child in node.get("children", []) if (found := find(child)) is not None), None)
+
+    sessions = find(status["tree"])
+    assert sessions is not None
+    return len(sessions.get("children", []))
+
+
+async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with_the_one_process_text(
         tmp_path: Path) -> None:
-    """SIGKILL rank 1 while 4 greedy streams decode on 2 ranks (--batch 4): rank 0 loses the group, ends
-    each stream with a retryable error, drains and exits; the launcher starts both ranks again on the
-    same port. Every client, sending its request again, gets the one-process text, and the new group
-    holds no KV once they are done. A group cannot be re-formed inside a running rank (mlx_trio/local_group.py
-    says why), so the streams restart from their prompt rather than resume."""
+    """SIGKILL rank 1 while 4 streams decode on 2 ranks (--batch 4): OpenAI chat and Anthropic messages,
+    greedy and one seeded sampled. The launcher launches both ranks again, and the front, which outlives
+    them, resumes every stream on the new rank 0 from the tokens its client already had: each client
+    sends its request once and reads one response, whose text and token count are the one-process
+    ones. Meanwhile the front's /health is 503 naming the reason; after, the new group holds no KV,
+    no row and no session."""
     path = tiny_model(LLAMA)
-    # The EOS banned, every stream runs to its 1500 tokens: long enough that the kill, sent once every
-    # stream has its first tokens, lands while all 4 still decode.
-    max_tokens, prompts = 1500, PROMPTS[:4]
+    max_tokens = 1500
+    streams = [Stream("chat", PROMPTS[0], {"temperature": 0}),
+               Stream("chat", PROMPTS[2], {"temperature": 1.0, "seed": 7}),
+               Stream("messages", PROMPTS[3], {"temperature": 0}),
+               Stream("messages", PROMPTS[1], {"temperature": 0})]
     async with open_engine(str(path), batch=1) as engine:
         no_eos = {token: -100.0 for token in engine.actors.lane.model.eos_token_ids}
-        expected = [(await engine.complete(p, max_tokens=max_tokens, logit_bias=no_eos)).text for p in prompts]
+        expected = []
+        for stream in streams:
+            done = await engine.complete([{"role": "user", "content": stream.prompt}], max_tokens=max_tokens,
+                                         **stream.sampling, **({"logit_bias": no_eos} if stream.api == "chat" else {}))
+            expected.append((done.text, done.usage.completion_tokens))
+    # Long enough that the kill, sent once every stream has its first tokens, lands while all 4 still decode.
+    assert all(tokens > 1000 for _, tokens in expected), expected
     # A generous heartbeat deadline: on a loaded 2-core machine a step can be slow, and only the kill
     # must lose the group (a killed peer is seen at the next collective, not at the deadline).
     with two_rank_server(path, "--batch", "4", "--collective-timeout", "120", log=tmp_path / "serve.log") \
             as (url, process):
         first_ranks = _ranks_of(process)
         assert len(first_ranks) == 2
-        attempts: list[str] = []
-        streaming = threading.Barrier(len(prompts) + 1)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            pending = [pool.submit(_stream_until_done, url, p, max_tokens, no_eos, streaming, attempts)
-                       for p in prompts]
+        streaming = threading.Barrier(len(streams) + 1)
+        with ThreadPoolExecutor(len(streams)) as pool:
+            pending = [pool.submit(_read_stream, url, s, max_tokens, no_eos, streaming) for s in streams]
             streaming.wait(timeout=240)  # every stream has its first tokens
             os.kill(first_ranks[1], signal.SIGKILL)
+            deadline = time.monotonic() + 120  # a bound on the test, not an assertion on time
+            while "rank 1 exited (killed by signal 9)" not in (health := httpx.get(f"{url}/health", timeout=10)).text:
+                assert time.monotonic() < deadline, "the front's /health never named the lost rank"
+                time.sleep(0.1)
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
             got = [f.result() for f in pending]
         assert got == expected
-        assert len(attempts) >= len(prompts), attempts  # every stream was cut by the kill and sent again
         ranks = _ranks_of(process)
         assert len(ranks) == 2 and not set(ranks) & set(first_ranks)  # a new generation of both ranks
         stats = httpx.get(f"{url}/stats", timeout=10).json()["batch"]
         assert (stats["kv_bytes"], stats["active_rows"], stats["pending_rows"]) == (0, 0, 0)
         status = httpx.get(f"{url}/v1/status", timeout=10).json()
-        assert [r["state"] for r in status["ranks"]] == ["up", "up"]
+        assert [r["state"] for r in status["ranks"]] == ["up", "up"] and _sessions(status) == 0
         process.terminate()
         assert process.wait(60) == 0
-    assert "launching its 2 ranks again" in (tmp_path / "serve.log").read_text(encoding="utf-8")
+    log = (tmp_path / "serve.log").read_text(encoding="utf-8")
+    assert "launching its 2 ranks again" in log
+    assert log.count("tokens on the next generation") == len(streams)  # the front resumed each stream once

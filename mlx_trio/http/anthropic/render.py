@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from mlx_trio.events import Finished
 from mlx_trio.http.anthropic.objects import MessageBlocks, MessageShape, stop_reason, usage_object
 from mlx_trio.http.completion.output_router import Piece
@@ -35,6 +37,13 @@ class MessageRenderer:
     @property
     def id(self) -> str:
         return self._shape.id
+
+    @property
+    def created(self) -> int:
+        return self._shape.created
+
+    def continuing(self, response_id: str, created: int) -> None:
+        self._shape = attrs.evolve(self._shape, id=response_id, created=created)
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return typed_events([self._shape.start_event(prompt_tokens), {"type": "ping"}])

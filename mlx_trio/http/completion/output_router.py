@@ -75,12 +75,16 @@ class OutputRouter:
     """One per request: `feed` each text delta, then `finish` once; both return the new pieces."""
 
     def __init__(self, fmt: OutputFormat, *, prompt_ids: Sequence[int] = (), parse_tool_calls: bool = False,
-                 tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_") -> None:
+                 tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_",
+                 id_seed: str | None = None) -> None:
+        # `id_seed` (the response id): each call's id follows from it and the call's index, so that a
+        # resumed answer names its calls as the stream its client had (http/completion/front_link.py).
         self._fmt = fmt
         self._parse = parse_tool_calls and fmt.has_tool_calling
         self._generic = GenericCallReader() if parse_tool_calls and fmt.generic_tools else None
         self._tools = [dict(t) for t in tools] if tools else None
         self._id_prefix = id_prefix
+        self._id_seed = id_seed
         self._current = fmt.initial_state(prompt_ids)
         self._sm_state = fmt.splitter.make_state(self._current) if fmt.splitter is not None else None
         # Invariant: the body of the call being read, while `_current` is "tool".
@@ -130,7 +134,7 @@ class OutputRouter:
                 pieces.append(Content(item))
                 continue
             try:
-                call = self._call(item)
+                call = self._call(item, self.num_tool_calls)
             except ValueError as exc:
                 log.warning("a tool call did not parse (%s); returned as content", exc)
                 pieces.append(Content(json.dumps(item, ensure_ascii=False)))
@@ -182,12 +186,12 @@ class OutputRouter:
         try:
             parsed = self._fmt.parse_tool_call(body, self._tools)
             items = parsed if isinstance(parsed, list) else [parsed]
-            return [self._call(item) for item in items]
+            return [self._call(item, self.num_tool_calls + i) for i, item in enumerate(items)]
         except Exception as exc:  # noqa: BLE001  (mlx-lm's parsers raise whatever their parsing hits)
             log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
             return None
 
-    def _call(self, item: Any) -> ToolCall:
+    def _call(self, item: Any, index: int) -> ToolCall:
         name, arguments = item["name"], item.get("arguments", {})
         if not isinstance(name, str) or not name:
             raise ValueError(f"no function name in {item!r:.80}")
@@ -196,4 +200,6 @@ class OutputRouter:
         else:
             arguments = json.dumps(arguments, ensure_ascii=False)
         call_id = item.get("id") if isinstance(item.get("id"), str) else None
-        return ToolCall(call_id or f"{self._id_prefix}{uuid.uuid4().hex[:24]}", name, arguments)
+        unique = uuid.uuid4() if self._id_seed is None else uuid.uuid5(uuid.NAMESPACE_URL,
+                                                                       f"{self._id_seed}/{index}")
+        return ToolCall(call_id or f"{self._id_prefix}{unique.hex[:24]}", name, arguments)

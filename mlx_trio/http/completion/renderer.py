@@ -29,7 +29,7 @@ from mlx_trio.logprobs import TokenLogprob
 class Renderer(Protocol):
     """One wire API's shapes for one request's answer.
 
-    `id` is the response id, also the request log's; `kind` names the
+    `id` is the response id, also the request log's, and `created` its time; `kind` names the
     endpoint in that log ("chat", "text", "messages"); parsed tool calls get
     ids starting with `tool_call_prefix`. `logprobs` are None when the
     request did not ask for them. `tool_calls` is how many calls the answer made.
@@ -39,10 +39,18 @@ class Renderer(Protocol):
     def id(self) -> str: ...
 
     @property
+    def created(self) -> int: ...
+
+    @property
     def kind(self) -> str: ...
 
     @property
     def tool_call_prefix(self) -> str: ...
+
+    def continuing(self, response_id: str, created: int) -> None:
+        """Before anything is rendered: be the answer `response_id`, made at `created` (epoch s), whose
+        client already has a part of it (the scale-out front resumes it: `front_link.py`)."""
+        ...
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         """The frames before the first event (e.g. OpenAI's role chunk, Anthropic's `message_start`)."""

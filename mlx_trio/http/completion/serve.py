@@ -30,6 +30,7 @@ from quart import Response
 from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.completion.call import CompletionCall
+from mlx_trio.http.completion.front_link import NO_LINK, Link, link_of, lost_response
 from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
 from mlx_trio.http.server.admin import handler_fault_point
@@ -44,26 +45,44 @@ log = logging.getLogger("mlx_trio.http")
 
 
 async def serve_completion(state: AppState, call: CompletionCall, renderer: Renderer) -> Response:
-    """Serve one parsed request: SSE frames or one JSON object, in `renderer`'s shapes."""
+    """Serve one parsed request: SSE frames or one JSON object, in `renderer`'s shapes.
+
+    A request of the scale-out front (`front_link.py`) that meets a lost group before its answer
+    began gets `lost_response`: the front sends it again to the next generation.
+    """
+    link = await link_of(state, stream=call.stream, logprobs=call.wants_logprobs)
+    try:
+        return await _serve(state, call, renderer, link)
+    except Exception:
+        if link.lost():
+            return lost_response()
+        raise
+
+
+async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link: Link) -> Response:
     if state.draining:
         raise draining()
     prepared = await prepare(state, call)
+    if link.resume is not None:
+        renderer.continuing(link.resume.id, link.resume.created)
     # Text completions are not split: their output is shown as the model wrote it, markers included.
     router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
                           prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
-                          tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix)
+                          tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
     # A drain that times out cuts the wait for the next event: a 503 before the headers, else an in-band error.
     # An "http" fault fires at an event as it arrives: this handler crashes (`admin.handler_fault_point`).
-    events = handler_fault_point(state.engine.faults, state.drain.interruptible(state.engine.stream(prepared)))
+    events = handler_fault_point(state.engine.faults,
+                                 state.drain.interruptible(state.engine.stream(prepared, **link.replay())))
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
         first = await _first_event(events, request_log)
         frames = _stream(first, events, renderer, router, request_log, state.crashes, logprobs=call.wants_logprobs,
-                         prompt_tokens=len(getattr(prepared, "prompt_ids", ())))
-        response = Response(frames, status=200, headers=SSE_HEADERS, mimetype="text/event-stream")
+                         prompt_tokens=len(getattr(prepared, "prompt_ids", ())), link=link)
+        response = Response(frames, status=200, headers={**SSE_HEADERS, **link.headers(renderer)},
+                            mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
@@ -140,7 +159,7 @@ async def _first_event(events: AsyncIterator[GenerationEvent], request_log: Requ
 
 async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], renderer: Renderer,
                   router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *, logprobs: bool,
-                  prompt_tokens: int) -> AsyncIterator[bytes]:
+                  prompt_tokens: int, link: Link = NO_LINK) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
 
     Each event's frames go out as one body chunk (one ASGI send, one socket
@@ -153,20 +172,24 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
     Closing this generator early (the client went away: quart closes the body
     iterator, or cancels the task writing it) closes `events`, which cancels
     the request in the engine and frees its KV cache.
+
+    `link` (the scale-out front's request: `front_link.py`) commits each chunk, holds back what a
+    resumed request replays, and ends a stream that lost its group with `: lost`.
     """
     outcome = "cancelled"
     frames: list[bytes] = []  # not yet sent
     last: list[bytes] = []  # the finish's or the error's frames
     try:
         async with closing(events):
-            frames = renderer.opening(prompt_tokens)
+            frames = link.opening(renderer.opening(prompt_tokens))
             item = first
             while not isinstance(item, Finished):
                 if isinstance(item, PromptProgress):
-                    frames.extend(renderer.keepalive(item.processed, item.total))
+                    frames.extend(link.event(renderer.keepalive(item.processed, item.total)))
                 elif isinstance(item, TextDelta):
                     pieces = router.feed(item.text, len(item.token_ids))
-                    frames.extend(renderer.delta(pieces, item.logprobs if logprobs else None))
+                    frames.extend(link.event(renderer.delta(pieces, item.logprobs if logprobs else None),
+                                             item.token_ids))
                 if frames:  # one body chunk per event: one write, not one per frame
                     yield b"".join(frames)
                     frames = []
@@ -179,7 +202,7 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
         if error.code == INTERNAL_ERROR:
             crashes.record(exc)
         outcome = error.code or error.type
-        last = [*frames, *renderer.error(error)]
+        last = link.failed(frames, renderer.error(error))
     finally:
         request_log.done(outcome)
     yield b"".join([*last, *renderer.closing()])

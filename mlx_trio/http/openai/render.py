@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from mlx_trio.events import Finished
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning
 from mlx_trio.http.openai.logprobs import text_length
@@ -58,8 +60,16 @@ class CompletionRenderer:
         return self._shape.id
 
     @property
+    def created(self) -> int:
+        return self._shape.created
+
+    @property
     def kind(self) -> str:
         return "chat" if self._shape.chat else "text"
+
+    def continuing(self, response_id: str, created: int) -> None:
+        self._shape = attrs.evolve(self._shape, id=response_id, created=created)
+        self._templates = _templates(self._shape) if self._shape.chat else {}
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [event(self._shape.chunk("", first=True))] if self._shape.chat else []

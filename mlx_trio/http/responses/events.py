@@ -20,6 +20,8 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from mlx_trio.events import Finished
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning, ToolCallMade
 from mlx_trio.http.responses.items import item_id
@@ -48,6 +50,14 @@ class ResponseEvents:
         # Invariant: the last output item is still open (takes more text) while this is True.
         self._open = False
         self._logprobs: list[TokenLogprob] = []  # of text not yet sent as content
+
+    def continuing(self, response_id: str, created_at: int) -> None:
+        """Before `start`: be the response `response_id` made at `created_at` (a resumed one: `Renderer.continuing`)."""
+        self.shape = attrs.evolve(self.shape, id=response_id, created_at=created_at)
+        self.response = self.shape.response("in_progress")
+
+    def _item_id(self, kind: str) -> str:
+        return item_id(kind, of=f"{self.shape.id}/{len(self.output)}")
 
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self.response),
@@ -110,11 +120,11 @@ class ResponseEvents:
         if not (self._open and self.output[-1]["type"] == kind):
             events = self._close()
             if kind == "message":
-                item = {"id": item_id("message"), "type": "message", "status": "in_progress", "content": [],
+                item = {"id": self._item_id("message"), "type": "message", "status": "in_progress", "content": [],
                         "role": "assistant"}
                 part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
             else:
-                item = {"id": item_id("reasoning"), "type": "reasoning", "status": "in_progress", "summary": [],
+                item = {"id": self._item_id("reasoning"), "type": "reasoning", "status": "in_progress", "summary": [],
                         "content": [], "encrypted_content": None}
                 part = {"type": "reasoning_text", "text": ""}
             events.append(self._added(item))
@@ -157,14 +167,14 @@ class ResponseEvents:
         events = self._close()
         if call.name in self._custom:
             text = custom_input(call.arguments)
-            item: dict[str, Any] = {"id": item_id("custom_tool_call"), "type": "custom_tool_call",
+            item: dict[str, Any] = {"id": self._item_id("custom_tool_call"), "type": "custom_tool_call",
                                     "status": "in_progress", "call_id": call.id, "name": call.name, "input": ""}
             events.append(self._added(item))
             events.append(self._event("response.custom_tool_call_input.delta", **self._ids(), delta=text))
             events.append(self._event("response.custom_tool_call_input.done", **self._ids(), input=text))
             item["input"] = text
         else:
-            item = {"id": item_id("function_call"), "type": "function_call", "status": "in_progress",
+            item = {"id": self._item_id("function_call"), "type": "function_call", "status": "in_progress",
                     "arguments": "", "call_id": call.id, "name": call.name}
             if call.name in self._namespaces:
                 item["namespace"] = self._namespaces[call.name]

@@ -36,8 +36,11 @@ ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "custom_tool_call": "c
                  "function_call_output": "fco", "custom_tool_call_output": "ctco"}
 
 
-def item_id(kind: str) -> str:
-    return f"{ITEM_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"
+def item_id(kind: str, *, of: str | None = None) -> str:
+    """A fresh id for an item of `kind`; with `of` (a response id and the item's place in it) always the same
+    one, so that a resumed response names its items as the stream its client had (`ResponseEvents`)."""
+    unique = uuid.uuid4() if of is None else uuid.uuid5(uuid.NAMESPACE_URL, of)
+    return f"{ITEM_PREFIXES.get(kind, 'item')}_{unique.hex}"
 
 
 def with_id(item: Mapping[str, Any]) -> dict[str, Any]:

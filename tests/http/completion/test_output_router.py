@@ -54,6 +54,17 @@ def test_whole_answer_splits_into_reasoning_content_and_two_calls(tools_format: 
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
 
 
+def test_with_an_id_seed_the_calls_ids_follow_from_it_and_their_index(tools_format: OutputFormat) -> None:
+    """A resumed answer (http/completion/front_link.py) names its calls as the stream its client had."""
+    def ids(seed: str, deltas: list[str]) -> list[str]:
+        pieces, _ = _route(tools_format, deltas, parse_tool_calls=True, id_seed=seed)
+        return [p.call.id for p in pieces if isinstance(p, ToolCallMade)]
+
+    once = ids("chatcmpl-1", [ANSWER])
+    assert len(set(once)) == 2 and all(i.startswith("call_") and len(i) == 29 for i in once)
+    assert ids("chatcmpl-1", [ANSWER[:40], ANSWER[40:]]) == once and ids("chatcmpl-2", [ANSWER]) != once
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=1, max_value=len(ANSWER) - 1), max_size=30, unique=True))
 def test_any_cut_into_deltas_routes_the_same(tools_format: OutputFormat, cuts: list[int]) -> None:

@@ -48,8 +48,12 @@ class FakeRenderer:
     """Every renderer call as one frame `<call> <what it got>`; `whole` returns the same facts as a dict."""
 
     id = "fake-1"
+    created = 1
     kind = "fake"
     tool_call_prefix = "fake_"
+
+    def continuing(self, response_id: str, created: int) -> None:
+        self.id, self.created = response_id, created
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [f"opening {prompt_tokens}".encode()]
