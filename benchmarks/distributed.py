@@ -35,7 +35,8 @@ async def _workload(model: str, requests: int, tokens: int) -> dict[str, Any]:
     from mlx_trio import open_engine
     from mlx_trio.events import Finished, TextDelta
 
-    async with open_engine(model, batch=requests) as engine:
+    # A long collective deadline: ranks that share two loaded cores may miss the default's heartbeat.
+    async with open_engine(model, batch=requests, collective_timeout_s=120.0) as engine:
         await engine.complete(_chat(WORDS), max_tokens=4)  # warm-up: the first graphs
         ttft: list[float] = []
         generated = 0
