@@ -48,6 +48,8 @@ from mlx_trio.engine.attention import ragged_kernel, routed_attention
 from mlx_trio.engine.attention.ragged_reference import reference_decode_attention
 from mlx_trio.engine.lease_thread import on_cuda, prepare_thread
 
+from compiled_decode import agreement  # rows with identical tokens, and where the others first differ
+
 # Max abs error allowed against the float32 reference, by dtype (bf16: its own rounding of outputs ~1).
 TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 5e-3}
 # (query heads, kv heads, head dim): the Llama-3.2-1B and -8B attention shapes.
@@ -206,11 +208,8 @@ def engine_step(args: argparse.Namespace, model_dir: str, cuda: bool) -> dict[st
         batch, tokens = batches[name]
         _record(tokens, batch.flush_decoded())
     got, want = batches["on"][1], batches["off"][1]
-    first = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None) for w, g in zip(want, got)]
-    agree = {"rows": len(want), "tokens_per_row": len(want[0]), "equal_rows": sum(f is None for f in first),
-             "first_differences": sorted(f for f in first if f is not None),
-             "equal_tokens": sum(a == b for w, g in zip(want, got) for a, b in zip(w, g)),
-             "tokens": sum(len(w) for w in want)}
+    agree = agreement(want, got) | {"tokens_per_row": len(want[0]), "tokens": sum(len(w) for w in want),
+                                    "equal_tokens": sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))}
     print(f"greedy tokens, kernel on vs off, {agree['tokens_per_row']} per row: {agree['equal_rows']}/{agree['rows']} "
           f"rows equal, {agree['equal_tokens']}/{agree['tokens']} tokens equal"
           + (f"; the others first differ at tokens {agree['first_differences']}" if agree["first_differences"] else ""))

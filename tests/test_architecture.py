@@ -46,7 +46,8 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     # load measures the KV layout, builds the grammar, loads one rank's shard
     "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed",
                                "engine/attention"}),  # load wraps attention layers for the ragged kernel
-    "engine/attention": frozenset({"engine/kv"}),  # the ragged route reads the batch cache's padding
+    # The ragged route reads the batch cache's padding, and runs the kernel where the lease thread sees CUDA.
+    "engine/attention": frozenset({"engine/kv", "engine/lease_thread"}),
     "engine/distributed": frozenset({"engine/lease_thread"}),  # a follower's thread is set up as a lease's
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
                                "engine/adapters"}),  # each row's forward uses its adapter

@@ -95,6 +95,13 @@ _SPLIT_SOURCE = """
     }
     const T* kp = k + (int64_t)b * k_strides[0] + (int64_t)kvh * k_strides[1] + (int64_t)(sub * EPT) * k_strides[3];
     const T* vp = v + (int64_t)b * v_strides[0] + (int64_t)kvh * v_strides[1] + (int64_t)(sub * EPT) * v_strides[3];
+    // A lane's EPT elements in one load where the layout allows (a cache's buffers always do); the same for
+    // every lane of the block, so the branch below never diverges.
+    struct alignas(sizeof(T) * EPT) Pack {
+      T x[EPT];
+    };
+    const bool packed = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % EPT == 0 && v_strides[2] % EPT == 0
+        && ((unsigned long long)kp % sizeof(Pack)) == 0 && ((unsigned long long)vp % sizeof(Pack)) == 0;
 
     // Both half warps run every iteration (the bound is the warp's), so the shuffles see all 32 lanes.
     for (int base = j_begin + 2 * warp; base < j_end; base += SLOTS) {
@@ -102,10 +109,20 @@ _SPLIT_SOURCE = """
       const bool live = j < j_end;
       float kr[EPT];
       float vr[EPT];
+      if (live && packed) {
+        const Pack kx = *reinterpret_cast<const Pack*>(kp + j * k_strides[2]);
+        const Pack vx = *reinterpret_cast<const Pack*>(vp + j * v_strides[2]);
 #pragma unroll
-      for (int e = 0; e < EPT; ++e) {
-        kr[e] = live ? static_cast<float>(kp[j * k_strides[2] + e * k_strides[3]]) : 0.0f;
-        vr[e] = live ? static_cast<float>(vp[j * v_strides[2] + e * v_strides[3]]) : 0.0f;
+        for (int e = 0; e < EPT; ++e) {
+          kr[e] = static_cast<float>(kx.x[e]);
+          vr[e] = static_cast<float>(vx.x[e]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          kr[e] = live ? static_cast<float>(kp[j * k_strides[2] + e * k_strides[3]]) : 0.0f;
+          vr[e] = live ? static_cast<float>(vp[j * v_strides[2] + e * v_strides[3]]) : 0.0f;
+        }
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {

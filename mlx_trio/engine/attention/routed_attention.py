@@ -53,6 +53,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 from mlx_trio.engine.attention import ragged_kernel
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.lease_thread import on_cuda
 
 # Set to 1 to leave every attention module as mlx-lm made it (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_RAGGED_ATTENTION"
@@ -85,11 +86,6 @@ class Installed:
 
 def killed() -> bool:
     return os.environ.get(KILL_SWITCH, "") in ("1", "true", "yes")
-
-
-def on_cuda() -> bool:
-    """Whether MLX runs on its CUDA backend (the kernel's only home)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def class_name(attention: Any) -> str:
