@@ -38,6 +38,7 @@ raises. Lease thread only (builds lazy arrays).
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -272,6 +273,13 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
+@functools.cache
+def _templates(dtype: mx.Dtype, D: int, G: int, scale: float) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The split and merge passes' template arguments (built once per layer shape: this runs every layer, every step)."""
+    return ([("T", dtype), ("D", D), ("G", G), ("NW", WARPS), ("SCALE_BITS", _float_bits(scale))],
+            [("T", dtype), ("D", D)])
+
+
 def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float,
                             *, verbose: bool = False) -> mx.array:
     """softmax(scale * q k^T) v over each row's keys `start[b] <= j < T`; `[B, H, 1, D]` in the queries' dtype.
@@ -287,14 +295,14 @@ def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
     threads = 32 * WARPS
     if start.dtype != mx.int32:
         start = start.astype(mx.int32)
+    split_template, merge_template = _templates(queries.dtype, D, G, scale)
     part_o, part_ml = _kernel("split")(
-        inputs=[queries, keys, values, start],
-        template=[("T", queries.dtype), ("D", D), ("G", G), ("NW", WARPS), ("SCALE_BITS", _float_bits(scale))],
+        inputs=[queries, keys, values, start], template=split_template,
         grid=(splits * threads, kv_heads, B), threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, splits, D), (B, H, splits, 2)], output_dtypes=[mx.float32, mx.float32],
         verbose=verbose)
     (out,) = _kernel("merge")(
-        inputs=[part_o, part_ml], template=[("T", queries.dtype), ("D", D)],
+        inputs=[part_o, part_ml], template=merge_template,
         grid=(B * H * D, 1, 1), threadgroup=(D, 1, 1),
         output_shapes=[(B, H, 1, D)], output_dtypes=[queries.dtype], verbose=verbose)
     return out
