@@ -44,6 +44,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_trio.engine.attention.ragged_reference import reference_decode_attention
+
 # Warps per block of the split pass: 2 keys per warp in flight, 8 per block.
 WARPS = 4
 # The split pass aims at this many blocks in all (rows x kv heads x splits): a few per SM of an H100/H200.
@@ -55,6 +57,8 @@ MAX_SPLIT_KEYS = 1024
 # Per-lane registers: G query heads x D / 16 elements, for the queries and again for the accumulators.
 MAX_LANE_ELEMENTS = 64
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+# `self_check`'s bound against the float32 reference, in bfloat16 (outputs of about 1: its rounding is ~4e-3).
+SELF_CHECK_TOLERANCE = 2e-2
 
 _SPLIT_SOURCE = """
     constexpr int LPK = 16;          // lanes sharing one key: a half warp
@@ -275,7 +279,13 @@ def _float_bits(x: float) -> int:
 
 @functools.cache
 def _templates(dtype: mx.Dtype, D: int, G: int, scale: float) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """The split and merge passes' template arguments (built once per layer shape: this runs every layer, every step)."""
+    """The split and merge passes' template arguments (built once per layer shape: this runs every layer, every step).
+
+    MLX names the kernel after its template values (`custom_kernel_<name>_<value>...`, a C identifier), so
+    the scale's bits must be a non-negative int: a positive scale's are.
+    """
+    if not scale > 0:
+        raise ValueError(f"the ragged kernel takes a positive scale, not {scale}")
     return ([("T", dtype), ("D", D), ("G", G), ("NW", WARPS), ("SCALE_BITS", _float_bits(scale))],
             [("T", dtype), ("D", D)])
 
@@ -306,3 +316,26 @@ def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
         grid=(B * H * D, 1, 1), threadgroup=(D, 1, 1),
         output_shapes=[(B, H, 1, D)], output_dtypes=[queries.dtype], verbose=verbose)
     return out
+
+
+def self_check(heads: int, kv_heads: int, head_dim: int, scale: float, dtype: mx.Dtype = mx.bfloat16) -> str | None:
+    """Build the kernel for this attention shape and compare it once with the reference; None, or what went wrong.
+
+    Run at load on CUDA (engine/attention/routed_attention.py): a kernel that does not build
+    (NVRTC) or computes wrong values then leaves the model on mlx-lm's attention instead of
+    failing or corrupting requests. Two rows of 300 keys, one padded, keys a slice of a longer buffer.
+    """
+    k_q, k_k, k_v = mx.random.split(mx.random.key(0), 3)
+    q = mx.random.normal((2, heads, 1, head_dim), key=k_q).astype(dtype)
+    k = mx.random.normal((2, kv_heads, 512, head_dim), key=k_k).astype(dtype)[..., :300, :]
+    v = mx.random.normal((2, kv_heads, 512, head_dim), key=k_v).astype(dtype)[..., :300, :]
+    start = mx.array([0, 117], dtype=mx.int32)
+    if not supports(q, k, v):
+        return f"the kernel does not take {heads}/{kv_heads} heads of {head_dim} in {dtype}"
+    try:
+        got = ragged_decode_attention(q, k, v, start, scale).astype(mx.float32)
+        want = reference_decode_attention(*(x.astype(mx.float32) for x in (q, k, v)), start, scale)
+        err = mx.abs(got - want).max().item()
+    except Exception as exc:  # an NVRTC error surfaces here, at the first evaluation
+        return f"the kernel did not build or run: {exc}"
+    return None if err <= SELF_CHECK_TOLERANCE else f"the kernel's max abs error {err:.3g} > {SELF_CHECK_TOLERANCE}"

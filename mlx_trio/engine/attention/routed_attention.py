@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_trio.engine.attention import ragged_kernel
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 from mlx_trio.engine.lease_thread import on_cuda
+
+log = logging.getLogger(__name__)
 
 # Set to 1 to leave every attention module as mlx-lm made it (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_RAGGED_ATTENTION"
@@ -77,11 +80,13 @@ class RaggedRoute:
 
 @attrs.frozen
 class Installed:
-    """What `install` did: the route (None if it wrapped nothing), layers wrapped, and the classes it refused."""
+    """What `install` did: the route (None if it wrapped nothing), layers wrapped, the classes it refused,
+    and why the kernel is off on CUDA (its load-time self-check failed), if it is."""
 
     route: RaggedRoute | None
     wrapped: int
     refused: tuple[str, ...]
+    kernel_off: str | None = None
 
 
 def killed() -> bool:
@@ -165,15 +170,18 @@ class RoutedAttention(nn.Module):
 def install(model: nn.Module, attend: Attend | None = None) -> Installed:
     """Wrap every accepted attention layer of `model` in place; the route starts at `attend` or the backend's kernel.
 
-    With `attend` None the route is the CUDA kernel on MLX's CUDA backend and unset elsewhere (the
-    wrapped model then computes exactly what the original does). Layers whose attention is not of the
+    With `attend` None the route is the CUDA kernel on MLX's CUDA backend, once it passed its
+    self-check for the model's attention shape (`ragged_kernel.self_check`: a kernel that does not
+    build or computes wrong values stays off, logged and said in `kernel_off`), and unset elsewhere
+    (the wrapped model then computes exactly what the original does). Layers whose attention is not of the
     llama family are left as they are and named in `refused`. Nothing happens under the kill switch.
     Call after any `shard()` or `pipeline()` (either may also come later: both change attributes of the module in place).
     """
     if killed():
         return Installed(None, 0, ())
-    route = RaggedRoute(attend if attend is not None else (ragged_kernel.ragged_decode_attention if on_cuda() else None))
-    wrapped, refused = 0, []
+    route = RaggedRoute(attend)
+    wrapped: list[RoutedAttention] = []
+    refused = []
     for layer in getattr(model, "layers", None) or []:
         attention = getattr(layer, "self_attn", None) if layer is not None else None
         if attention is None or isinstance(attention, RoutedAttention):
@@ -183,8 +191,24 @@ def install(model: nn.Module, attend: Attend | None = None) -> Installed:
             refused.append(class_name(attention))
             continue
         layer.self_attn = RoutedAttention(attention, qk_norm, route)
-        wrapped += 1
-    return Installed(route if wrapped else None, wrapped, tuple(dict.fromkeys(refused)))
+        wrapped.append(layer.self_attn)
+    kernel_off = None
+    if attend is None and wrapped and on_cuda():
+        kernel_off = _check_kernel(wrapped)
+        if kernel_off is None:
+            route.attend = ragged_kernel.ragged_decode_attention
+        else:
+            log.warning("ragged decode attention stays off (mlx-lm's attention instead): %s", kernel_off)
+    return Installed(route if wrapped else None, len(wrapped), tuple(dict.fromkeys(refused)), kernel_off)
+
+
+def _check_kernel(layers: list[RoutedAttention]) -> str | None:
+    """`ragged_kernel.self_check` for each distinct attention shape (the scale gives the head dim in this family)."""
+    for heads, kv_heads, scale in sorted({(a.n_heads, a.n_kv_heads, float(a.scale)) for a in layers}):
+        problem = ragged_kernel.self_check(heads, kv_heads, round(scale**-2), scale)
+        if problem is not None:
+            return problem
+    return None
 
 
 def route_of(model: nn.Module) -> RaggedRoute | None:

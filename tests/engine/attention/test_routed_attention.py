@@ -143,3 +143,33 @@ def test_shard_after_install_replaces_the_wrappers_projections() -> None:
     assert isinstance(layer, RoutedAttention) and type(layer.q_proj).__name__ != "Linear"
     after = _ours(model)
     assert after.tokens == before.tokens
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> None:
+    """As on MLX's CUDA backend, with `kernel` (CPU code) in the CUDA kernel's place."""
+    monkeypatch.setattr(routed_attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(routed_attention.ragged_kernel, "ragged_decode_attention", kernel)
+
+
+def test_on_cuda_the_kernel_is_routed_once_its_self_check_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, reference_decode_attention)
+    installed = routed_attention.install(load(_path("qwen3"))[0])
+    assert installed.kernel_off is None and installed.route.attend is reference_decode_attention
+
+
+def _raises(*_: Any) -> mx.array:
+    raise RuntimeError("nvrtc: error: identifier 'x' is undefined")
+
+
+def _wrong(q: mx.array, k: mx.array, v: mx.array, start: mx.array, scale: float) -> mx.array:
+    return reference_decode_attention(q, k, v, mx.zeros_like(start), scale)  # attends the padding too
+
+
+@pytest.mark.parametrize(("kernel", "why"), [(_raises, "did not build or run: nvrtc"), (_wrong, "max abs error")])
+def test_a_kernel_that_fails_its_self_check_stays_off(monkeypatch: pytest.MonkeyPatch, kernel: Any, why: str) -> None:
+    """A kernel that does not build, or computes wrong values, leaves every call on mlx-lm's attention."""
+    _fake_cuda(monkeypatch, kernel)
+    model = load(_path("llama"))[0]
+    installed = routed_attention.install(model)
+    assert installed.wrapped == len(model.layers) and installed.route.attend is None
+    assert why in installed.kernel_off
