@@ -13,12 +13,13 @@ Flash-decoding, two launches:
 1. `ragged_decode_split`: one block per (split, kv head, row). Each row's own
    keys `[start, T)` are cut into `splits` equal chunks, one per block, so a
    lone row of 10k keys still fills the GPU. A block reads its chunk once for
-   all `G = H / Hkv` query heads of its kv head (GQA). A half warp holds one key
-   (16 lanes, `D / 16` elements each); its lanes' dot products are summed by
-   shuffles; each half warp keeps an online softmax (running max, sum and
-   weighted values, float32) over the keys it read; the block merges its half
-   warps in shared memory, in a fixed order, and writes a partial output, max
-   and sum per query head.
+   all `G = H / Hkv` query heads of its kv head (GQA). A half warp holds a key
+   (16 lanes, `D / 16` elements each, one vector load), two keys loaded ahead
+   per iteration; its lanes' dot products are summed by shuffles; each half
+   warp keeps an online softmax (running max, sum and weighted values,
+   float32) over the keys it read; the block merges its half warps in shared
+   memory, in a fixed order, and writes a partial output, max and sum per
+   query head.
 2. `ragged_decode_merge`: one block per (row, head), one thread per element,
    merges the splits' partials (rescaled to the largest max) and divides by
    the sum.
@@ -46,11 +47,11 @@ import mlx.core as mx
 
 from mlx_trio.engine.attention.ragged_reference import reference_decode_attention
 
-# Warps per block of the split pass: 2 keys per warp in flight, 8 per block.
+# Warps per block of the split pass: 4 keys per warp in flight (2 per half warp), 16 per block.
 WARPS = 4
 # The split pass aims at this many blocks in all (rows x kv heads x splits): a few per SM of an H100/H200.
 TARGET_BLOCKS = 512
-# A split holds at least this many keys (8 per half warp), and at most MAX_SPLIT_KEYS unless that would
+# A split holds at least this many keys (4 per half warp), and at most MAX_SPLIT_KEYS unless that would
 # need more splits than TARGET_BLOCKS asks for anyway.
 MIN_SPLIT_KEYS = 64
 MAX_SPLIT_KEYS = 1024
@@ -108,48 +109,56 @@ _SPLIT_SOURCE = """
     const bool packed = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % EPT == 0 && v_strides[2] % EPT == 0
         && ((unsigned long long)kp % sizeof(Pack)) == 0 && ((unsigned long long)vp % sizeof(Pack)) == 0;
 
-    // Both half warps run every iteration (the bound is the warp's), so the shuffles see all 32 lanes.
-    for (int base = j_begin + 2 * warp; base < j_end; base += SLOTS) {
-      const int j = base + hw;
-      const bool live = j < j_end;
-      float kr[EPT];
-      float vr[EPT];
-      if (live && packed) {
-        const Pack kx = *reinterpret_cast<const Pack*>(kp + j * k_strides[2]);
-        const Pack vx = *reinterpret_cast<const Pack*>(vp + j * v_strides[2]);
+    // Both half warps run every iteration (the bound is the warp's), so the shuffles see all 32 lanes. Each
+    // iteration loads two keys per half warp before using either: twice the loads in flight.
+    for (int base = j_begin + 2 * warp; base < j_end; base += 2 * SLOTS) {
+      float kr[2][EPT];
+      float vr[2][EPT];
+      bool live[2];
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          kr[e] = static_cast<float>(kx.x[e]);
-          vr[e] = static_cast<float>(vx.x[e]);
-        }
-      } else {
+      for (int u = 0; u < 2; ++u) {
+        const int j = base + hw + u * SLOTS;
+        live[u] = j < j_end;
+        if (live[u] && packed) {
+          const Pack kx = *reinterpret_cast<const Pack*>(kp + j * k_strides[2]);
+          const Pack vx = *reinterpret_cast<const Pack*>(vp + j * v_strides[2]);
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          kr[e] = live ? static_cast<float>(kp[j * k_strides[2] + e * k_strides[3]]) : 0.0f;
-          vr[e] = live ? static_cast<float>(vp[j * v_strides[2] + e * v_strides[3]]) : 0.0f;
+          for (int e = 0; e < EPT; ++e) {
+            kr[u][e] = static_cast<float>(kx.x[e]);
+            vr[u][e] = static_cast<float>(vx.x[e]);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            kr[u][e] = live[u] ? static_cast<float>(kp[j * k_strides[2] + e * k_strides[3]]) : 0.0f;
+            vr[u][e] = live[u] ? static_cast<float>(vp[j * v_strides[2] + e * v_strides[3]]) : 0.0f;
+          }
         }
       }
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float s = 0.0f;
+      for (int u = 0; u < 2; ++u) {
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          s += qr[g][e] * kr[e];
-        }
-#pragma unroll
-        for (int off = LPK / 2; off > 0; off /= 2) {
-          s += __shfl_xor_sync(0xffffffffu, s, off);
-        }
-        if (live) {
-          const float top = fmaxf(m[g], s);
-          const float c = exp2f(m[g] - top);
-          const float p = exp2f(s - top);
-          l[g] = l[g] * c + p;
+        for (int g = 0; g < G; ++g) {
+          float s = 0.0f;
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
-            acc[g][e] = acc[g][e] * c + p * vr[e];
+            s += qr[g][e] * kr[u][e];
           }
-          m[g] = top;
+#pragma unroll
+          for (int off = LPK / 2; off > 0; off /= 2) {
+            s += __shfl_xor_sync(0xffffffffu, s, off);
+          }
+          if (live[u]) {
+            const float top = fmaxf(m[g], s);
+            const float c = exp2f(m[g] - top);
+            const float p = exp2f(s - top);
+            l[g] = l[g] * c + p;
+#pragma unroll
+            for (int e = 0; e < EPT; ++e) {
+              acc[g][e] = acc[g][e] * c + p * vr[u][e];
+            }
+            m[g] = top;
+          }
         }
       }
     }
