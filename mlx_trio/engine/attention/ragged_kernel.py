@@ -34,7 +34,9 @@ for bit (benchmarks/ragged_attention.py measures the error).
 
 The kernels are built on first use (`mx.fast.cuda_kernel`, compiled by NVRTC on
 the device, once per dtype / D / G / scale); on a machine without CUDA, building
-raises. Lease thread only (builds lazy arrays).
+raises. `scripts/nvrtc_check.py` compiles both passes with NVRTC on any machine
+(no GPU: NVRTC and the CUDA headers come as wheels) and prints their registers
+and spills. Lease thread only (builds lazy arrays).
 """
 
 from __future__ import annotations
@@ -246,21 +248,23 @@ _MERGE_SOURCE = """
     out[bh * D + d] = static_cast<T>(total > 0.0f ? o / total : 0.0f);
 """
 
+# The two passes: (name, inputs, outputs, source, row-contiguous inputs). The split pass reads its inputs
+# through their strides (a cache's keys are a slice of its buffer); the merge pass reads the split's outputs.
+KERNELS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str, bool]] = {
+    "split": ("ragged_decode_split", ("q", "k", "v", "start"), ("part_o", "part_ml"), _SPLIT_SOURCE, False),
+    "merge": ("ragged_decode_merge", ("part_o", "part_ml"), ("out",), _MERGE_SOURCE, True),
+}
+
 _kernels: dict[str, Any] = {}
 
 
-def _kernel(name: str) -> Any:
-    """The named kernel, built on first use (raises without MLX's CUDA backend)."""
-    if name not in _kernels:
-        if name == "split":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="ragged_decode_split", input_names=["q", "k", "v", "start"],
-                output_names=["part_o", "part_ml"], source=_SPLIT_SOURCE, ensure_row_contiguous=False)
-        else:
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="ragged_decode_merge", input_names=["part_o", "part_ml"], output_names=["out"],
-                source=_MERGE_SOURCE)
-    return _kernels[name]
+def _kernel(which: str) -> Any:
+    """The pass's kernel, built on first use (raises without MLX's CUDA backend)."""
+    if which not in _kernels:
+        name, inputs, outputs, source, contiguous = KERNELS[which]
+        _kernels[which] = mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs),
+                                              source=source, ensure_row_contiguous=contiguous)
+    return _kernels[which]
 
 
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -287,7 +291,7 @@ def _float_bits(x: float) -> int:
 
 
 @functools.cache
-def _templates(dtype: mx.Dtype, D: int, G: int, scale: float) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+def template_args(dtype: mx.Dtype, D: int, G: int, scale: float) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
     """The split and merge passes' template arguments (built once per layer shape: this runs every layer, every step).
 
     MLX names the kernel after its template values (`custom_kernel_<name>_<value>...`, a C identifier), so
@@ -314,7 +318,7 @@ def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
     threads = 32 * WARPS
     if start.dtype != mx.int32:
         start = start.astype(mx.int32)
-    split_template, merge_template = _templates(queries.dtype, D, G, scale)
+    split_template, merge_template = template_args(queries.dtype, D, G, scale)
     part_o, part_ml = _kernel("split")(
         inputs=[queries, keys, values, start], template=split_template,
         grid=(splits * threads, kv_heads, B), threadgroup=(threads, 1, 1),
