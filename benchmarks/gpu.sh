@@ -41,6 +41,11 @@
 #           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
 #           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2), then
 #           the leave + join alone on a 64-row DecodeBatch (--rows-only), on vs off. PARTS=churn, <= 150 s.
+#   ragged: benchmarks/ragged_attention.py (issues #20, #25): the ragged decode-attention kernel against MLX's
+#           masked attention (max abs error, B=1/8/64, T=256/2048/10000, GQA 32/8 at D=64 and 128, bf16 and fp32;
+#           a non-zero status past the tolerance or on an NVRTC error, which it prints), µs per call vs the masked
+#           and the unmasked (vector) attention, and a B=64 DecodeBatch of 100-10k-token rows: greedy tokens and
+#           ms per step, kernel on vs off. PARTS=ragged MODELS=1b, <= RAGGED_LIMIT_S (150).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -400,6 +405,10 @@ for m in $MODELS; do
     script_part churn "${CHURN_LIMIT_S:-150}" "churn, $m: c=64 serving churn, row slots on vs off, A/B alternated" \
       bash -c "$PY benchmarks/churn.py --model $dir --requests ${CHURN_REQUESTS:-128} --ab ${CHURN_ROUNDS:-2} \
         --json $RESULTS/churn-$m.json; $PY benchmarks/churn.py --model $dir --rows-only --ab 2 --settles 32"
+  ;; esac
+  case " $PARTS " in *" ragged "*)
+    script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \
+      $PY benchmarks/ragged_attention.py --model "$dir" --json "$RESULTS/ragged-$m.json" ${RAGGED_ARGS:-}
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \

@@ -44,7 +44,10 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/prompt_cache": frozenset(),
     "engine/kv": frozenset({"engine/prompt_cache"}),  # cache_clone copies host entries
     # load measures the KV layout, builds the grammar, loads one rank's shard
-    "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed"}),
+    "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed",
+                               "engine/attention"}),  # load wraps attention layers for the ragged kernel
+    # The ragged route reads the batch cache's padding, and runs the kernel where the lease thread sees CUDA.
+    "engine/attention": frozenset({"engine/kv", "engine/lease_thread"}),
     "engine/distributed": frozenset({"engine/lease_thread"}),  # a follower's thread is set up as a lease's
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
                                "engine/adapters"}),  # each row's forward uses its adapter

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
 from mlx_trio.errors import InvalidParameter, ModelLoadError
+from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.distributed.world import current_world, shard_model
 from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
@@ -171,7 +172,9 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
 
     Must run on the lease thread: weights are evaluated there. One rank of a distributed group
     loads its tensor-parallel shard only (`engine/distributed/world.py`): lazily, sharded, then
-    evaluated, so the other ranks' weights are never read here.
+    evaluated, so the other ranks' weights are never read here. Llama-family attention layers are
+    then wrapped so that a padded batch's decode steps can take the ragged kernel on CUDA
+    (engine/attention/routed_attention.py; `MLX_TRIO_NO_RAGGED_ATTENTION=1` leaves them as they are).
     """
     path = resolve_model_path(model, cache_dir=cache_dir)
     world = current_world()
@@ -181,6 +184,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
     mx.eval(loaded_model.parameters())
+    routed_attention.install(loaded_model)  # padded batches' decode attention on the ragged kernel (CUDA)
     check_quantized_attention(loaded_model, kv_scheme)
     eos_token_ids = frozenset(tokenizer.eos_token_ids)
     return LoadedModel(
