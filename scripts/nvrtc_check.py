@@ -38,13 +38,12 @@ from mlx_trio.engine.attention import ragged_kernel
 # (query heads, kv heads, head dim): the Llama-1B and -8B shapes, GQA 8:1 at D=128, and the tiny models'.
 CASES = ((32, 8, 64), (32, 8, 128), (64, 8, 128), (4, 2, 16))
 CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.int32: "int32_t"}
-# MLX's default header for a custom kernel (backend/cuda/custom_kernel.cpp).
+# MLX's default header for a custom kernel as MLX 0.32.4 on the H200 generated it (no `inf`: a kernel that
+# used it failed there with "identifier inf is undefined", 2026-12-01).
 DEFAULT_HEADER = """
 #include "mlx/backend/cuda/device/utils.cuh"
 
 #include <cooperative_groups.h>
-
-#define inf cuda::std::numeric_limits<float>::infinity()
 
 """
 STAND_IN_UTILS = """#pragma once

@@ -64,6 +64,7 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 SELF_CHECK_TOLERANCE = 2e-2
 
 _SPLIT_SOURCE = """
+#define NEG_INF (-__int_as_float(0x7f800000))  // MLX 0.32.4's kernel header defines no inf
     constexpr int LPK = 16;          // lanes sharing one key: a half warp
     constexpr int EPT = D / LPK;     // elements of the head dimension per lane
     constexpr int SLOTS = 2 * NW;    // keys a block reads at once, one per half warp
@@ -98,7 +99,7 @@ _SPLIT_SOURCE = """
         qr[g][e] = static_cast<float>(qp[e * q_strides[3]]) * qscale;
         acc[g][e] = 0.0f;
       }
-      m[g] = -inf;
+      m[g] = NEG_INF;
       l[g] = 0.0f;
     }
     const T* kp = k + (int64_t)b * k_strides[0] + (int64_t)kvh * k_strides[1] + (int64_t)(sub * EPT) * k_strides[3];
@@ -184,11 +185,11 @@ _SPLIT_SOURCE = """
       if (slot == t) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          float top = -inf;
+          float top = NEG_INF;
           for (int u = 0; u < SLOTS; ++u) {
             top = fmaxf(top, sm_m[u * G + g]);
           }
-          const float f = (m[g] == -inf) ? 0.0f : exp2f(m[g] - top);
+          const float f = (m[g] == NEG_INF) ? 0.0f : exp2f(m[g] - top);
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
             sm_o[g * D + sub * EPT + e] += acc[g][e] * f;
@@ -205,15 +206,15 @@ _SPLIT_SOURCE = """
     }
     if (threadIdx.x < G) {
       const int g = threadIdx.x;
-      float top = -inf;
+      float top = NEG_INF;
       for (int u = 0; u < SLOTS; ++u) {
         top = fmaxf(top, sm_m[u * G + g]);
       }
       float total = 0.0f;
-      if (top != -inf) {
+      if (top != NEG_INF) {
         for (int u = 0; u < SLOTS; ++u) {
           const float mu = sm_m[u * G + g];
-          if (mu != -inf) {
+          if (mu != NEG_INF) {
             total += sm_l[u * G + g] * exp2f(mu - top);
           }
         }
@@ -224,21 +225,22 @@ _SPLIT_SOURCE = """
 """
 
 _MERGE_SOURCE = """
+#define NEG_INF (-__int_as_float(0x7f800000))
     const int64_t bh = blockIdx.x;
     const int d = threadIdx.x;
     const int splits = part_ml_shape[2];
     const float* ml = part_ml + bh * splits * 2;
     const float* po = part_o + bh * splits * D + d;
-    float top = -inf;
+    float top = NEG_INF;
     for (int s = 0; s < splits; ++s) {
       top = fmaxf(top, ml[2 * s]);
     }
     float total = 0.0f;
     float o = 0.0f;
-    if (top != -inf) {
+    if (top != NEG_INF) {
       for (int s = 0; s < splits; ++s) {
         const float ms = ml[2 * s];
-        if (ms != -inf) {
+        if (ms != NEG_INF) {
           const float w = exp2f(ms - top);
           total += ml[2 * s + 1] * w;
           o += po[s * D] * w;
