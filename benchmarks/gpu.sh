@@ -32,7 +32,8 @@
 #           (each backend a fresh process: MLX reads its variable once), then the agent-loop workload (8 agents,
 #           CUDNN_AGENT_REQUESTS=24) with ours, ours-cudnn and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
 #           prefill_shapes.py with MLX_CUDA_USE_CUDNN_SDPA=0 then =1 (a chunk at new vs seen shapes; 2 x 60 s).
-#           MODELS=1b PARTS=cudnn. On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
+#           Limits: CUDNN_STALL_MLX_LIMIT_S (60), CUDNN_STALL_LIMIT_S (95), CUDNN_AGENT_LIMIT_S (85); more bench
+#           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
 #           CUDNN_STALL_ARGS="--long-tokens 1500 --rounds 1 --stream-tokens 600".
 #   profile: benchmarks/serving_profile.py (issue #20): `mlx-trio serve` under MLX_TRIO_PROFILE at c=8/64/256
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
@@ -367,7 +368,7 @@ for m in $MODELS; do
     # Each backend in a fresh process (its first round is the cold process), each target on a fresh engine
     # (a fresh lease thread: cuDNN's plans are per thread, so cudnn-prefill builds them again at its start).
     for backend in mlx cudnn-prefill; do
-      lim=$([ $backend = mlx ] && echo "${CUDNN_STALL_MLX_LIMIT_S:-55}" || echo "${CUDNN_STALL_LIMIT_S:-100}")
+      lim=$([ $backend = mlx ] && echo "${CUDNN_STALL_MLX_LIMIT_S:-60}" || echo "${CUDNN_STALL_LIMIT_S:-95}")
       MLX_TRIO_ATTENTION_BACKEND=$backend script_part cudnn "$lim" \
         "stall profile, $m: MLX_TRIO_ATTENTION_BACKEND=$backend, 4 streams, 8.5k prompt, 3 rounds, 40 and 100 ms" \
         $PY benchmarks/stall_profile.py --model "$dir" --streams 4 --long-tokens 8500 --rounds 3 \
@@ -375,7 +376,7 @@ for m in $MODELS; do
         --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
     done
     # The agent loop, ours (MLX's kernels) vs ours-cudnn (prefill-only cuDNN, plans built at start) vs mlx_lm.server.
-    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-90}" "agent loop, $m: ours vs ours-cudnn vs mlx_lm.server, 8 agents" \
+    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours vs ours-cudnn vs mlx_lm.server, 8 agents" \
       $PY -m mlx_trio.bench --serve ours --serve ours-cudnn --serve mlx_lm --model "$dir" --workload agent-loop \
       --concurrency 8 --requests "${CUDNN_AGENT_REQUESTS:-24}" --rounds 1 --system-words "$SYSTEM_WORDS" \
       --task-words 48 --tool-result-words 300 --output-tokens 64 \
