@@ -13,7 +13,7 @@ contexts, up to `IDLE_FACTOR` times as far, are planned one per lease job
 while nothing else runs (`warm_next`: a request arriving then waits for at
 most that one plan). The warm-up never fills more than `CACHE_SHARE` of
 cuDNN's plan cache (`MLX_CUDA_SDPA_CACHE_SIZE`, engine/lease_thread.py), so
-the shapes no list holds (cohort prefills') keep room.
+the shapes of longer contexts, met as requests go, keep room.
 
 Nothing happens unless the lease thread chose prefill-only cuDNN on CUDA.
 """

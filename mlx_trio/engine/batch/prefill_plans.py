@@ -17,8 +17,8 @@ plans it. The values are zeros; the plan does not depend on them.
 
 A prefill that would start off the grid (a prompt-cache hit) or split off it
 (a snapshot boundary) steps back to the grid point below under prefill-only
-cuDNN (`ChunkedPrefill`), so its chunks are listed shapes too. Not covered:
-cohort prefills (docs/design.md §2.4), batched with an array mask.
+cuDNN (`ChunkedPrefill`), so its chunks are listed shapes too, and a cohort
+(docs/design.md §2.4) prefills each row alone (`can_prefill_together`).
 
 Runs on the lease thread: cuDNN's plan cache is per thread.
 """
