@@ -33,8 +33,9 @@
 #           CUDNN_AGENT_REQUESTS=24) with ours, ours-cudnn and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
 #           prefill_shapes.py with MLX_CUDA_USE_CUDNN_SDPA=0 then =1 (a chunk at new vs seen shapes; 2 x 60 s).
 #           Limits: CUDNN_STALL_MLX_LIMIT_S (60), CUDNN_STALL_LIMIT_S (95), CUDNN_AGENT_LIMIT_S (85); more bench
-#           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
-#           CUDNN_STALL_ARGS="--long-tokens 1500 --rounds 1 --stream-tokens 600".
+#           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_STALL_ARGS="--long-tokens 1500
+#           --rounds 1 --stream-tokens 600" CUDNN_AGENT_REQUESTS=4 (and CUDNN_SHAPES_ARGS="--context 600 --chunk 128
+#           --decode-steps 6" with CUDNN_SHAPES=1).
 #   profile: benchmarks/serving_profile.py (issue #20): `mlx-trio serve` under MLX_TRIO_PROFILE at c=8/64/256
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
 #           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
