@@ -26,13 +26,16 @@
 #           L=1..8 tokens: where a verify forward's extra time goes (issues #23, #25). PARTS=smallm, <= 90 s.
 #   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
 #           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
-#   cudnn:  prefill-only cuDNN attention (issue #19): benchmarks/prefill_shapes.py with MLX's own kernels, then
-#           with cuDNN (a 512-token chunk at ~6k context on new vs seen shapes, on and off the grid; B=1 decode
-#           steps on mlx-lm's buffers vs the decode layout), then stall_profile.py (4 streams, an 8.5k prompt,
-#           3 rounds, --prefill-chunk-ms 40 and 100) with MLX_TRIO_ATTENTION_BACKEND=mlx and =cudnn-prefill,
-#           back to back (MLX reads its variable once per process). MODELS=1b PARTS=cudnn, about 150 s.
-#           On a CPU: CUDNN_SHAPES_ARGS="--context 600 --chunk 128 --decode-steps 6" and
-#           CUDNN_STALL_ARGS="--long-tokens 1500 --rounds 1 --stream-tokens 600".
+#   cudnn:  prefill-only cuDNN attention (issue #19), about 240 s: stall_profile.py (4 streams, an 8.5k prompt,
+#           3 rounds, --prefill-chunk-ms 40 and 100) with MLX_TRIO_ATTENTION_BACKEND=mlx, then =cudnn-prefill
+#           with cuDNN's plans of every chunk shape up to CUDNN_WARM_TOKENS (9216) built at the engine's start
+#           (each backend a fresh process: MLX reads its variable once), then the agent-loop workload (8 agents,
+#           CUDNN_AGENT_REQUESTS=24) with ours, ours-cudnn and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
+#           prefill_shapes.py with MLX_CUDA_USE_CUDNN_SDPA=0 then =1 (a chunk at new vs seen shapes; 2 x 60 s).
+#           Limits: CUDNN_STALL_MLX_LIMIT_S (60), CUDNN_STALL_LIMIT_S (95), CUDNN_AGENT_LIMIT_S (85); more bench
+#           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_STALL_ARGS="--long-tokens 1500
+#           --rounds 1 --stream-tokens 600" CUDNN_AGENT_REQUESTS=4 (and CUDNN_SHAPES_ARGS="--context 600 --chunk 128
+#           --decode-steps 6" with CUDNN_SHAPES=1).
 #   profile: benchmarks/serving_profile.py (issue #20): `mlx-trio serve` under MLX_TRIO_PROFILE at c=8/64/256
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
 #           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
@@ -360,17 +363,31 @@ for m in $MODELS; do
       --tokens 128 --json "$RESULTS/distributed-$m.json"
   ;; esac
   case " $PARTS " in *" cudnn "*)
-    for att in 0 1; do
-      MLX_CUDA_USE_CUDNN_SDPA=$att script_part cudnn "${CUDNN_SHAPES_LIMIT_S:-60}" \
-        "prefill shapes, $m: MLX_CUDA_USE_CUDNN_SDPA=$att (0: MLX's own kernels, 1: cuDNN)" \
-        $PY benchmarks/prefill_shapes.py --model "$dir" --json "$RESULTS/cudnn-shapes-$att-$m.json" ${CUDNN_SHAPES_ARGS:-}
-    done
+    # The bare-model shape costs (tenth pass: the mechanism) only when asked: CUDNN_SHAPES=1 (60 s per setting).
+    if [ "${CUDNN_SHAPES:-0}" = 1 ]; then
+      for att in 0 1; do
+        MLX_CUDA_USE_CUDNN_SDPA=$att script_part cudnn "${CUDNN_SHAPES_LIMIT_S:-60}" \
+          "prefill shapes, $m: MLX_CUDA_USE_CUDNN_SDPA=$att (0: MLX's own kernels, 1: cuDNN)" \
+          $PY benchmarks/prefill_shapes.py --model "$dir" --json "$RESULTS/cudnn-shapes-$att-$m.json" ${CUDNN_SHAPES_ARGS:-}
+      done
+    fi
+    # Each backend in a fresh process (its first round is the cold process), each target on a fresh engine
+    # (a fresh lease thread: cuDNN's plans are per thread, so cudnn-prefill builds them again at its start).
     for backend in mlx cudnn-prefill; do
-      MLX_TRIO_ATTENTION_BACKEND=$backend script_part cudnn "${CUDNN_STALL_LIMIT_S:-75}" \
+      lim=$([ $backend = mlx ] && echo "${CUDNN_STALL_MLX_LIMIT_S:-60}" || echo "${CUDNN_STALL_LIMIT_S:-95}")
+      MLX_TRIO_ATTENTION_BACKEND=$backend script_part cudnn "$lim" \
         "stall profile, $m: MLX_TRIO_ATTENTION_BACKEND=$backend, 4 streams, 8.5k prompt, 3 rounds, 40 and 100 ms" \
         $PY benchmarks/stall_profile.py --model "$dir" --streams 4 --long-tokens 8500 --rounds 3 \
-        --prefill-chunk-ms 40,100 --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
+        --prefill-chunk-ms 40,100 --cudnn-warm-tokens "${CUDNN_WARM_TOKENS:-9216}" \
+        --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
     done
+    # The agent loop, ours (MLX's kernels) vs ours-cudnn (prefill-only cuDNN, plans built at start) vs mlx_lm.server.
+    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours vs ours-cudnn vs mlx_lm.server, 8 agents" \
+      $PY -m mlx_trio.bench --serve ours --serve ours-cudnn --serve mlx_lm --model "$dir" --workload agent-loop \
+      --concurrency 8 --requests "${CUDNN_AGENT_REQUESTS:-24}" --rounds 1 --system-words "$SYSTEM_WORDS" \
+      --task-words 48 --tool-result-words 300 --output-tokens 64 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
+      --out "$RESULTS/cudnn-agentloop-$m.json" --log-dir "/tmp/bench-logs-cudnn-agentloop-$m" ${CUDNN_AGENT_ARGS:-}
   ;; esac
   case " $PARTS " in *" profile "*)
     script_part profile "${PROFILE_LIMIT_S:-240}" "serving profile, $m: serving workload at c=${PROFILE_CONCURRENCY:-8,64,256}" \

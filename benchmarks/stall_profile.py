@@ -2,7 +2,8 @@
 
 Usage (H200, see benchmarks/gpu.sh for staging):
     python benchmarks/stall_profile.py --shape llama-1b --streams 4 --long-tokens 8500
-    MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill python benchmarks/stall_profile.py ... --prefill-chunk-ms 40,100
+    MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill python benchmarks/stall_profile.py ... --prefill-chunk-ms 40,100 \
+        --cudnn-warm-tokens 9216   (cuDNN's plans of every chunk of the 8.5k prompt built at start)
     (a CPU check: python benchmarks/stall_profile.py --streams 2 --long-tokens 1500 --rounds 1 --stream-tokens 600)
 
 `--prefill-chunk-ms` takes a comma list: each target runs in turn on a fresh engine in this
@@ -64,6 +65,8 @@ class Profile:
     rounds: list[tuple[float, float]]
     log: list[tuple[str, float, float]]
     trio_steps: list[tuple[str, float, float]]
+    start_s: float = 0.0  # from opening the engine to its warm-up request's end (cuDNN plans built ahead included)
+    plans: int = 0  # prefill chunk shapes planned by then (actors/plan_warmup.py)
 
 
 async def profile(model_dir: Path, args: argparse.Namespace) -> None:
@@ -72,9 +75,11 @@ async def profile(model_dir: Path, args: argparse.Namespace) -> None:
     for target in args.prefill_chunk_ms:
         one = argparse.Namespace(**{**vars(args), "prefill_chunk_ms": target})
         measured = await (over_http if args.http else embedded)(model_dir, one)
-        print(f"\n# --prefill-chunk-ms {target:g}, attention backend: {lease_thread.chosen_backend()}")
+        print(f"\n# --prefill-chunk-ms {target:g}, attention backend: {lease_thread.chosen_backend()}; engine start "
+              f"+ warm-up request {measured.start_s:.1f} s, cuDNN prefill plans built by then: {measured.plans}")
         rows = [report(n, arrived, first, measured, one) for n, (arrived, first) in enumerate(measured.rounds, 1)]
         summary.append({"prefill_chunk_ms": target, "backend": lease_thread.chosen_backend(),
+                        "start_s": measured.start_s, "cudnn_plans": measured.plans,
                         "long_ttft_ms": [r[0] for r in rows], "largest_gap_ms": [r[1] for r in rows],
                         "steady_gap_ms": [r[2] for r in rows]})
     print("\n| backend | `--prefill-chunk-ms` | long TTFT ms | largest gap ms | inter-token gap before ms |")
@@ -122,9 +127,11 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
     """The streams and the long prompts on the embedded engine; token times from its events."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(128)] for _ in range(args.streams)]
+    opened = time.perf_counter()
     async with open_engine(str(model_dir), batch=max(args.streams + 1, 2), prefill_step_size=args.prefill_step_size,
-                           prefill_chunk_ms=args.prefill_chunk_ms) as engine:
+                           prefill_chunk_ms=args.prefill_chunk_ms, cudnn_warm_tokens=args.cudnn_warm_tokens) as engine:
         await engine.complete(prompts[0] if prompts else [5] * 128, max_tokens=4)  # warm-up: a short request
+        start_s, plans = time.perf_counter() - opened, engine.actors.lane.prefill.statistics().cudnn_plans
         times: list[list[float]] = [[] for _ in prompts]
         all_started = trio.Event()
         if not prompts:
@@ -156,7 +163,7 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> Profile:
                     rounds.append((arrived, await long()))
                     await trio.sleep(1.0)
                 nursery.cancel_scope.cancel()
-    return Profile(times, rounds, log, trio_steps)
+    return Profile(times, rounds, log, trio_steps, start_s, plans)
 
 
 async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
@@ -165,11 +172,14 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
     Token times are when the client read each content chunk (stall_client.py).
     """
     engine_config = EngineConfig(model=str(model_dir), batch=max(args.streams + 1, 8),
-                                 prefill_step_size=args.prefill_step_size, prefill_chunk_ms=args.prefill_chunk_ms)
+                                 prefill_step_size=args.prefill_step_size, prefill_chunk_ms=args.prefill_chunk_ms,
+                                 cudnn_warm_tokens=args.cudnn_warm_tokens)
+    opened = time.perf_counter()
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, engine_config, ServerConfig(port=0, batch=engine_config.batch))
         gc.freeze()  # as `mlx-trio serve` does once ready
         await server.engine.complete([5] * 128, max_tokens=4)  # warm-up: a short request
+        start_s, plans = time.perf_counter() - opened, server.engine.actors.lane.prefill.statistics().cudnn_plans
         client = [sys.executable, str(Path(__file__).with_name("stall_client.py")), "--url", server.url,
                   "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens),
                   "--long-words", str(args.long_words), "--rounds", str(args.rounds)]
@@ -180,7 +190,7 @@ async def over_http(model_dir: Path, args: argparse.Namespace) -> Profile:
     chunks = sum(len(ts) for ts in measured["streams"])
     tokens = sum(n or 0 for n in measured["tokens"])
     print(f"  SSE streams: {tokens} tokens in {chunks} content chunks ({tokens / max(chunks, 1):.2f} per chunk)")
-    return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps)
+    return Profile(measured["streams"], [tuple(r) for r in measured["rounds"]], log, trio_steps, start_s, plans)
 
 
 def report(n: int, arrived: float, first: float, profile: Profile,
@@ -230,8 +240,11 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=8500)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--prefill-chunk-ms", type=lambda v: [float(x) for x in v.split(",")],
-                   default=[EngineConfig.prefill_chunk_ms],
+                   default=[attrs.fields(EngineConfig).prefill_chunk_ms.default],
                    help="the busy prefill chunk's target time (the server's flag); a comma list runs each in turn")
+    p.add_argument("--cudnn-warm-tokens", type=int, default=attrs.fields(EngineConfig).cudnn_warm_tokens.default,
+                   help="the server's flag: under MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill, cuDNN's prefill plans "
+                        "of contexts up to this many tokens are built before the first request")
     p.add_argument("--model", help="a model directory (wins over --shape), e.g. gpu.sh's built shape")
     p.add_argument("--json", type=Path, help="write the per-round summary here")
     p.add_argument("--top", type=int, default=6)

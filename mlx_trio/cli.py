@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill chunks end on multiples of this many tokens, so attention meets a few shapes again "
              "instead of a new one per chunk (MLX's CUDA backend pays for each new shape); 0 turns it off "
              "(default: 256 on a GPU, off on the CPU)")
+    arg("--cudnn-warm-tokens", type=non_negative_int, default=_ENGINE.cudnn_warm_tokens.default,
+        help="with MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill on CUDA: build cuDNN's plans for the prefill chunk "
+             "shapes of contexts up to this many tokens before the first request, and those up to 4x as far "
+             "while idle, so no request pays for planning them; 0 turns it off (default: %(default)s)")
     arg("--prompt-concurrency", type=positive_int, default=DEFAULT_PROMPT_CONCURRENCY,
         help="prompts prefilled at once, their chunks interleaved shortest first, so a short prompt "
              "never waits for a long one (default: %(default)s)")
@@ -204,7 +208,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     })
     engine = EngineConfig(model=args.model, cache_dir=args.cache_dir, prefill_step_size=args.prefill_step_size,
                           prefill_chunk_ms=args.prefill_chunk_ms, prefill_grid=args.prefill_grid,
-                          prompt_concurrency=args.prompt_concurrency,
+                          prompt_concurrency=args.prompt_concurrency, cudnn_warm_tokens=args.cudnn_warm_tokens,
                           max_queue=args.max_queue, defaults=defaults, batch=args.batch,
                           kv_budget_bytes=args.kv_budget, prompt_cache_bytes=args.prompt_cache_bytes,
                           prompt_cache_size=args.prompt_cache_size, prompt_cache_dir=args.prompt_cache_dir,

@@ -14,6 +14,9 @@ from mlx_trio.params import SamplingParams
 DEFAULT_PREFILL_CHUNK_MS = 100.0
 # Prompts prefilled at once, chunks interleaved (--prompt-concurrency; mlx_lm.server's default).
 DEFAULT_PROMPT_CONCURRENCY = 8
+# Keys (tokens) up to which cuDNN's prefill plans are built at start under prefill-only cuDNN: 174 chunk
+# shapes on the 256-token grid (--cudnn-warm-tokens; docs/design.md §4.6).
+DEFAULT_CUDNN_WARM_TOKENS = 8192
 # Adapters resident at once (--max-loras: one per row of the default --batch) and their largest
 # rank (--max-lora-rank, vLLM's default).
 DEFAULT_MAX_LORAS = 8
@@ -108,6 +111,10 @@ class EngineConfig:
     # H200; over a batch it attends the whole masked buffer); True: batches too; never while adapters are
     # served (their per-row arrays and wrapped layers would be trace constants).
     compile_decode: bool | None = None
+    # Under prefill-only cuDNN attention (MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill), cuDNN's plans of the
+    # prefill grid's chunk shapes whose keys end within this many tokens are built before the first request,
+    # those up to 4x as far in idle time (actors/plan_warmup.py); 0: none (--cudnn-warm-tokens).
+    cudnn_warm_tokens: int = DEFAULT_CUDNN_WARM_TOKENS
 
     @property
     def serves_adapters(self) -> bool:

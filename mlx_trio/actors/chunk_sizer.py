@@ -21,6 +21,19 @@ averages borrowed a cheaper bucket's cost at each new power of two and
 overshot the target by up to a fifth (H200, 8.5k prompt, docs/benchmarks.md,
 ninth pass), and each chunk of that overshoot is a stall of every stream.
 
+**First visits.** A chunk at an attention shape the process has not run
+before may pay for planning it: cuDNN builds a plan per exact shape (60-93 ms
+on an H200, 1B shape, against 6-10 ms a chunk once planned; docs/benchmarks.md,
+"prefill-only cuDNN"). Fitted as it was, such a chunk made the sizer pick tiny
+chunks, each a new shape that paid a plan again (a 40 ms target took an 8.5k
+prompt 220 chunks). So where the caller names a chunk's shape (the grid's
+(tokens computed, keys) pair), a first visit is fitted only as what a planned
+chunk would cost: as measured when it is within `FIRST_VISIT_TOLERANCE` of the
+fit's prediction (no plan was paid), else less the plan cost, estimated as
+the median excess of a shape's first visit over its second (`PLAN_SAMPLES`
+recent ones); with neither, it is left out. Shapes whose plans were built
+ahead (actors/plan_warmup.py) are known from the start (`know`).
+
 Plain Python: the measurements are taken by `timed` on the lease thread.
 """
 
@@ -28,8 +41,9 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 # Chunk sizes are rounded down to a multiple of this (fewer distinct shapes), and never smaller.
@@ -41,6 +55,16 @@ WINDOW = 48
 # The term subsets a fit may use, in order of preference when they fit equally well (one sample fits
 # every single term exactly: a cost per token is the likeliest reading of it, a fixed cost the least).
 _SUBSETS = ((0, 1, 2), (1, 2), (0, 1), (0, 2), (1,), (2,), (0,))
+
+# A first visit of a shape costing more than this many times the fit's prediction is left out of the fit: a
+# plan build (+60-90 ms) is several times a planned chunk's cost; the per-shape spread of MLX's own kernels
+# (24-38 ms against 16-27 on a seen shape) is under it.
+FIRST_VISIT_TOLERANCE = 1.5
+# Shapes remembered as seen, the oldest forgotten beyond this: twice the plan cache the lease thread sets
+# (engine/lease_thread.py), whose evicted plans would be first visits again anyway.
+SEEN_SHAPES = 4096
+# The plan cost is the median of this many recent (first visit - second visit) differences.
+PLAN_SAMPLES = 8
 
 Sample = tuple[float, float, float, float]  # the three terms' factors (1, n, n·(c + n/2)) and the seconds
 
@@ -119,13 +143,65 @@ class ChunkSizer:
         self.max_tokens = max_tokens
         self._samples: collections.deque[Sample] = collections.deque(maxlen=WINDOW)
         self._fit: tuple[float, float, float] | None = None
+        # The attention shapes seen, oldest first (SEEN_SHAPES at most): a first visit's seconds until the
+        # second visit compares with it, then None.
+        self._seen: dict[Hashable, float | None] = {}
+        self._plan_excess: collections.deque[float] = collections.deque(maxlen=PLAN_SAMPLES)
+        self.first_visits_left_out = 0
 
-    def record(self, tokens: int, context: int, seconds: float) -> None:
-        """A forward of `tokens` prompt tokens after `context` cached ones took `seconds`."""
+    def know(self, shapes: Iterable[Hashable]) -> None:
+        """Count `shapes` as seen: their plans are built already, so their first chunks cost what later ones do."""
+        for shape in shapes:
+            self._remember(shape, None)
+
+    def record(self, tokens: int, context: int, seconds: float, shape: Hashable | None = None) -> bool:
+        """A forward of `tokens` prompt tokens after `context` cached ones took `seconds`; returns whether it was fitted.
+
+        `shape`: the forward's attention shape where shapes repeat (the grid's
+        (tokens computed, keys) pair): its first visit is fitted as a planned
+        chunk's cost, or not at all (module docstring). None: every sample is fitted as measured.
+        """
         if tokens <= 0 or seconds <= 0:
-            return
+            return False
+        if shape is not None:
+            if shape not in self._seen:
+                self._remember(shape, seconds)
+                fitted = self._planned_cost(tokens, context, seconds)
+                if fitted is None:
+                    self.first_visits_left_out += 1
+                    return False
+                seconds = fitted
+            else:
+                first = self._seen[shape]
+                if first is not None:
+                    self._plan_excess.append(max(first - seconds, 0.0))
+                self._remember(shape, None)
         self._samples.append((1.0, float(tokens), tokens * (context + tokens / 2), seconds))
         self._fit = fit_nonnegative(self._samples)
+        return True
+
+    def _planned_cost(self, tokens: int, context: int, seconds: float) -> float | None:
+        """A first visit's `seconds` as a planned chunk's: as measured, less the plan cost, or None (unknown)."""
+        predicted = self.predict(tokens, context)
+        if predicted is not None and seconds <= FIRST_VISIT_TOLERANCE * predicted:
+            return seconds
+        if self._plan_excess:
+            planned = seconds - statistics.median(self._plan_excess)
+            return planned if planned > 0 else None
+        return None
+
+    def _remember(self, shape: Hashable, first_seconds: float | None) -> None:
+        self._seen.pop(shape, None)
+        self._seen[shape] = first_seconds
+        if len(self._seen) > SEEN_SHAPES:
+            del self._seen[next(iter(self._seen))]
+
+    def predict(self, tokens: int, context: int) -> float | None:
+        """The fitted seconds of a chunk of `tokens` after `context` cached ones; None before any fit."""
+        if self._fit is None:
+            return None
+        a, b, k = self._fit
+        return a + b * tokens + k * tokens * (context + tokens / 2)
 
     def tokens(self, context: int) -> int | None:
         """Prompt tokens one chunk after `context` cached ones may hold to take about `target_s`.

@@ -22,7 +22,9 @@ boundary snapshots are stored on the way. A prompt whose session left stops
 at the next chunk boundary: its KV is freed (its prefix, when long enough,
 kept in the prompt cache) and the next prompt runs. A request that ends here
 (an error, a left session, EOS or max_tokens at token 0) ends through
-`Lane.end_request`.
+`Lane.end_request`. Under prefill-only cuDNN attention the actor first
+builds cuDNN's plans of the shape grid's chunks, before its first request and
+then while nothing runs (actors/plan_warmup.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mlx_trio.actors.chunk_sizer import ChunkSizer, timed
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
+from mlx_trio.actors.plan_warmup import PlanWarmup, sizer_shape
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
@@ -60,6 +63,8 @@ DECODING_CHUNK_DIVISOR = 4
 AGING_CHUNKS = 4
 # While every waiting request needs an adapter slot held by running rows, how often to look again.
 ADAPTER_SLOT_POLL_S = 0.005
+# While cuDNN plans are left to build in idle time and rows decode, how often to look whether they ended.
+IDLE_POLL_S = 0.05
 
 
 def cohort_weight(uncached: int, context: int, chunk: int) -> float:
@@ -93,6 +98,7 @@ class PrefillStatistics:
     chunks: int = 0  # solo prefill chunks run (one lease job each)
     sized_chunks: int = 0  # of those, sized to --prefill-chunk-ms (others decoded or waited)
     partial_puts: int = 0  # prefixes of left prompts kept in the prompt cache
+    cudnn_plans: int = 0  # prefill chunk shapes planned ahead under prefill-only cuDNN (actors/plan_warmup.py)
 
 
 @attrs.define(eq=False)
@@ -132,6 +138,7 @@ class PrefillActor:
         self._prefilled = self._cancelled = self._failed_count = 0
         self._prefill_tokens = self._cached_tokens = self._snapshots = self._cohort_rows = 0
         self._chunks = self._sized_chunks = self._partial_puts = 0
+        self._plans = PlanWarmup.none(lease)  # cuDNN's prefill plans, built once the model is known
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
@@ -145,18 +152,20 @@ class PrefillActor:
             prefilled=self._prefilled, cancelled=self._cancelled, failed=self._failed_count,
             prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
             cohort_rows=self._cohort_rows, prefilling=len(self._jobs), chunks=self._chunks,
-            sized_chunks=self._sized_chunks, partial_puts=self._partial_puts,
+            sized_chunks=self._sized_chunks, partial_puts=self._partial_puts, cudnn_plans=self._plans.planned,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         try:
             self._model = await self._lane.wait_model()
+            await self._warm_plans()
             while True:
                 # Requests stay in the backlog or the jobs (where a crash or restart ends them)
                 # until handed on, with no checkpoint between taking and owning them.
                 if not self._backlog and not self._jobs:
-                    self._backlog.append(await self._inbox.receive())
+                    if not await self._idle():
+                        continue
                 self._backlog.extend(drain_nowait(self._inbox))
                 await self._drop_left()
                 if len(self._jobs) < self._concurrency and self._startable():
@@ -174,6 +183,39 @@ class PrefillActor:
             for cmd in [*self._backlog, *drain_nowait(self._inbox)]:
                 self._lane.end_request(cmd)
             self._backlog.clear()
+
+    async def _warm_plans(self) -> None:
+        """Before the first request: cuDNN's plans of the grid's prefill shapes (actors/plan_warmup.py)."""
+        config = self._lane.config
+        self._plans = await PlanWarmup.open(self._lease, self._model.model, grid=config.prefill_grid,
+                                            step_size=self._prefill_step_size, warm_tokens=config.cudnn_warm_tokens)
+        self.sizer.know(sizer_shape(shape) for shape in await self._plans.warm_ahead())
+
+    async def _idle(self) -> bool:
+        """With nothing to prefill: take the next request into the backlog and return True.
+
+        While the warm-up has shapes left, a request already waiting is taken;
+        with none, and no row decoding, one shape is planned (one lease job) and
+        False returned, so the loop looks again; with rows decoding, the next
+        request is awaited for `IDLE_POLL_S` at most, then False.
+        """
+        if not self._plans.pending:
+            self._backlog.append(await self._inbox.receive())
+            return True
+        try:
+            self._backlog.append(self._inbox.receive_nowait())
+            return True
+        except trio.WouldBlock:
+            pass
+        if self._lane.decoding:
+            with trio.move_on_after(IDLE_POLL_S):
+                self._backlog.append(await self._inbox.receive())
+                return True
+            return False
+        shape = await self._plans.warm_next()
+        if shape is not None:
+            self.sizer.know([sizer_shape(shape)])
+        return False
 
     @property
     def _busy(self) -> bool:
@@ -336,7 +378,8 @@ class PrefillActor:
             if len(made) == 1:
                 # A lone short prompt: a chunk and token 0's step, as a chunk's cost. A batched
                 # cohort is not a measure of one prompt's chunk.
-                self.sizer.record(made[0].fed - made[0].cached_tokens, made[0].cached_tokens, seconds)
+                self.sizer.record(made[0].fed - made[0].cached_tokens, made[0].cached_tokens, seconds,
+                                  made[0].last_chunk_shape)
             for (cmd, hit), outcome in zip(cohort, outcomes, strict=True):
                 self._cohort_requests.remove(cmd)
                 if isinstance(outcome, Exception):
@@ -457,7 +500,7 @@ class PrefillActor:
                 busy = self._busy
                 limit = self._chunk_tokens(before) if busy else None
                 remaining, seconds = await self._lease.run(timed, row.prefill_chunk, limit)
-                self.sizer.record(row.fed - before, before, seconds)
+                self.sizer.record(row.fed - before, before, seconds, row.last_chunk_shape)
                 self._chunks += 1
                 self._sized_chunks += busy
                 self._prefill_tokens += row.fed - before

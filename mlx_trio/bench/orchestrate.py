@@ -27,7 +27,7 @@ from mlx_trio.bench.meta import run_metadata
 from mlx_trio.bench.model_info import eos_logit_bias, eos_token_ids
 from mlx_trio.bench.progress import choose
 from mlx_trio.bench.runner import RunOptions, RunRecord, run_matrix, warmup
-from mlx_trio.bench.servers import ManagedServer, ServerStartError, UrlServer, default_model_path
+from mlx_trio.bench.servers import STACK_ENV, ManagedServer, ServerStartError, UrlServer, default_model_path
 
 log = logging.getLogger("mlx_trio.bench")
 
@@ -168,7 +168,8 @@ def _servers(args: argparse.Namespace, model: str | None, log_dir: Path) -> list
             name = _unique(value, names)
             extra = args.mlx_lm_args if value == "mlx_lm" else args.ours_args
             servers.append(ManagedServer(name, value, str(model), log_dir / f"{name}.log", python=args.python,
-                                         extra_args=tuple(extra), startup_timeout_s=args.startup_timeout_s))
+                                         extra_args=tuple(extra), startup_timeout_s=args.startup_timeout_s,
+                                         env=STACK_ENV.get(value, {})))
         else:
             name, _, url = value.partition("=") if "=" in value.split("://")[0] else ("", "", value)
             servers.append(UrlServer(_unique(name or f"url{index + 1}", names), url))

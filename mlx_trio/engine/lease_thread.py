@@ -48,7 +48,9 @@ ATTENTION_BACKEND_ENV = "MLX_TRIO_ATTENTION_BACKEND"
 MLX_KERNELS, CUDNN, CUDNN_PREFILL = "mlx", "cudnn", "cudnn-prefill"
 ATTENTION_BACKENDS = (MLX_KERNELS, CUDNN, CUDNN_PREFILL)
 # The choice on CUDA when neither variable is set. MLX's own kernels until a device run shows
-# prefill-only cuDNN's gain end to end (benchmarks/gpu.sh PARTS=cudnn).
+# prefill-only cuDNN's gain end to end (benchmarks/gpu.sh PARTS=cudnn); switching is this line alone:
+# with CUDNN_PREFILL the prefill actor builds the plans ahead (actors/plan_warmup.py, --cudnn-warm-tokens)
+# and speculation still falls back to MLX's kernels (`attention_backend`).
 DEFAULT_CUDA_BACKEND = MLX_KERNELS
 
 # The first lease thread's choice: MLX reads its variable once per process, so later threads

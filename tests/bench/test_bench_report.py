@@ -88,6 +88,19 @@ def test_urls_ports_and_server_commands() -> None:
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
 
 
+def test_ours_cudnn_is_ours_started_with_prefill_only_cudnn_attention(tmp_path: Path) -> None:
+    import argparse
+
+    from mlx_trio.bench.orchestrate import _servers
+
+    args = argparse.Namespace(targets=[("serve", "ours-cudnn"), ("serve", "ours")], ours_args=["--batch", "8"],
+                              mlx_lm_args=[], python="py", startup_timeout_s=1.0)
+    cudnn, ours = _servers(args, "/m", tmp_path)
+    assert cudnn.env == {"MLX_TRIO_ATTENTION_BACKEND": "cudnn-prefill"} and ours.env == {}
+    assert server_argv("ours-cudnn", "/m", 1, python="py", extra_args=cudnn.extra_args) == \
+        server_argv("ours", "/m", 1, python="py", extra_args=ours.extra_args)
+
+
 def test_no_ratio_against_a_latency_that_rounds_to_zero() -> None:
     """Chunks that arrived together give a 0 ms ITL; the ratio row shows '–' there instead of a huge number."""
     def rec(server: str, gap_s: float) -> RunRecord:

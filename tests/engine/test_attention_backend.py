@@ -41,6 +41,16 @@ def test_speculation_keeps_prefill_only_cudnn_off() -> None:
     assert attention_backend({ATTENTION_BACKEND_ENV: "cudnn"}, cuda=True, speculates=True) == CUDNN
 
 
+def test_the_cuda_default_is_one_constant_and_speculation_still_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switching the default to prefill-only cuDNN (after a device run) is `DEFAULT_CUDA_BACKEND` alone."""
+    monkeypatch.setattr(lease_thread, "DEFAULT_CUDA_BACKEND", CUDNN_PREFILL)
+    assert attention_backend({}, cuda=True) == CUDNN_PREFILL
+    assert attention_backend({}, cuda=True, speculates=True) == MLX_KERNELS
+    assert attention_backend({ATTENTION_BACKEND_ENV: "mlx"}, cuda=True) == MLX_KERNELS
+    assert attention_backend({CUDNN_ATTENTION_ENV: "0"}, cuda=True) == MLX_KERNELS
+    assert attention_backend({}, cuda=False) == MLX_KERNELS
+
+
 def test_an_unknown_backend_is_refused_everywhere() -> None:
     for cuda in (False, True):
         with pytest.raises(ValueError, match="flash"):

@@ -27,7 +27,10 @@ shape too (cuDNN plans by them): mlx-lm's cache grows its buffer in
 256-token steps from wherever it stands, so after such a chunk (or a
 cache hit whose buffer is any length) every later buffer would end off the
 grid, a new plan for each chunk of that request; `align_buffers` cuts the
-buffer back to its offset at a grid point so growth starts on it again. Only caches that trim exactly
+buffer back to its offset at a grid point so growth starts on it again. Under prefill-only
+cuDNN (engine/kv/decode_layout.py active) a start off the grid steps back to the grid point below
+instead, and so does a snapshot boundary: every chunk is then one of the grid's listed shapes, whose
+plans are built ahead (engine/batch/prefill_plans.py). Only caches that trim exactly
 (plain `KVCache` layers) use it; sliding windows and recurrent state,
 which a dummy token would change, keep mlx-lm's chunks. The grid changes
 chunk boundaries and a tail's matmul shapes, so its logits can differ from
@@ -43,6 +46,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 
 # mlx-lm's `generate_step` default.
@@ -78,13 +82,14 @@ def grid_chunk(fed: int, n: int, grid: int) -> tuple[int, int]:
 
 
 def align_buffers(caches: Sequence[Any], grid: int) -> None:
-    """At a grid point: each buffer whose length is off the grid, cut back to its offset (a view; no copy).
+    """At a grid point: each buffer longer than its offset, cut back to it (a view; no copy).
 
     mlx-lm's growth then allocates from the grid point, so a chunk of whole grid steps ends its
-    buffer exactly at its end, and the keys' strides follow the chunk's shape (see above).
+    buffer exactly at its end, and the keys' strides follow the chunk's shape (see above). A longer
+    buffer on the grid too (a cache hit's): mlx-lm grows a buffer by appending to all of it.
     """
     for c in caches:
-        if c.keys is not None and c.keys.shape[2] % grid and c.keys.shape[2] > c.offset:
+        if c.keys is not None and c.keys.shape[2] > c.offset:
             c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
 
 
@@ -109,13 +114,32 @@ class ChunkedPrefill:
         self._caches = caches
         self._step_size = step_size
         self._kv_scheme = kv_scheme
-        self.fed = start
-        self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
         grid = resolve_grid(grid)
         self._grid = grid if grid > 0 and trims_exactly(caches) else 0
+        if self._grid and decode_layout.is_active():
+            # Prefill-only cuDNN: every chunk on the grid, so that each is a shape whose plan is built
+            # (engine/batch/prefill_plans.py). A start off the grid (a cache hit) steps back to the grid
+            # point below (at most a grid step less of the hit: a few ms, against a plan's 60-90 ms), and
+            # a snapshot boundary moves to the grid point below it, where those hits then start.
+            back = start % self._grid
+            if back:
+                for c in caches:
+                    c.trim(back)
+                start -= back
+            split_at = split_at // self._grid * self._grid if split_at is not None else None
+        self.fed = start
+        self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
         # Invariant: pending holds the prompt tokens whose KV is not yet in the caches
         # (prompt_ids[fed:]).
         self.pending = mx.array(list(prompt_ids[start:]))  # int32, as mlx-lm builds it
+        # On the grid: the last chunk's (tokens computed, dummy ones included; keys attended), the
+        # attention shape cuDNN plans by (actors/chunk_sizer.py tells first visits from repeats); else None.
+        self.last_shape: tuple[int, int] | None = None
+
+    @property
+    def split_at(self) -> int | None:
+        """The prompt position no chunk straddles (a snapshot's), as this prefill keeps it; None: none."""
+        return self._split_at
 
     @property
     def remaining(self) -> int:
@@ -141,6 +165,7 @@ class ChunkedPrefill:
             if self.fed % self._grid == 0:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)
+        self.last_shape = (n + pad, self.fed + pad) if self._grid else None
         if pad:
             # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'
             # results; their KV is trimmed below and overwritten by the next chunk.

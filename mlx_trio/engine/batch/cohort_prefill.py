@@ -77,8 +77,13 @@ def _failed(row: SoloRow | Exception, exc: Exception) -> Exception:
 
 
 def can_prefill_together(rows: Sequence[SoloRow]) -> bool:
-    """Two or more rows, all on plain full-attention bf16 caches, none storing a snapshot part-way."""
-    return len(rows) > 1 and all(
+    """Two or more rows, all on plain full-attention bf16 caches, none storing a snapshot part-way.
+
+    Never under prefill-only cuDNN (engine/kv/decode_layout.py active): a batched forward with an array
+    mask is a new cuDNN shape per cohort, a plan build each (60-90 ms on an H200), where each row alone
+    runs the grid's chunks, planned ahead (engine/batch/prefill_plans.py), in the same lease job.
+    """
+    return len(rows) > 1 and not decode_layout.is_active() and all(
         row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches) for row in rows
     )
 

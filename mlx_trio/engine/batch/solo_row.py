@@ -88,10 +88,12 @@ class SoloRow:
                                          prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
         self.num_prompt_tokens = len(prompt_ids)
-        self.snapshot_at = snapshot_at
         self._prefill = ChunkedPrefill(self._model, self.caches, prompt_ids, prefill_step_size,
                                        start=self.cached_tokens, split_at=snapshot_at, grid=prefill_grid,
                                        kv_scheme=kv_scheme)
+        # As the prefill keeps them: under prefill-only cuDNN a hit and a snapshot move to the grid point below.
+        self.cached_tokens = self._prefill.fed
+        self.snapshot_at = self._prefill.split_at
         self.token0: int | None = None
         # Token 0's logprobs, when the request asks for them (set by `first_token`).
         self.token0_logprobs: SampledLogprobs | None = None
@@ -116,6 +118,11 @@ class SoloRow:
     def fed(self) -> int:
         """Prompt tokens whose KV the caches hold."""
         return self._prefill.fed
+
+    @property
+    def last_chunk_shape(self) -> tuple[int, int] | None:
+        """The last prefill chunk's attention shape on the grid (tokens computed, keys), else None."""
+        return self._prefill.last_shape
 
     def take_prefill(self, n: int) -> mx.array:
         """The next `n` prompt tokens, counted as fed: a cohort runs them into `caches` (engine/batch/cohort_prefill.py)."""

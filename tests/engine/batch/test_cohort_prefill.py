@@ -136,3 +136,20 @@ def test_any_cohort_equals_solo_prefills(model, specs: list[tuple[int, int]]) ->
         assert (row.token0, row.fed) == (solo.token0, solo.fed)
         for got, want in zip(_kv(row), _kv(solo), strict=True):
             np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_under_prefill_only_cudnn_a_cohort_prefills_each_row_alone(model) -> None:
+    """A batched forward would be a new cuDNN shape per cohort: each row runs its own (planned) chunks instead,
+    in the same job, with no batched forward at all and exactly the solo rows' tokens."""
+    from mlx_trio.engine.kv import decode_layout
+
+    prompts = [_prompt(i, 10 + 9 * i) for i in range(3)]
+    fails_batched = _FailsBatched(model)
+    decode_layout.set_active(True)
+    try:
+        assert not can_prefill_together([SoloRow(model, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)])
+        outcomes = prefill_rows(fails_batched, [lambda p=p, i=i: SoloRow(fails_batched, f"r{i}", p, GREEDY)
+                                                for i, p in enumerate(prompts)])
+    finally:
+        decode_layout.set_active(False)
+    assert [r.token0 for r in outcomes] == [_solo(model, "x", p, GREEDY).token0 for p in prompts]

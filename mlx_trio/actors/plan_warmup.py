@@ -1,0 +1,141 @@
+"""cuDNN's prefill plans built before requests pay for them: at the prefill actor's start, then in idle time.
+
+Under prefill-only cuDNN attention every prefill chunk shape cuDNN has not
+planned costs a plan build (60-93 ms on an H200, 1B shape, against 6-10 ms
+a planned chunk; docs/benchmarks.md, "prefill-only cuDNN"), and cuDNN's
+plans are per thread, so a new lease thread starts with none. The shape
+grid makes the chunks of a prefill that starts on a grid point a short list
+(engine/batch/prefill_plans.py). So the prefill actor, before it takes its
+first request, runs one chunk at each listed shape whose keys end within
+`--cudnn-warm-tokens` (`warm_ahead`, one lease job per shape, progress in the
+log); requests that arrive meanwhile wait in its inbox. The shapes of longer
+contexts, up to `IDLE_FACTOR` times as far, are planned one per lease job
+while nothing else runs (`warm_next`: a request arriving then waits for at
+most that one plan). The warm-up never fills more than `CACHE_SHARE` of
+cuDNN's plan cache (`MLX_CUDA_SDPA_CACHE_SIZE`, engine/lease_thread.py), so
+the shapes of longer contexts, met as requests go, keep room.
+
+Nothing happens unless the lease thread chose prefill-only cuDNN on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.engine import lease_thread
+from mlx_trio.engine.batch.prefill_plans import ChunkShape, PlanWarmer, plan_list
+from mlx_trio.errors import LeaseClosed
+from mlx_trio.supervision.faults import InjectedFault
+
+log = logging.getLogger("mlx_trio.plans")
+
+# Idle time plans the shapes of contexts up to this many times --cudnn-warm-tokens.
+IDLE_FACTOR = 4
+# The warm-up fills at most this share of cuDNN's plan cache.
+CACHE_SHARE = 0.5
+# A progress line at most this often while plans are built at start.
+PROGRESS_S = 2.0
+
+
+class _Stopped(Exception):
+    """A shape's plan failed: the warm-up stops."""
+
+
+class PlanWarmup:
+    """The grid's shapes still to plan on this lease thread, and the lease jobs that plan them."""
+
+    def __init__(self, lease: GpuLease, warmer: PlanWarmer | None, shapes: list[ChunkShape], ahead_keys: int) -> None:
+        self._lease = lease
+        self._warmer = warmer
+        self._ahead = [s for s in shapes if s.keys <= ahead_keys]
+        self._idle = [s for s in shapes if s.keys > ahead_keys]
+        self.planned = 0  # shapes planned so far
+
+    @classmethod
+    def none(cls, lease: GpuLease) -> PlanWarmup:
+        """A warm-up with nothing to plan."""
+        return cls(lease, None, [], 0)
+
+    @classmethod
+    async def open(cls, lease: GpuLease, model: object, *, grid: int | None, step_size: int,
+                   warm_tokens: int) -> PlanWarmup:
+        """The warm-up for `model` on `lease` (`--prefill-grid`, `--prefill-step-size`, `--cudnn-warm-tokens`).
+
+        Empty unless prefill-only cuDNN is on and the model's prefill uses the grid.
+        """
+        if warm_tokens <= 0 or not prefill_only_cudnn():
+            return cls.none(lease)  # no lease job at all
+        warmer, shapes = await lease.run(plan_list, model, grid, step_size, IDLE_FACTOR * warm_tokens)
+        return cls(lease, warmer, shapes[:int(CACHE_SHARE * plan_cache_capacity())], warm_tokens)
+
+    @property
+    def pending(self) -> bool:
+        """Whether idle time has shapes left to plan."""
+        return bool(self._idle)
+
+    async def warm_ahead(self) -> list[ChunkShape]:
+        """Plan every shape within `--cudnn-warm-tokens`, one lease job each, logging the progress; returns them."""
+        ahead, self._ahead = self._ahead, []
+        if not ahead:
+            return []
+        total, start, shown = len(ahead), time.monotonic(), time.monotonic()
+        log.info("building cuDNN's plans for %d prefill chunk shapes (keys up to %d tokens; --cudnn-warm-tokens)",
+                 total, ahead[-1].keys)
+        for done, shape in enumerate(ahead, 1):
+            try:
+                await self._plan(shape)
+            except _Stopped:
+                return ahead[:done - 1]
+            if time.monotonic() - shown >= PROGRESS_S and done < total:
+                shown = time.monotonic()
+                log.info("cuDNN plans: %d/%d prefill shapes, %.1f s", done, total, shown - start)
+        took = time.monotonic() - start
+        log.info("cuDNN plans for %d prefill shapes built in %.1f s (%.0f ms each); %d more in idle time",
+                 total, took, 1e3 * took / total, len(self._idle))
+        return ahead
+
+    async def warm_next(self) -> ChunkShape | None:
+        """Plan the next idle-time shape (one lease job); returns it (None when none was left)."""
+        if not self._idle:
+            return None
+        shape = self._idle.pop(0)
+        try:
+            await self._plan(shape)
+        except _Stopped:
+            return None
+        return shape
+
+    async def _plan(self, shape: ChunkShape) -> None:
+        """One shape's chunk; a failure stops the warm-up (requests then plan as they go) and is logged."""
+        assert self._warmer is not None
+        try:
+            await self._lease.run(self._warmer.warm, shape)
+            self.planned += 1
+        except (LeaseClosed, InjectedFault):
+            raise  # not the warm-up's fault: the actor restarts
+        except Exception:
+            log.warning("building cuDNN's prefill plans failed at %s; the rest are built as requests meet them",
+                        shape, exc_info=True)
+            self._idle = []
+            raise _Stopped from None
+
+
+def prefill_only_cudnn() -> bool:
+    """Whether the lease thread chose prefill-only cuDNN attention (engine/lease_thread.py)."""
+    return lease_thread.chosen_backend() == lease_thread.CUDNN_PREFILL
+
+
+def sizer_shape(shape: ChunkShape) -> tuple[int, int]:
+    """`shape` as the chunk sizer names a chunk's shape (`SoloRow.last_chunk_shape`: tokens computed, keys)."""
+    return shape.tokens, shape.keys
+
+
+def plan_cache_capacity() -> int:
+    """cuDNN's plan cache capacity in this process: MLX's variable as the lease thread left it."""
+    try:
+        return int(os.environ.get(lease_thread.CUDNN_PLAN_CACHE_ENV, lease_thread.CUDNN_PLAN_CACHE_SIZE))
+    except ValueError:
+        return int(lease_thread.CUDNN_PLAN_CACHE_SIZE)

@@ -1,0 +1,83 @@
+"""cuDNN's prefill plans built ahead by the prefill actor (issue #19): before the first request, then in idle time.
+
+The CPU has no cuDNN (and the lease thread never picks prefill-only cuDNN
+there), so `plan_list` is replaced by one that lists the grid's shapes as
+on CUDA (and the backend reads as chosen); the warm-up's chunks then run through the tiny model for real.
+Checked: the shapes within `--cudnn-warm-tokens` are planned before the first
+request is taken, the chunk sizer counts them as seen, the rest are planned
+while idle with a request arriving meanwhile waiting for at most one plan,
+and tokens are unchanged. Counted in lease jobs, never in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from mlx_trio import open_engine
+from mlx_trio.actors import plan_warmup
+from mlx_trio.engine.batch.prefill_plans import PlanWarmer, grid_shapes
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+GRID = 256
+PROMPT = [3 + (7 * i) % 500 for i in range(40)]
+WAIT_S = 600.0  # only reached when a test fails
+
+
+def _as_on_cuda(model, grid, step_size, max_keys):
+    return PlanWarmer(model, GRID), grid_shapes(GRID, step_size, max_keys)
+
+
+@pytest.fixture
+def plans_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_warmup, "prefill_only_cudnn", lambda: True)
+    monkeypatch.setattr(plan_warmup, "plan_list", _as_on_cuda)
+
+
+async def _tokens(engine) -> list[int]:
+    return (await engine.complete(PROMPT, max_tokens=6)).token_ids
+
+
+async def test_no_plans_are_built_where_prefill_only_cudnn_is_off() -> None:
+    async with open_engine(str(tiny_model(LLAMA))) as engine:
+        await _tokens(engine)
+        assert engine.actors.lane.prefill.statistics().cudnn_plans == 0
+
+
+async def test_plans_are_built_before_the_first_request_then_while_idle(plans_as_on_cuda) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=0) as plain:
+        expected = await _tokens(plain)
+    ahead = grid_shapes(GRID, 2048, 256)
+    everything = grid_shapes(GRID, 2048, plan_warmup.IDLE_FACTOR * 256)
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=256) as engine:
+        prefill = engine.actors.lane.prefill
+        lease = engine.actors.lane.lease
+        lease.job_log = log = []
+        planned_at_first_event = None
+        async for event in engine.generate(PROMPT, max_tokens=6):
+            if planned_at_first_event is None:
+                planned_at_first_event = prefill.statistics().cudnn_plans
+        # The first request was taken once every shape within the bound was planned (`warm_ahead`).
+        assert planned_at_first_event is not None and planned_at_first_event >= len(ahead)
+        assert all((s.tokens, s.keys) in prefill.sizer._seen for s in ahead)
+        # A request that arrives during idle-time planning waits for one plan at most.
+        sent = time.perf_counter()
+        assert await _tokens(engine) == expected
+        after = [name for name, start, _ in log if start >= sent]
+        first_own = next(i for i, name in enumerate(after) if name != "PlanWarmer.warm")
+        assert first_own <= 1
+        with trio.fail_after(WAIT_S):
+            while prefill.statistics().cudnn_plans < len(everything):
+                await trio.sleep(0.02)
+        assert prefill.statistics().cudnn_plans == len(everything)
+        assert all((s.tokens, s.keys) in prefill.sizer._seen for s in everything)
+        assert await _tokens(engine) == expected
+
+
+async def test_a_zero_bound_builds_no_plans(plans_as_on_cuda) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=0) as engine:
+        await _tokens(engine)
+        await trio.sleep(0.1)
+        assert engine.actors.lane.prefill.statistics().cudnn_plans == 0
