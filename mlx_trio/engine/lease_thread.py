@@ -47,11 +47,13 @@ CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", "2048"
 ATTENTION_BACKEND_ENV = "MLX_TRIO_ATTENTION_BACKEND"
 MLX_KERNELS, CUDNN, CUDNN_PREFILL = "mlx", "cudnn", "cudnn-prefill"
 ATTENTION_BACKENDS = (MLX_KERNELS, CUDNN, CUDNN_PREFILL)
-# The choice on CUDA when neither variable is set. MLX's own kernels until a device run shows
-# prefill-only cuDNN's gain end to end (benchmarks/gpu.sh PARTS=cudnn); switching is this line alone:
-# with CUDNN_PREFILL the prefill actor builds the plans ahead (actors/plan_warmup.py, --cudnn-warm-tokens)
-# and speculation still falls back to MLX's kernels (`attention_backend`).
-DEFAULT_CUDA_BACKEND = MLX_KERNELS
+# The choice on CUDA when neither variable is set: prefill-only cuDNN, its plans built ahead by the
+# prefill actor (actors/plan_warmup.py, --cudnn-warm-tokens). H200, Llama-1B shape (docs/benchmarks.md,
+# eleventh pass): an 8.5k prompt beside 4 streams reached its first token in 121-166 ms with the largest
+# decode gap 23-29 ms (MLX's kernels: 305-431 ms), and the agent loop's TTFT p50 was 176 ms against
+# MLX's kernels' 781 and mlx_lm.server's 847 (8B shape: 482 / 1729 / 2897). Speculation still falls
+# back to MLX's kernels (`attention_backend`); MLX_TRIO_ATTENTION_BACKEND=mlx restores them.
+DEFAULT_CUDA_BACKEND = CUDNN_PREFILL
 
 # The first lease thread's choice: MLX reads its variable once per process, so later threads
 # (a restarted lease) must keep it, whatever the environment says by then.
