@@ -203,7 +203,15 @@ def install(model: nn.Module, attend: Attend | None = None) -> Installed:
 
 
 def _check_kernel(layers: list[RoutedAttention]) -> str | None:
-    """`ragged_kernel.self_check` for each distinct attention shape (the scale gives the head dim in this family)."""
+    """`ragged_kernel.self_check` for each distinct attention shape (the scale gives the head dim in this family).
+
+    A float32 model keeps mlx-lm's attention: on the H200 the kernel's float32 results were 3e-5 to
+    1.6e-3 off a float32 reference where MLX's masked attention is within 1e-7 (docs/benchmarks.md,
+    eleventh pass), and a float32 model is asked for because its numbers matter.
+    """
+    weight = getattr(getattr(layers[0], "q_proj", None), "weight", None)
+    if isinstance(weight, mx.array) and weight.dtype == mx.float32:
+        return "a float32 model: the kernel's float32 error is past MLX's own; its decode keeps MLX's attention"
     for heads, kv_heads, scale in sorted({(a.n_heads, a.n_kv_heads, float(a.scale)) for a in layers}):
         problem = ragged_kernel.self_check(heads, kv_heads, round(scale**-2), scale)
         if problem is not None:

@@ -151,10 +151,23 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> None:
     monkeypatch.setattr(routed_attention.ragged_kernel, "ragged_decode_attention", kernel)
 
 
+def _bf16(name: str) -> Any:
+    """The tiny model in bfloat16, as a CUDA model would be (a float32 one keeps mlx-lm's attention)."""
+    model = load(_path(name))[0]
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
 def test_on_cuda_the_kernel_is_routed_once_its_self_check_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, reference_decode_attention)
-    installed = routed_attention.install(load(_path("qwen3"))[0])
+    installed = routed_attention.install(_bf16("qwen3"))
     assert installed.kernel_off is None and installed.route.attend is reference_decode_attention
+
+
+def test_on_cuda_a_float32_model_keeps_mlx_lms_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, reference_decode_attention)
+    installed = routed_attention.install(load(_path("llama"))[0])  # the tiny models are float32
+    assert installed.route.attend is None and "float32" in installed.kernel_off
 
 
 def _raises(*_: Any) -> mx.array:
@@ -169,7 +182,7 @@ def _wrong(q: mx.array, k: mx.array, v: mx.array, start: mx.array, scale: float)
 def test_a_kernel_that_fails_its_self_check_stays_off(monkeypatch: pytest.MonkeyPatch, kernel: Any, why: str) -> None:
     """A kernel that does not build, or computes wrong values, leaves every call on mlx-lm's attention."""
     _fake_cuda(monkeypatch, kernel)
-    model = load(_path("llama"))[0]
+    model = _bf16("llama")
     installed = routed_attention.install(model)
     assert installed.wrapped == len(model.layers) and installed.route.attend is None
     assert why in installed.kernel_off
