@@ -53,6 +53,8 @@ class PlanWarmup:
         self._ahead = [s for s in shapes if s.keys <= ahead_keys]
         self._idle = [s for s in shapes if s.keys > ahead_keys]
         self.planned = 0  # shapes planned so far
+        # (planned, total) while `warm_ahead` runs (requests wait for it: /health says so), else None.
+        self.progress: tuple[int, int] | None = None
 
     @classmethod
     def none(cls, lease: GpuLease) -> PlanWarmup:
@@ -84,14 +86,18 @@ class PlanWarmup:
         total, start, shown = len(ahead), time.monotonic(), time.monotonic()
         log.info("building cuDNN's plans for %d prefill chunk shapes (keys up to %d tokens; --cudnn-warm-tokens)",
                  total, ahead[-1].keys)
-        for done, shape in enumerate(ahead, 1):
-            try:
-                await self._plan(shape)
-            except _Stopped:
-                return ahead[:done - 1]
-            if time.monotonic() - shown >= PROGRESS_S and done < total:
-                shown = time.monotonic()
-                log.info("cuDNN plans: %d/%d prefill shapes, %.1f s", done, total, shown - start)
+        try:
+            for done, shape in enumerate(ahead, 1):
+                self.progress = (done - 1, total)
+                try:
+                    await self._plan(shape)
+                except _Stopped:
+                    return ahead[:done - 1]
+                if time.monotonic() - shown >= PROGRESS_S and done < total:
+                    shown = time.monotonic()
+                    log.info("cuDNN plans: %d/%d prefill shapes, %.1f s", done, total, shown - start)
+        finally:
+            self.progress = None
         took = time.monotonic() - start
         log.info("cuDNN plans for %d prefill shapes built in %.1f s (%.0f ms each); %d more in idle time",
                  total, took, 1e3 * took / total, len(self._idle))

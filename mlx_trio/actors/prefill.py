@@ -184,6 +184,14 @@ class PrefillActor:
                 self._lane.end_request(cmd)
             self._backlog.clear()
 
+    @property
+    def warming(self) -> str | None:
+        """What the actor does before taking requests (the start-up cuDNN plans), for /health; None once it takes them."""
+        progress = self._plans.progress
+        if progress is None:
+            return None
+        return f"building cuDNN prefill plans ({progress[0]}/{progress[1]} chunk shapes; --cudnn-warm-tokens)"
+
     async def _warm_plans(self) -> None:
         """Before the first request: cuDNN's plans of the grid's prefill shapes (actors/plan_warmup.py)."""
         config = self._lane.config

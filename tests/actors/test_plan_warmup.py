@@ -81,3 +81,22 @@ async def test_a_zero_bound_builds_no_plans(plans_as_on_cuda) -> None:
         await _tokens(engine)
         await trio.sleep(0.1)
         assert engine.actors.lane.prefill.statistics().cudnn_plans == 0
+
+
+async def test_health_says_warming_up_while_the_start_up_plans_are_built(plans_as_on_cuda, monkeypatch) -> None:
+    """Requests wait while the plans of the start are built, so /health is not ok then, and says why."""
+    seen: list[tuple[bool, str]] = []
+    real = plan_warmup.PlanWarmup._plan
+
+    async def observed(self, shape):
+        seen.append(engine.actors.health())
+        await real(self, shape)
+
+    monkeypatch.setattr(plan_warmup.PlanWarmup, "_plan", observed)
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=256) as engine:
+        await _tokens(engine)
+        ahead = grid_shapes(GRID, 2048, 256)
+        warming = seen[:len(ahead)]
+        assert warming and all(not ok and reason.startswith("warming up: building cuDNN prefill plans") for ok, reason in warming)
+        assert f"0/{len(ahead)} chunk shapes" in warming[0][1]
+        assert engine.actors.health() == (True, "ok")
