@@ -8,8 +8,9 @@ A completion is resumable: it carries the launch's secret (`protocol.py`), which
 (the header is stripped from theirs). A streamed one goes through a `Splice`; when rank 0 is lost
 under it (the connection cut, or `: lost`), the client's connection stays open, the request goes
 again to the next generation with what the client already has, and the splice carries on from there:
-the client sees one response. A non-streamed one is simply sent again (nothing was delivered). A
-stream rank 0 did not link (it asked for logprobs) and every other request are passed through once.
+the client sees one response (logprobs included: the replayed tokens' were delivered already, and the
+new ones come from the next generation). A non-streamed one is simply sent again (nothing was
+delivered). Every other request is passed through once.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ _CHAT = [{"role": "user", "content": "Tell me a story about a cat"}]
 CASES = {
     "chat": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 20, "temperature": 0,
                                       "stream_options": {"include_usage": True}}),
+    "chat-logprobs": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 20, "temperature": 0,
+                                               "logprobs": True, "top_logprobs": 2}),
     "chat-seeded": ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 20, "temperature": 1.0, "seed": 7}),
     "text-stop": ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0,
                                       "stop": ["zzz-never"]}),
@@ -78,8 +80,10 @@ def _commits(raw: bytes) -> list[tuple[bytes, list[int]]]:
 def _events(data: bytes) -> list[tuple[str | None, Any]]:
     """The SSE events of `data` as (name, JSON or the raw line), consecutive text deltas of one shape merged
     into one: where the session cut a stream into deltas depends on timing (its coalescing), not on the request.
-    The Responses API's sequence numbers are checked to run 0, 1, 2... first, then left out."""
+    The Responses API's sequence numbers are checked to run 0, 1, 2... first, then left out. Chat chunks'
+    logprobs (their own chunks, cut where the text is) are taken out in order and compared as one list at the end."""
     events: list[tuple[str | None, Any]] = []
+    logprobs: list[Any] = []
     sequence = 0
     for frame in data.decode().split("\n\n"):
         if not frame or frame.startswith(":"):
@@ -92,13 +96,19 @@ def _events(data: bytes) -> list[tuple[str | None, Any]]:
             sequence += 1
         if isinstance(payload, dict) and "completed_at" in payload.get("response", {}):
             payload["response"]["completed_at"] = 0  # the second it finished
+        choice = payload["choices"][0] if isinstance(payload, dict) and payload.get("choices") else None
+        if isinstance(choice, dict) and choice.get("logprobs") is not None:
+            logprobs.extend(choice["logprobs"]["content"])
+            choice["logprobs"] = None
+            if not choice["delta"] and choice.get("finish_reason") is None:
+                continue  # a chunk of logprobs alone
         text = _text(payload)
         if text is not None and events and (previous := _text(events[-1][1])) is not None \
                 and _blank(events[-1][1]) == _blank(payload):
             _set_text(events[-1][1], previous[1] + text[1])
             continue
         events.append((name, payload))
-    return events
+    return [*events, ("logprobs", logprobs)] if logprobs else events
 
 
 def _text(payload: Any) -> tuple[list[Any], str] | None:

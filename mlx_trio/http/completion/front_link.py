@@ -14,8 +14,8 @@ it again to the next generation):
   nor the opening if it was delivered; what follows continues the client's stream exactly;
 * a stream that fails because the group is lost ends with `: lost` instead of its error event.
 
-A request that asked for logprobs is not linked (the replayed tokens' logprobs are gone with the
-old group): the front passes its stream through once.
+A stream that asked for logprobs is linked too: its replayed tokens' logprobs are not needed (those
+chunks were delivered, and are not sent again), and what follows carries the new generation's.
 """
 
 from __future__ import annotations
@@ -107,12 +107,12 @@ class Link:
 NO_LINK = Link(None)
 
 
-async def link_of(state: AppState, *, stream: bool, logprobs: bool) -> Link:
+async def link_of(state: AppState, *, stream: bool) -> Link:
     """The link of the request being served: `NO_LINK` unless the front sent it (with the launch's secret)."""
     secret = os.environ.get(SECRET_ENV, "")
     if not secret or not hmac.compare_digest(request.headers.get(SECRET_HEADER, "").encode(), secret.encode()):
         return NO_LINK
-    if not stream or logprobs:
+    if not stream:
         return Link(state)
     value = decode_json_object(await request.get_data()).get(RESUME_KEY)
     return Link(state, spliced=True, resume=Resume.parse(value) if value is not None else None)

@@ -50,7 +50,7 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
     A request of the scale-out front (`front_link.py`) that meets a lost group before its answer
     began gets `lost_response`: the front sends it again to the next generation.
     """
-    link = await link_of(state, stream=call.stream, logprobs=call.wants_logprobs)
+    link = await link_of(state, stream=call.stream)
     try:
         return await _serve(state, call, renderer, link)
     except Exception:
