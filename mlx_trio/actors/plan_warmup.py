@@ -70,7 +70,14 @@ class PlanWarmup:
         """
         if warm_tokens <= 0 or not prefill_only_cudnn():
             return cls.none(lease)  # no lease job at all
-        warmer, shapes = await lease.run(plan_list, model, grid, step_size, IDLE_FACTOR * warm_tokens)
+        try:
+            warmer, shapes = await lease.run(plan_list, model, grid, step_size, IDLE_FACTOR * warm_tokens)
+        except (LeaseClosed, InjectedFault):
+            raise  # not the warm-up's fault: the actor restarts
+        except Exception:
+            # A warm-up that cannot start must not stop the prefill actor: requests plan as they go.
+            log.warning("listing cuDNN's prefill shapes failed; plans are built as requests meet them", exc_info=True)
+            return cls.none(lease)
         return cls(lease, warmer, shapes[:int(CACHE_SHARE * plan_cache_capacity())], warm_tokens)
 
     @property

@@ -100,3 +100,16 @@ async def test_health_says_warming_up_while_the_start_up_plans_are_built(plans_a
         assert warming and all(not ok and reason.startswith("warming up: building cuDNN prefill plans") for ok, reason in warming)
         assert f"0/{len(ahead)} chunk shapes" in warming[0][1]
         assert engine.actors.health() == (True, "ok")
+
+
+async def test_a_warm_up_that_cannot_start_leaves_the_engine_serving(plans_as_on_cuda, monkeypatch) -> None:
+    def broken(*_args):
+        raise RuntimeError("no plans here")
+
+    monkeypatch.setattr(plan_warmup, "plan_list", broken)
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=0) as plain:
+        expected = await _tokens(plain)
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=256) as engine:
+        assert await _tokens(engine) == expected
+        assert engine.actors.lane.prefill.statistics().cudnn_plans == 0
+        assert engine.actors.health() == (True, "ok")
