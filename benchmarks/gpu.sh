@@ -30,7 +30,7 @@
 #           3 rounds, --prefill-chunk-ms 40 and 100) with MLX_TRIO_ATTENTION_BACKEND=mlx, then =cudnn-prefill
 #           with cuDNN's plans of every chunk shape up to CUDNN_WARM_TOKENS (9216) built at the engine's start
 #           (each backend a fresh process: MLX reads its variable once), then the agent-loop workload (8 agents,
-#           CUDNN_AGENT_REQUESTS=24) with ours, ours-cudnn and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
+#           CUDNN_AGENT_REQUESTS=24) with ours-mlx-attention, ours and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
 #           prefill_shapes.py with MLX_CUDA_USE_CUDNN_SDPA=0 then =1 (a chunk at new vs seen shapes; 2 x 60 s).
 #           Limits: CUDNN_STALL_MLX_LIMIT_S (60), CUDNN_STALL_LIMIT_S (95), CUDNN_AGENT_LIMIT_S (85); more bench
 #           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_STALL_ARGS="--long-tokens 1500
@@ -381,9 +381,10 @@ for m in $MODELS; do
         --prefill-chunk-ms 40,100 --cudnn-warm-tokens "${CUDNN_WARM_TOKENS:-9216}" \
         --json "$RESULTS/cudnn-stall-$backend-$m.json" ${CUDNN_STALL_ARGS:-}
     done
-    # The agent loop, ours (MLX's kernels) vs ours-cudnn (prefill-only cuDNN, plans built at start) vs mlx_lm.server.
-    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours vs ours-cudnn vs mlx_lm.server, 8 agents" \
-      $PY -m mlx_trio.bench --serve ours --serve ours-cudnn --serve mlx_lm --model "$dir" --workload agent-loop \
+    # The agent loop, ours-mlx-attention (MLX's kernels) vs ours (prefill-only cuDNN, plans built at start: the CUDA
+    # default since the eleventh pass) vs mlx_lm.server.
+    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours-mlx-attention vs ours vs mlx_lm.server, 8 agents" \
+      $PY -m mlx_trio.bench --serve ours-mlx-attention --serve ours --serve mlx_lm --model "$dir" --workload agent-loop \
       --concurrency 8 --requests "${CUDNN_AGENT_REQUESTS:-24}" --rounds 1 --system-words "$SYSTEM_WORDS" \
       --task-words 48 --tool-result-words 300 --output-tokens 64 \
       --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \

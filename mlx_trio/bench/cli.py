@@ -20,8 +20,9 @@ from mlx_trio.bench import workloads
 
 # The stacks `--serve` can start (servers.py knows their command lines). ours-nocache is ours with
 # its prompt cache off: the cache's own effect, measured in the same run; ours-cudnn is ours with
-# prefill-only cuDNN attention (MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill, on CUDA).
-STACKS = ("ours", "ours-nocache", "mlx_lm", "ours-cudnn")
+# prefill-only cuDNN attention named (MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill: on CUDA the default
+# since the eleventh H200 pass), ours-mlx-attention ours with MLX's own attention kernels (=mlx).
+STACKS = ("ours", "ours-nocache", "mlx_lm", "ours-cudnn", "ours-mlx-attention")
 
 # Agents arrive as a Poisson process; without --rate they come this fast (sessions per second).
 AGENTS_DEFAULT_RATE_PER_S = 4.0
@@ -74,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--url", action=_Target, metavar="[NAME=]URL", help="a running OpenAI-compatible server (repeatable)")
     arg("--serve", action=_Target, choices=STACKS,
         help="start this stack on a free loopback port: ours (mlx-trio serve), ours-nocache (the same with "
-             "--prompt-cache-bytes 0), ours-cudnn (the same with MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill) "
+             "--prompt-cache-bytes 0), ours-cudnn (the same with MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill), "
+             "ours-mlx-attention (the same with MLX_TRIO_ATTENTION_BACKEND=mlx) "
              "or mlx_lm (python -m mlx_lm.server); "
              "repeatable. The first server is A in the A/B ratios")
     arg("--model", default=None, help="model directory for --serve (default: our SmolLM2, converted once); "

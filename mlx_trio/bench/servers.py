@@ -29,10 +29,13 @@ log = logging.getLogger("mlx_trio.bench")
 # GET this until it answers 200. Ours is 200 only once the model is loaded; mlx_lm.server's
 # /health says ok before it has loaded, so the warmup request is what waits for its model.
 # (Not mlx_lm.server's /v1/models: it raises mid-response on a machine with no Hugging Face cache.)
-READY_PATHS = {"ours": "/health", "ours-nocache": "/health", "ours-cudnn": "/health", "mlx_lm": "/health"}
+READY_PATHS = {"ours": "/health", "ours-nocache": "/health", "ours-cudnn": "/health",
+               "ours-mlx-attention": "/health", "mlx_lm": "/health"}
 # What a stack adds to the server's environment: ours-cudnn is ours with prefill-only cuDNN attention
-# (engine/lease_thread.py), its plans built at start (actors/plan_warmup.py).
-STACK_ENV: dict[str, dict[str, str]] = {"ours-cudnn": {"MLX_TRIO_ATTENTION_BACKEND": "cudnn-prefill"}}
+# named (engine/lease_thread.py; CUDA's default), its plans built at start (actors/plan_warmup.py);
+# ours-mlx-attention is ours with MLX's own attention kernels.
+STACK_ENV: dict[str, dict[str, str]] = {"ours-cudnn": {"MLX_TRIO_ATTENTION_BACKEND": "cudnn-prefill"},
+                                        "ours-mlx-attention": {"MLX_TRIO_ATTENTION_BACKEND": "mlx"}}
 POLL_S = 0.25
 STOP_GRACE_S = 15.0  # ours drains for 3 s on SIGTERM; leave room for a slow exit
 LOG_TAIL_CHARS = 2000
@@ -54,7 +57,7 @@ def server_argv(stack: str, model: str, port: int, *, python: str = sys.executab
     """The command line that serves `model` with `stack` on 127.0.0.1:`port`."""
     module = {"ours": ["mlx_trio.cli", "serve"], "mlx_lm": ["mlx_lm.server"],
               "ours-nocache": ["mlx_trio.cli", "serve", "--prompt-cache-bytes", "0"],
-              "ours-cudnn": ["mlx_trio.cli", "serve"]}[stack]
+              "ours-cudnn": ["mlx_trio.cli", "serve"], "ours-mlx-attention": ["mlx_trio.cli", "serve"]}[stack]
     return [python, "-m", *module, "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "WARNING", *extra_args]
 

@@ -88,15 +88,18 @@ def test_urls_ports_and_server_commands() -> None:
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
 
 
-def test_ours_cudnn_is_ours_started_with_prefill_only_cudnn_attention(tmp_path: Path) -> None:
+def test_ours_cudnn_and_ours_mlx_attention_are_ours_with_their_attention_backend_named(tmp_path: Path) -> None:
     import argparse
 
     from mlx_trio.bench.orchestrate import _servers
 
-    args = argparse.Namespace(targets=[("serve", "ours-cudnn"), ("serve", "ours")], ours_args=["--batch", "8"],
-                              mlx_lm_args=[], python="py", startup_timeout_s=1.0)
-    cudnn, ours = _servers(args, "/m", tmp_path)
+    args = argparse.Namespace(targets=[("serve", "ours-cudnn"), ("serve", "ours"), ("serve", "ours-mlx-attention")],
+                              ours_args=["--batch", "8"], mlx_lm_args=[], python="py", startup_timeout_s=1.0)
+    cudnn, ours, mlx_attention = _servers(args, "/m", tmp_path)
     assert cudnn.env == {"MLX_TRIO_ATTENTION_BACKEND": "cudnn-prefill"} and ours.env == {}
+    assert mlx_attention.env == {"MLX_TRIO_ATTENTION_BACKEND": "mlx"}
+    assert server_argv("ours-mlx-attention", "/m", 1, python="py", extra_args=mlx_attention.extra_args) == \
+        server_argv("ours", "/m", 1, python="py", extra_args=ours.extra_args)
     assert server_argv("ours-cudnn", "/m", 1, python="py", extra_args=cudnn.extra_args) == \
         server_argv("ours", "/m", 1, python="py", extra_args=ours.extra_args)
 
