@@ -46,7 +46,8 @@
 #           the leave + join alone on a 64-row DecodeBatch (--rows-only), on vs off. PARTS=churn, <= 150 s.
 #   ragged: benchmarks/ragged_attention.py (issues #20, #25): the ragged decode-attention kernel against MLX's
 #           masked attention (max abs error, B=1/8/64, T=256/2048/10000, GQA 32/8 at D=64 and 128, bf16 and fp32;
-#           a non-zero status past the tolerance or on an NVRTC error, which it prints), µs per call vs the masked
+#           a non-zero status past bf16's tolerance or on an NVRTC error, which it prints; fp32 is measured, not
+#           routed), µs per call vs the masked
 #           and the unmasked (vector) attention, and a B=64 DecodeBatch of 100-10k-token rows: greedy tokens and
 #           ms per step, kernel on vs off. PARTS=ragged MODELS=1b, <= RAGGED_LIMIT_S (150).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the

@@ -135,10 +135,10 @@ class LocalGroup:
         """
         leader, died_at = self._processes[0], None
         while (code := leader.poll()) is None:
-            if died_at is None and not self.stopping and self._dead_follower() is not None:
+            if died_at is None and not self.stopping and (dead := self._dead_follower()) is not None:
                 died_at = time.monotonic()
                 if self.front is not None:
-                    self.front.lost(f"the scale-out group was lost: {self._dead_follower()}")
+                    self.front.lost(f"the scale-out group was lost: {dead}")
                 leader.send_signal(LOST_SIGNAL)
             if died_at is not None and time.monotonic() - died_at > _LEADER_EXIT_S:
                 leader.kill()  # it cannot even drain: start again anyway
