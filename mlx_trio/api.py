@@ -115,6 +115,11 @@ class Engine:
         """(ok, reason): ok only when the model is loaded and every engine actor runs."""
         return self.actors.health()
 
+    @property
+    def group_lost(self) -> str | None:
+        """Scale-out only: why rank 0 lost its group (for good in this process), else None (docs/scale-out.md)."""
+        return self.actors.group_lost
+
     def status(self) -> dict[str, Any]:
         """The live supervision tree plus engine counters, as plain data."""
         model = self.actors.model

@@ -48,6 +48,7 @@ class FakeEngine:
         self.closed_streams = 0
         self.prepared: list[tuple[Any, dict[str, Any]]] = []
         self.faults = Faults()
+        self.group_lost: str | None = None  # never a scale-out rank 0
         self.output_format: OutputFormat = PLAIN
 
     def health(self) -> tuple[bool, str]:

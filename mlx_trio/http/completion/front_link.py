@@ -33,9 +33,6 @@ from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import HttpError
 from mlx_trio.http.server.state import AppState
 
-# How the engine's health names a lost group (actors/engine_tree.py).
-_GROUP_LOST = "scale-out group lost"
-
 
 @attrs.frozen
 class Resume:
@@ -73,10 +70,7 @@ class Link:
 
     def lost(self) -> bool:
         """Whether this rank 0's group is lost (for good: the front goes on with the next generation)."""
-        if self._state is None:
-            return False
-        ok, reason = self._state.engine.health()
-        return not ok and reason.startswith(_GROUP_LOST)
+        return self._state is not None and self._state.engine.group_lost is not None
 
     def replay(self) -> dict[str, Any]:
         """`Engine.stream`'s keywords: the tokens the session relays first, chunk by chunk, as it first did."""

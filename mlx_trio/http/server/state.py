@@ -28,6 +28,9 @@ class EngineLike(Protocol):
 
     def health(self) -> tuple[bool, str]: ...
 
+    @property
+    def group_lost(self) -> str | None: ...  # scale-out: why rank 0 lost its group, else None
+
     def status(self) -> dict[str, Any]: ...
 
     @property
