@@ -203,6 +203,23 @@ class ChunkSizer:
         a, b, k = self._fit
         return a + b * tokens + k * tokens * (context + tokens / 2)
 
+    def predict_prefill(self, tokens: int, context: int, step: int) -> float | None:
+        """The fitted seconds of a whole prefill in one job: `tokens` after `context`, chunks of at most `step`,
+        then token 0's one-token step (a chunk of 1 at the end); None before any fit.
+
+        What a cohort row costs when the rows of a cohort prefill one after
+        another (prefill-only cuDNN: actors/prefill.py), each as `SoloRow`
+        prefills alone.
+        """
+        if self._fit is None:
+            return None
+        total = 0.0
+        while tokens > 0:
+            n = min(tokens, step)
+            total += self.predict(n, context) or 0.0
+            context, tokens = context + n, tokens - n
+        return total + (self.predict(1, context) or 0.0)
+
     def tokens(self, context: int) -> int | None:
         """Prompt tokens one chunk after `context` cached ones may hold to take about `target_s`.
 

@@ -41,9 +41,10 @@ from mlx_trio.actors.chunk_sizer import ChunkSizer, timed
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
-from mlx_trio.actors.plan_warmup import PlanWarmup, sizer_shape
+from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_shape
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
+from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
@@ -343,10 +344,14 @@ class PrefillActor:
         fresh prompt once measured); while busy, each row counts by
         `cohort_weight`, so rows attending over a long cached context make
         smaller cohorts and the running rows' stall stays about that of one
-        sized chunk of a long prompt. Takes nothing from the backlog;
+        sized chunk of a long prompt. Where the rows prefill one after another
+        (`_timed_cohort`), each row counts by its predicted prefill time instead
+        and the cohort fills `--prefill-chunk-ms`. Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
         busy = self._busy
+        # Rows that prefill one after another in the cohort's job (`_timed_cohort`) cost their own prefills.
+        timed_cohort = busy and self._timed_cohort
         budget = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
         hits: list[CacheHit | None] = []
         used = 0.0
@@ -357,16 +362,51 @@ class PrefillActor:
             first_hit = hit if i == 0 else first_hit
             cached = hit.usable if hit is not None else 0
             uncached = len(cmd.prompt_ids) - 1 - cached
-            if uncached > (self._chunk_tokens(cached) if busy else self._prefill_step_size):
-                break  # not short: it prefills alone, chunk by chunk
-            weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
-            if used + weight > budget or self._snapshot_point(cmd, hit, caching) is not None:
+            if timed_cohort:
+                # Its whole prefill and token 0 as the sizer predicts them; a first row over the
+                # target alone is not short (it prefills chunk by chunk).
+                weight = self._alone_seconds(uncached, cached)
+                fits = used + weight <= self.sizer.target_s
+            else:
+                if uncached > (self._chunk_tokens(cached) if busy else self._prefill_step_size):
+                    break  # not short: it prefills alone, chunk by chunk
+                weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
+                fits = used + weight <= budget
+            if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
             if not self._adapters_fit(list(self._backlog)[: i + 1]):
                 break  # its adapter would need a slot the rows before it take
             hits.append(hit)
             used += weight
         return hits, first_hit
+
+    @property
+    def _timed_cohort(self) -> bool:
+        """Whether a cohort's rows prefill one after another in its job, so a cohort is bounded by time.
+
+        Under prefill-only cuDNN a batched forward would be a new cuDNN shape
+        per cohort (engine/batch/cohort_prefill.py `can_prefill_together`), so
+        each row runs the grid's planned chunks alone. The tokens rule
+        (`cohort_weight`) bounds a batched forward's cost; rows in sequence cost
+        the sum of their own prefills, which the sizer predicts once it has
+        measured a chunk: the cohort then takes rows until their predicted
+        time reaches `--prefill-chunk-ms`. Agents extending a long shared
+        system prompt by a few hundred tokens each (a chunk of ~10 ms and
+        token 0's step, H200, 1B shape) then prefill several to a lease job
+        instead of taking four jobs each, each followed by a step link of a
+        batch that stays small meanwhile (docs/benchmarks.md, twelfth pass).
+        """
+        return prefill_only_cudnn() and self.sizer.predict(1, 0) is not None
+
+    def _alone_seconds(self, uncached: int, cached: int) -> float:
+        """A row's predicted prefill alone (and token 0), as `SoloRow` runs it under prefill-only cuDNN.
+
+        A start off the grid steps back to the grid point below (engine/batch/chunked_prefill.py).
+        """
+        grid = self._prefill_grid if self._prefill_grid is not None else GPU_GRID
+        back = cached % grid if grid > 0 else 0
+        seconds = self.sizer.predict_prefill(uncached + back, cached - back, self._prefill_step_size)
+        return seconds if seconds is not None else float("inf")
 
     async def _prefill_cohort(self, cohort: list[tuple[Generate, CacheHit | None]]) -> None:
         """Prefill short requests in one lease job, as one batch where the model allows; then hand each on.

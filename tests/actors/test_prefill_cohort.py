@@ -103,3 +103,71 @@ def test_a_cohort_row_weighs_its_tokens_times_the_chunks_its_context_spans() -> 
     assert cohort_weight(127, 128, 2048) == 127
     assert cohort_weight(127, 8192 + 128, 2048) == pytest.approx(127 * 4.0625)
     assert int(2048 // cohort_weight(128, 8192 + 128, 2048)) == 3  # rows extending an 8k prefix: 3 per cohort
+
+
+async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicted_prefills_fill_the_target(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that prefill one after another cost their own prefills: with each predicted at 20 ms (a fixed 10 ms
+    per chunk and per token 0) and a 50 ms target, 8 short prompts prefill 2 to a job (4 jobs), where the
+    tokens rule would put 5 and 3 together (the test above)."""
+    from mlx_trio.actors import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    join_send, join_recv = trio.open_memory_channel[JoinRow](8)
+    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
+                         join=join_send)
+    actor.sizer.record(32, 0, 0.010)
+    actor.sizer.record(64, 0, 0.010)  # a fixed cost per forward: 10 ms
+    assert actor.sizer.predict_prefill(11, 0, 64) == pytest.approx(0.020)
+    requests = [_request(i) for i in range(8)]
+    for admitted, _ in requests:
+        actor.inbox_send.send_nowait(admitted)
+    jobs_before = lease.statistics().jobs_run
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        with trio.fail_after(30):
+            joins = [await join_recv.receive() for _ in range(8)]
+        nursery.cancel_scope.cancel()
+    assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
+    assert lease.statistics().jobs_run - jobs_before == 4
+    assert actor.statistics().cohort_rows == 8
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+
+async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_prefills_chunk_by_chunk(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 60 ms prediction against a 50 ms target: no cohort; each prompt takes its row, chunk and token-0 jobs."""
+    from mlx_trio.actors import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    join_send, join_recv = trio.open_memory_channel[JoinRow](2)
+    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
+                         join=join_send)
+    actor.sizer.record(32, 0, 0.030)
+    actor.sizer.record(64, 0, 0.030)
+    requests = [_request(i) for i in range(2)]
+    for admitted, _ in requests:
+        actor.inbox_send.send_nowait(admitted)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        with trio.fail_after(30):
+            joins = [await join_recv.receive() for _ in range(2)]
+        nursery.cancel_scope.cancel()
+    assert actor.statistics().cohort_rows == 0
+    assert actor.statistics().chunks == 2
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+
+def test_a_whole_prefill_is_predicted_as_its_chunks_and_token_0s_step() -> None:
+    from mlx_trio.actors.chunk_sizer import ChunkSizer
+
+    sizer = ChunkSizer(target_s=0.05, max_tokens=512)
+    assert sizer.predict_prefill(100, 0, 64) is None
+    for n, c in ((64, 0), (128, 256), (256, 1024), (32, 64)):
+        sizer.record(n, c, 0.002 + 1e-5 * n + 1e-8 * n * (c + n / 2))
+    expected = sum(sizer.predict(n, c) for n, c in ((64, 100), (64, 164), (22, 228))) + sizer.predict(1, 250)
+    assert sizer.predict_prefill(150, 100, 64) == pytest.approx(expected)

@@ -78,9 +78,9 @@ def _slowed_chunks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every prefill chunk takes `seconds` longer on the lease thread: a slow device, as the engine sees it."""
     chunk = ChunkedPrefill.chunk
 
-    def slow(self: ChunkedPrefill, limit: int | None = None) -> Any:
+    def slow(self: ChunkedPrefill, limit: int | None = None, *, evaluate: bool = True) -> Any:
         time.sleep(seconds)
-        return chunk(self, limit)
+        return chunk(self, limit, evaluate=evaluate)
 
     monkeypatch.setattr(ChunkedPrefill, "chunk", slow)
 

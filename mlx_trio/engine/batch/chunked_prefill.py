@@ -146,8 +146,12 @@ class ChunkedPrefill:
         """Tokens still to prefill before the first sampling step (the last one is that step's input)."""
         return max(int(self.pending.size) - 1, 0)
 
-    def chunk(self, limit: int | None = None) -> mx.array | None:
-        """Prefill up to `step_size` (or `limit`, if smaller) tokens into the caches; return them, or None when done."""
+    def chunk(self, limit: int | None = None, *, evaluate: bool = True) -> mx.array | None:
+        """Prefill up to `step_size` (or `limit`, if smaller) tokens into the caches; return them, or None when done.
+
+        `evaluate=False`: the chunk is launched (`mx.async_eval`) and the allocator not cleared, so the
+        caller builds its next forward while the device runs this one; it evaluates at the end.
+        """
         # `most`: what the prompt allows (its tokens, the step size, a snapshot boundary); `limit` only asks.
         most = min(self._step_size, self.remaining)
         if self._split_at is not None and self.fed < self._split_at:
@@ -175,6 +179,9 @@ class ChunkedPrefill:
         else:
             self._model(chunk[None], cache=self._caches)
         self._kv_scheme.convert_due(self._caches)  # where generate_step calls maybe_quantize_kv_cache
+        if not evaluate:
+            mx.async_eval([c.state for c in self._caches])
+            return chunk
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk

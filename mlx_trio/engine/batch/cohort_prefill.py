@@ -43,7 +43,8 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
 
     Rows that can go together prefill as one batch (`prefill_together`); the
     rest each alone, exactly as `prefill_chunk()` until done then
-    `first_token()`. An error is returned in place of the rows it touched
+    `first_token()` (under prefill-only cuDNN launched one after another:
+    `prefill_in_sequence`). An error is returned in place of the rows it touched
     (their caches dropped); the other rows go on.
     """
     outcomes: list[SoloRow | Exception] = []
@@ -59,6 +60,13 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             prefill_together(model, together)
         except Exception as exc:
             outcomes = [_failed(row, exc) if row in together else row for row in outcomes]
+    alone = [row for row in made if row not in together]
+    if len(alone) > 1 and can_prefill_in_sequence(alone):
+        try:
+            prefill_in_sequence(alone)
+        except Exception as exc:
+            outcomes = [_failed(row, exc) if row in alone else row for row in outcomes]
+        return outcomes
     for i, row in enumerate(outcomes):
         if isinstance(row, SoloRow) and row not in together:
             try:
@@ -68,6 +76,37 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             except Exception as exc:
                 outcomes[i] = _failed(row, exc)
     return outcomes
+
+
+def can_prefill_in_sequence(rows: Sequence[SoloRow]) -> bool:
+    """Rows that prefill alone under prefill-only cuDNN, on plain bf16 caches, none storing a snapshot part-way."""
+    return decode_layout.is_active() and all(
+        row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches)
+        for row in rows
+    )
+
+
+def prefill_in_sequence(rows: Sequence[SoloRow]) -> None:
+    """Each row's chunks and token-0 step alone, one row after another, launched without waiting for each.
+
+    The same forwards as `prefill_chunk()` until done then `first_token()`
+    for each row (the same kernels: the same numbers), but each forward is
+    launched (`mx.async_eval`) and the host builds the next one while the
+    device runs it; every token 0 is read at the end. A cohort of short
+    prompts under prefill-only cuDNN is host-bound forwards one after
+    another (H200, 1B shape: ~9 ms a 512-token chunk, docs/benchmarks.md),
+    so the device's time of each but the last is hidden. An error leaves
+    the rows unusable (the caller closes them all): they share the evaluation.
+    """
+    arrays: list[mx.array] = []
+    for row in rows:
+        while row.prefill_remaining:
+            row.prefill_chunk(evaluate=False)
+        arrays.extend(row.launch_token0())
+    mx.eval(arrays, [c.state for row in rows for c in row.caches])
+    for row in rows:
+        row.read_token0()
+    mx.clear_cache()
 
 
 def _failed(row: SoloRow | Exception, exc: Exception) -> Exception:

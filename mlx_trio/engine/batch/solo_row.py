@@ -132,24 +132,34 @@ class SoloRow:
         """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
         return cache_clone.snapshot(self._prompt_ids[: self.fed], self.caches)
 
-    def prefill_chunk(self, limit: int | None = None) -> int:
+    def prefill_chunk(self, limit: int | None = None, *, evaluate: bool = True) -> int:
         """Prefill up to `prefill_step_size` (or `limit`) prompt tokens into `caches`; returns how many remain.
 
         The same chunks, evaluation and allocator clearing as mlx-lm's
         `generate_step`. The last
         prompt token is never prefilled here: it is `first_token()`'s input.
+        `evaluate=False` only launches the chunk (`ChunkedPrefill.chunk`); the same kernels, so the same numbers.
         """
-        self._prefill.chunk(limit)
+        self._prefill.chunk(limit, evaluate=evaluate)
         return self.prefill_remaining
 
     def first_token(self) -> int:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
+        mx.eval(*self.launch_token0())
+        return self.read_token0()
+
+    def launch_token0(self) -> list[mx.array]:
+        """`first_token()`'s step and draw, launched (`mx.async_eval`) but not read: then `read_token0()`.
+
+        Returns the arrays to evaluate before reading.
+        """
         last = self.last_input()
         decode_layout.keep_vector_decode(self.caches)  # an L=1 step: the vector kernel under prefill-only cuDNN
         logits = self._model(last[None], cache=self.caches)[:, -1, :]
         self.kv_scheme.convert_due(self.caches)  # as generate_step's _step, after its forward
-        mx.eval(*self.draw_token0(logits, last))
-        return self.read_token0()
+        arrays = self.draw_token0(logits, last)
+        mx.async_eval(*arrays)
+        return arrays
 
     def last_input(self) -> mx.array:
         """Token 0's input, the last prompt token; afterwards nothing is pending. Needs the prompt prefilled."""

@@ -153,3 +153,45 @@ def test_under_prefill_only_cudnn_a_cohort_prefills_each_row_alone(model) -> Non
     finally:
         decode_layout.set_active(False)
     assert [r.token0 for r in outcomes] == [_solo(model, "x", p, GREEDY).token0 for p in prompts]
+
+
+def test_rows_prefilled_in_sequence_are_bit_identical_to_solo_rows(model) -> None:
+    """`prefill_in_sequence` launches each forward without waiting for it: the same kernels, so every row's KV,
+    token 0 and token-0 logprobs equal a solo prefill's exactly, over several chunks a row and seeded sampling."""
+    from mlx_trio.engine.batch.cohort_prefill import can_prefill_in_sequence, prefill_in_sequence
+    from mlx_trio.engine.kv import decode_layout
+
+    prompts = [_prompt(i, 20 + 13 * i) for i in range(4)]
+    params = [GREEDY, SEEDED, GREEDY, SEEDED]
+    decode_layout.set_active(True)
+    try:
+        rows = [SoloRow(model, f"r{i}", p, q, prefill_step_size=16) for i, (p, q) in enumerate(zip(prompts, params))]
+        assert can_prefill_in_sequence(rows)
+        prefill_in_sequence(rows)
+        solos = []
+        for i, (p, q) in enumerate(zip(prompts, params)):
+            solo = SoloRow(model, f"s{i}", p, q, prefill_step_size=16)
+            while solo.prefill_remaining:
+                solo.prefill_chunk()
+            solo.first_token()
+            solos.append(solo)
+    finally:
+        decode_layout.set_active(False)
+    for row, solo in zip(rows, solos, strict=True):
+        assert (row.token0, row.fed, row.token0_logprobs) == (solo.token0, solo.fed, solo.token0_logprobs)
+        for got, want in zip(_kv(row), _kv(solo), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_rows_outside_prefill_only_cudnn_or_storing_a_snapshot_do_not_prefill_in_sequence(model) -> None:
+    from mlx_trio.engine.batch.cohort_prefill import can_prefill_in_sequence
+    from mlx_trio.engine.kv import decode_layout
+
+    rows = [SoloRow(model, "a", _prompt(1, 30), GREEDY)]
+    assert not can_prefill_in_sequence(rows)  # decode_layout off: prefill_rows' batched or eager paths
+    decode_layout.set_active(True)
+    try:
+        assert can_prefill_in_sequence(rows)
+        assert not can_prefill_in_sequence([SoloRow(model, "b", _prompt(2, 30), GREEDY, snapshot_at=12)])
+    finally:
+        decode_layout.set_active(False)
