@@ -20,7 +20,10 @@ for less than a step (a small `--prefill-chunk-ms`) still takes a whole one.
 A piece shorter than a grid step (the prompt's tail, or up to a
 snapshot boundary) is padded to one with dummy tokens, computed and then
 trimmed from the cache: causal attention keeps them out of every real
-token's result, and the next chunk overwrites their slots. A chunk that
+token's result, and the next chunk overwrites their slots. The rest of a
+prompt that one listed chunk of at most twice the asked size holds goes in
+that chunk, padded, instead of a whole-step chunk and a padded tail (`grid_chunk`):
+one forward instead of two, where a forward costs mostly its launches. A chunk that
 starts off the grid (after a prompt-cache hit) ends at the next grid
 point, one irregular shape per request. The keys' strides are part of a
 shape too (cuDNN plans by them): mlx-lm's cache grows its buffer in
@@ -66,15 +69,25 @@ def resolve_grid(setting: int | None) -> int:
     return GPU_GRID if mx.default_device() == mx.gpu else 0
 
 
-def grid_chunk(fed: int, n: int, grid: int) -> tuple[int, int]:
+def grid_chunk(fed: int, n: int, grid: int, *, rest: int | None = None, cap: int | None = None) -> tuple[int, int]:
     """(tokens to take, dummy tokens to add) for a chunk of at most `n` after `fed`, on a `grid`.
 
     Off the grid: up to the next grid point (no padding). On it: the
     largest multiple of `grid` in `GRID_MULTIPLES` that fits `n`; or, when
-    `n` is less than one step, `n` padded to one step.
+    `n` is less than one step, `n` padded to one step. `rest`: the tokens
+    left until the prefill ends (or reaches its snapshot boundary): when the
+    smallest listed chunk that holds them all is at most `2 n` (and `cap`)
+    tokens, they go in that one chunk, padded, rather than in a whole-step
+    chunk and a padded tail after it: a chunk on a GPU costs mostly its
+    launches (H200, 1B shape: ~9 ms for 512 tokens, docs/benchmarks.md), so
+    one padded forward is cheaper than two.
     """
     if fed % grid:
         return min(n, grid - fed % grid), 0
+    if rest is not None and rest > 0:
+        whole = min((m * grid for m in GRID_MULTIPLES if m * grid >= rest), default=None)
+        if whole is not None and whole <= 2 * n and (cap is None or whole <= cap):
+            return rest, whole - rest
     steps = max((m for m in GRID_MULTIPLES if m * grid <= n), default=0)
     if steps:
         return steps * grid, 0
@@ -165,7 +178,10 @@ class ChunkedPrefill:
             # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
             # padded to a step cost the same and left the next chunks off the grid, each a new shape
             # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/benchmarks.md).
-            n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid)
+            stretch = self.remaining if self._split_at is None or self.fed >= self._split_at else min(
+                self.remaining, self._split_at - self.fed)
+            n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
+                                rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
             if self.fed % self._grid == 0:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)

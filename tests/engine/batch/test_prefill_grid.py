@@ -80,7 +80,8 @@ def test_a_chunk_asked_for_less_than_a_grid_step_takes_a_whole_one_and_stays_on_
     prompt = _prompt(3, 100)
     plain, _ = _run(model, prompt, grid=0, limit=4)
     gridded, ends = _run(model, prompt, grid=16, limit=4)
-    assert ends == [16, 32, 48, 64, 80, 96, 99]  # 16 real tokens a chunk although 4 were asked
+    # 16 real tokens a chunk although 4 were asked; the last 19 in one padded 32-token chunk (within twice a step)
+    assert ends == [16, 32, 48, 64, 80, 99]
     assert gridded.caches[0].offset == 100
     for a, b in zip(_kv(plain), _kv(gridded), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
@@ -132,7 +133,7 @@ def test_after_an_off_grid_start_the_buffers_end_where_the_chunks_end() -> None:
     from mlx_trio.engine.batch.chunked_prefill import ChunkedPrefill
 
     model = load(str(tiny_model(LLAMA)))[0]
-    prompt = _prompt(9, 1400)
+    prompt = _prompt(9, 2400)
 
     def cut_at(start: int) -> list:
         caches = make_prompt_cache(model)
@@ -150,8 +151,35 @@ def test_after_an_off_grid_start_the_buffers_end_where_the_chunks_end() -> None:
     assert ends[0] == (512, 556)  # the off-grid chunk: mlx-lm's growth from 300
     assert all(fed == length for fed, length in ends[1:-1]) and len(ends) > 2, ends
     plain = cut_at(300)
-    ChunkedPrefill(model, plain, prompt, 2048, start=300, grid=0).chunk(2048)
+    reference = ChunkedPrefill(model, plain, prompt, 2048, start=300, grid=0)
+    while reference.chunk(2048) is not None:
+        pass
     for a, b in zip(caches, plain, strict=True):
         assert a.offset == b.offset
         np.testing.assert_allclose(np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :]),
                                    atol=2e-2, rtol=2e-2)
+
+
+@given(st.integers(0, 40).map(lambda k: 16 * k), st.integers(1, 600), st.integers(1, 600))
+def test_a_rest_that_a_listed_chunk_holds_within_twice_the_ask_goes_in_one_padded_chunk(fed: int, n: int,
+                                                                                     rest: int) -> None:
+    take, pad = grid_chunk(fed, n, 16, rest=rest, cap=512)
+    whole = min((m * 16 for m in GRID_MULTIPLES if m * 16 >= rest), default=None)
+    if whole is not None and whole <= min(2 * n, 512):
+        assert (take, pad) == (rest, whole - rest)
+    else:
+        assert (take, pad) == grid_chunk(fed, n, 16)
+
+
+def test_a_prompt_whose_rest_fits_one_listed_chunk_prefills_in_one_padded_forward() -> None:
+    """39 tokens to prefill on a 16-token grid: one chunk of 48 (9 dummy tokens) instead of 32 and a padded 7,
+    and the row ends where mlx-lm's chunks leave it."""
+    model = load(str(tiny_model(LLAMA)))[0]
+    prompt = _prompt(5, 40)
+    plain, _ = _run(model, prompt, grid=0, limit=None)
+    gridded, ends = _run(model, prompt, grid=16, limit=None)
+    assert ends == [39] and gridded.last_chunk_shape == (48, 48)
+    assert gridded.caches[0].offset == 40
+    for a, b in zip(_kv(plain), _kv(gridded), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
+    assert plain.token0 == gridded.token0
