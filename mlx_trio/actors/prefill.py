@@ -548,7 +548,7 @@ class PrefillActor:
                 busy = self._busy
                 limit = self._chunk_tokens(before) if busy else None
                 remaining, seconds = await self._lease.run(timed, row.prefill_chunk, limit)
-                self.sizer.record(row.fed - before, before, seconds, row.last_chunk_shape)
+                self.sizer.record(computed_tokens(row, before), before, seconds, row.last_chunk_shape)
                 self._chunks += 1
                 self._sized_chunks += busy
                 self._prefill_tokens += row.fed - before
@@ -577,6 +577,12 @@ class PrefillActor:
             return
         self._jobs.remove(job)
         await self._hand_on(cmd, row)
+
+
+def computed_tokens(row: SoloRow, before: int) -> int:
+    """The tokens the row's last chunk computed: on the grid its shape's (dummy padding included), what it costs."""
+    shape = row.last_chunk_shape
+    return shape[0] if shape is not None else row.fed - before
 
 
 def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:

@@ -48,7 +48,7 @@ def prefill(sizer: ChunkSizer, planned: set, *, shapes: bool = True) -> list[tup
         assert shape is not None
         seconds = warm_s(*shape[:1], before) + (0.0 if shape in planned else PLAN_S)
         planned.add(shape)
-        sizer.record(chunked.fed - before, before, seconds, shape if shapes else None)
+        sizer.record(shape[0], before, seconds, shape if shapes else None)  # computed tokens, as the actor records
     return asked
 
 
