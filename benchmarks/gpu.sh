@@ -50,6 +50,11 @@
 #           routed), µs per call vs the masked
 #           and the unmasked (vector) attention, and a B=64 DecodeBatch of 100-10k-token rows: greedy tokens and
 #           ms per step, kernel on vs off. PARTS=ragged MODELS=1b, <= RAGGED_LIMIT_S (150).
+#   knobs:  benchmarks/cuda_graph_knobs.py --settings fused,unfused --rounds 3 (issues #20, #25): decode step ms at
+#           B=1/8/64 and a 512-token prefill chunk with fused q/k/v + gate/up projections (the default) vs
+#           MLX_TRIO_NO_FUSED_PROJECTIONS=1, one child process per setting, rounds alternated, and the B=8 greedy
+#           tokens of each setting against the first's. PARTS=knobs MODELS=1b, <= KNOBS_LIMIT_S (200); other
+#           settings with KNOBS_SETTINGS (e.g. default,ops300,nographs).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -428,6 +433,11 @@ for m in $MODELS; do
   case " $PARTS " in *" ragged "*)
     script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \
       $PY benchmarks/ragged_attention.py --model "$dir" --json "$RESULTS/ragged-$m.json" ${RAGGED_ARGS:-}
+  ;; esac
+  case " $PARTS " in *" knobs "*)
+    script_part knobs "${KNOBS_LIMIT_S:-200}" "knobs, $m: ${KNOBS_SETTINGS:-fused,unfused}, 3 rounds alternated, B=8 token agreement" \
+      $PY benchmarks/cuda_graph_knobs.py --model "$dir" --settings "${KNOBS_SETTINGS:-fused,unfused}" --rounds 3 \
+      --json "$RESULTS/knobs-$m.json"
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \

@@ -298,7 +298,9 @@ class EngineActors:
                                             # A compiled trace holds the layers and their arrays as
                                             # constants: never while adapters wrap layers at run time.
                                             compile_decode=False if self.config.serves_adapters
-                                            else self.config.compile_decode))
+                                            else self.config.compile_decode,
+                                            # Adapters wrap q_proj, v_proj, ... by name: keep them apart.
+                                            fuse_projections=not self.config.serves_adapters))
             log.info("model %s loaded from %s", model.model_id, model.path)
             if self.config.draft_model is not None:
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,

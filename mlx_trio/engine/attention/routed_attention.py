@@ -10,8 +10,9 @@ under the same names, so weights, adapters (`RowLoraLinear` wraps the
 projections: engine/adapters/row_lora.py), `shard()` (tensor parallel: it
 replaces the projections and divides the head counts of whatever module sits
 there) and the prompt cache see the same model. Its `__call__` is the original's,
-line for line, except for the attention call, which goes to the route's
-`attend` when
+line for line, except for the projections, which may be one fused `qkv_proj`
+matmul split three ways (`fuse_qkv`, at load: engine/model/fused_projections.py),
+and the attention call, which goes to the route's `attend` when
 
 - a route is set (`RaggedRoute.attend`: the CUDA kernel when MLX runs on its
   CUDA backend, engine/attention/ragged_kernel.py; None on other backends, and
@@ -128,16 +129,39 @@ class RoutedAttention(nn.Module):
         self._qk_norm = qk_norm
         self._route = route
         self._original_class = class_name(original)
+        # Set by `fuse_qkv`: the fused projection's output is queries [0, q_end), keys [q_end, k_end), values.
+        # Plain ints: a tuple would become a child entry of the module (nn.Module is a dict).
+        self._q_end = 0
+        self._k_end = 0
 
     @property
     def route(self) -> RaggedRoute:
         return self._route
 
+    @property
+    def fused(self) -> bool:
+        """Whether q/k/v run as one `qkv_proj` matmul (`fuse_qkv`)."""
+        return self._k_end > 0
+
+    def fuse_qkv(self, qkv_proj: nn.Module, q_end: int, k_end: int) -> None:
+        """Run q/k/v as `qkv_proj` (their rows concatenated), its output split at `q_end` and `k_end`; drops q/k/v_proj.
+
+        After this, `shard()` and adapters no longer find the projections they replace: the loader
+        fuses only where neither comes (engine/model/fused_projections.py).
+        """
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del self[name]
+        self.qkv_proj = qkv_proj
+        self._q_end, self._k_end = q_end, k_end
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        # mlx-lm 0.32.2's llama / qwen2 / qwen3 `Attention.__call__`, but for the attention call.
+        # mlx-lm 0.32.2's llama / qwen2 / qwen3 `Attention.__call__`, but for the projections and the attention call.
         B, L, D = x.shape
 
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if not self._k_end:
+            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # one matmul; the three parts are views of its output
+            queries, keys, values = mx.split(self.qkv_proj(x), [self._q_end, self._k_end], axis=-1)
 
         if self._qk_norm:
             queries = self.q_norm(queries.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)

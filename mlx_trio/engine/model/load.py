@@ -8,6 +8,7 @@ plain Python that the Trio side may call.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_trio.errors import InvalidParameter, ModelLoadError
 from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.distributed.world import current_world, shard_model
+from mlx_trio.engine.model import fused_projections
 from mlx_trio.engine.model.chat import check_chat, template_messages
 from mlx_trio.engine.model.default_model import resolve_model_path
 from mlx_trio.engine.model.generic_tools import generic_chat
@@ -31,6 +33,8 @@ from mlx_trio.output_format import PLAIN, OutputFormat
 from mlx_trio.params import Constraint
 
 Message = Mapping[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -167,14 +171,18 @@ class LoadedModel:
 
 
 def load_model(model: str | None = None, *, cache_dir: Path | None = None,
-               kv_scheme: KvScheme = KvScheme(), compile_decode: bool | None = False) -> LoadedModel:
+               kv_scheme: KvScheme = KvScheme(), compile_decode: bool | None = False,
+               fuse_projections: bool = True) -> LoadedModel:
     """Resolve (converting the default model once if needed) and load with mlx-lm.
 
     Must run on the lease thread: weights are evaluated there. One rank of a distributed group
     loads its tensor-parallel shard only (`engine/distributed/world.py`): lazily, sharded, then
     evaluated, so the other ranks' weights are never read here. Llama-family attention layers are
     then wrapped so that a padded batch's decode steps can take the ragged kernel on CUDA
-    (engine/attention/routed_attention.py; `MLX_TRIO_NO_RAGGED_ATTENTION=1` leaves them as they are).
+    (engine/attention/routed_attention.py; `MLX_TRIO_NO_RAGGED_ATTENTION=1` leaves them as they are),
+    and, with `fuse_projections` and outside a distributed group, each layer's q/k/v and gate/up
+    projections become one matmul each (engine/model/fused_projections.py; pass False where adapters
+    will wrap the projections; `MLX_TRIO_NO_FUSED_PROJECTIONS=1` fuses nothing).
     """
     path = resolve_model_path(model, cache_dir=cache_dir)
     world = current_world()
@@ -185,6 +193,10 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
     mx.eval(loaded_model.parameters())
     routed_attention.install(loaded_model)  # padded batches' decode attention on the ragged kernel (CUDA)
+    if fuse_projections and not world.distributed:  # shard() and pipeline() need the separate projections
+        fused = fused_projections.fuse(loaded_model)
+        log.info("fused projections: q/k/v in %d layers, gate/up in %d%s", fused.attention, fused.mlp,
+                 f"; unfused: {'; '.join(fused.unfused)}" if fused.unfused else "")
     check_quantized_attention(loaded_model, kv_scheme)
     eos_token_ids = frozenset(tokenizer.eos_token_ids)
     return LoadedModel(
