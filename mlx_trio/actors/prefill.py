@@ -328,6 +328,10 @@ class PrefillActor:
         candidates = [cmd.snapshot_at] if cmd.snapshot_at is not None else []
         if layout.window or layout.fixed_bytes:
             candidates.append(total - 1)
+        elif candidates and prefill_only_cudnn() and self._grid_step > 0:
+            # The prefill moves the boundary to the grid point below (engine/batch/chunked_prefill.py), where
+            # the snapshot then lands: a sibling agent that hit it there needs no other, or each would ask again.
+            candidates = [candidates[0] // self._grid_step * self._grid_step]
         for at in candidates:
             if cached < at < total and not caching.has(cmd.prompt_ids[:at]):
                 return at
@@ -398,12 +402,17 @@ class PrefillActor:
         """
         return prefill_only_cudnn() and self.sizer.predict(1, 0) is not None
 
+    @property
+    def _grid_step(self) -> int:
+        """The prefill shape grid's step where prefill-only cuDNN runs (on a GPU: `--prefill-grid`, else 256)."""
+        return self._prefill_grid if self._prefill_grid is not None else GPU_GRID
+
     def _alone_seconds(self, uncached: int, cached: int) -> float:
         """A row's predicted prefill alone (and token 0), as `SoloRow` runs it under prefill-only cuDNN.
 
         A start off the grid steps back to the grid point below (engine/batch/chunked_prefill.py).
         """
-        grid = self._prefill_grid if self._prefill_grid is not None else GPU_GRID
+        grid = self._grid_step
         back = cached % grid if grid > 0 else 0
         seconds = self.sizer.predict_prefill(uncached + back, cached - back, self._prefill_step_size)
         return seconds if seconds is not None else float("inf")

@@ -171,3 +171,30 @@ def test_a_whole_prefill_is_predicted_as_its_chunks_and_token_0s_step() -> None:
         sizer.record(n, c, 0.002 + 1e-5 * n + 1e-8 * n * (c + n / 2))
     expected = sum(sizer.predict(n, c) for n, c in ((64, 100), (64, 164), (22, 228))) + sizer.predict(1, 250)
     assert sizer.predict_prefill(150, 100, 64) == pytest.approx(expected)
+
+
+async def test_under_prefill_only_cudnn_a_row_that_hit_the_grid_point_below_its_boundary_stores_no_snapshot(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill moves a snapshot boundary to the grid point below (engine/batch/chunked_prefill.py): a sibling
+    agent whose hit ends there already has it, so it may join a cohort; a boundary above an uncached grid
+    point still gets its snapshot, at that grid point."""
+    from types import SimpleNamespace
+
+    from mlx_trio.actors import prefill as prefill_module
+
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_grid=256), lease,
+                         join=trio.open_memory_channel[JoinRow](1)[0])
+    actor._model = model
+    prompt = tuple(3 + j % 300 for j in range(900))
+    cmd = Generate("r", prompt, SamplingParams(max_tokens=8), trio.open_memory_channel[DecodeEvent](1)[0],
+                   snapshot_at=600)
+    cached_at = {512}
+    caching = SimpleNamespace(has=lambda ids: len(ids) in cached_at)
+    hit = SimpleNamespace(usable=512)
+    assert actor._snapshot_point(cmd, hit, caching) == 600  # MLX's kernels: the boundary itself
+    monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
+    assert actor._snapshot_point(cmd, hit, caching) is None  # 600 -> 512, already there
+    assert actor._snapshot_point(cmd, SimpleNamespace(usable=256), caching) is None  # 512 is cached
+    cached_at.clear()
+    assert actor._snapshot_point(cmd, SimpleNamespace(usable=256), caching) == 512
