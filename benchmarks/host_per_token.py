@@ -13,8 +13,10 @@ process (`mlx_trio.bench.runner`), in alternating order (A B, then B A).
 Around each run the server's `/proc/PID/stat` and `/proc/PID/task/*/stat`
 are read: host CPU per streamed token = the process's CPU seconds over the
 run / the tokens its usage chunks report. Per thread too: the main thread
-(tid = pid) is the Trio thread; the busiest other thread is the GPU lease's
-(it runs every MLX call); the rest are summed. Linux only.
+(tid = pid) is the Trio thread; the busiest other thread is, on MLX's CPU
+backend, MLX's own compute thread (it runs every kernel: with the CPU wheel's
+reference BLAS most of the total), elsewhere the GPU lease's; the rest are
+summed (`serving_profile.py --tiny` names every thread). Linux only.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def thread_split(pid: int, start: dict[int, thread_cpu.TaskCpu],
                  end: dict[int, thread_cpu.TaskCpu]) -> dict[str, float]:
-    """CPU seconds between two snapshots: the main thread, the busiest other one (the lease), the rest."""
+    """CPU seconds between two snapshots: the main thread, the busiest other one ("lease"; see the module docstring), the rest."""
     used = {tid: task.cpu_s - (start[tid].cpu_s if tid in start else 0.0) for tid, task in end.items()}
     main = used.pop(pid, 0.0)
     busiest = max(used.values(), default=0.0)
@@ -88,7 +90,8 @@ COLUMNS = ("us_per_token", "lease_us_per_token", "trio_us_per_token", "other_us_
 
 
 def report(runs: list[dict[str, Any]], names: list[str]) -> None:
-    print("\n| server | host CPU µs/token | lease thread | Trio thread | other threads | agg tok/s | failures |")
+    print("\n| server | host CPU µs/token | busiest other thread (CPU backend: MLX's kernels) | Trio thread | other threads "
+          "| agg tok/s | failures |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     medians = {}
     for name in names:
