@@ -16,7 +16,8 @@ batch as soon as its own prefill ends. Short prompts that wait together
 prefill as a cohort: one batch of equal real-token chunks
 (engine/batch/cohort_prefill.py) in one lease job bounded like one chunk.
 The last prompt token is fed as an L=1 step that samples token 0 on the
-row's own caches (mlx-lm's convention); a row that is already finished at
+row's own caches (mlx-lm's convention), in the last chunk's lease job
+unless a snapshot is due in between; a row that is already finished at
 token 0 never joins the batch. Prompt-cache hits start a prefill part-way;
 boundary snapshots are stored on the way. A prompt whose session left stops
 at the next chunk boundary: its KV is freed (its prefix, when long enough,
@@ -556,20 +557,22 @@ class PrefillActor:
                 before = row.fed
                 busy = self._busy
                 limit = self._chunk_tokens(before) if busy else None
-                remaining, seconds = await self._lease.run(timed, row.prefill_chunk, limit)
-                self.sizer.record(computed_tokens(row, before), before, seconds, row.last_chunk_shape)
+                remaining, seconds = await self._lease.run(prefill_chunk_then_token0, row, limit)
+                fed = total - 1 - remaining  # the prompt tokens in the caches after the chunk (token 0's not counted)
+                self.sizer.record(computed_tokens(row, before, fed), before, seconds, row.last_chunk_shape)
                 self._chunks += 1
                 self._sized_chunks += busy
-                self._prefill_tokens += row.fed - before
-                if caching is not None and row.fed == row.snapshot_at:
+                self._prefill_tokens += fed - before
+                if caching is not None and fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))
                     self._snapshots += 1
                 cmd.reply.send_nowait(PrefillProgressed(rid, total - 1 - remaining, total,
                                                         cached_tokens=row.cached_tokens))
                 if remaining:
                     return
-            self._faults.check("prefill")
-            await self._lease.run(row.first_token)
+            if row.token0 is None:  # not in the last chunk's job: a snapshot was due in between
+                self._faults.check("prefill")
+                await self._lease.run(row.first_token)
         except trio.BrokenResourceError:
             await self._drop(job)  # the session left
             return
@@ -588,10 +591,27 @@ class PrefillActor:
         await self._hand_on(cmd, row)
 
 
-def computed_tokens(row: SoloRow, before: int) -> int:
-    """The tokens the row's last chunk computed: on the grid its shape's (dummy padding included), what it costs."""
+def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, float]:
+    """One prefill chunk, timed alone (the sizer's sample); if it ended the prompt, token 0's step in the same job.
+
+    Returns (prompt tokens left, the chunk's seconds). Token 0 waits when a
+    snapshot is due where the chunk ended (it is taken of the prompt-only
+    caches, before the step writes the last token). In the chunk's job, token
+    0 is not a job of its own behind the next step link: one lease round trip
+    and one step of the batch sooner (lease thread).
+    """
+    remaining, seconds = timed(row.prefill_chunk, limit)
+    if not remaining and row.snapshot_at != row.fed:
+        row.first_token()
+    return remaining, seconds
+
+
+
+def computed_tokens(row: SoloRow, before: int, after: int) -> int:
+    """The tokens the row's last chunk (from `before` to `after` fed) computed: on the grid its shape's (dummy
+    padding included), what it costs."""
     shape = row.last_chunk_shape
-    return shape[0] if shape is not None else row.fed - before
+    return shape[0] if shape is not None else after - before
 
 
 def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:

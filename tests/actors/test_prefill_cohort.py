@@ -138,7 +138,8 @@ async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicte
 
 async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_prefills_chunk_by_chunk(
         lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 60 ms prediction against a 50 ms target: no cohort; each prompt takes its row, chunk and token-0 jobs."""
+    """A 60 ms prediction against a 50 ms target: no cohort; each prompt takes its row's job and one chunk's,
+    token 0's step in the last chunk's job (not a job of its own behind the next step link)."""
     from mlx_trio.actors import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
@@ -151,6 +152,7 @@ async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_pr
     requests = [_request(i) for i in range(2)]
     for admitted, _ in requests:
         actor.inbox_send.send_nowait(admitted)
+    jobs_before = lease.statistics().jobs_run
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
         with trio.fail_after(30):
@@ -158,6 +160,8 @@ async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_pr
         nursery.cancel_scope.cancel()
     assert actor.statistics().cohort_rows == 0
     assert actor.statistics().chunks == 2
+    assert lease.statistics().jobs_run - jobs_before == 4
+    assert [join.token0 for join in joins] == [join.row.token0 for join in joins]
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
 
