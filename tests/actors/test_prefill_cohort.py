@@ -52,6 +52,20 @@ def _request(i: int) -> tuple[Generate, trio.MemoryReceiveChannel[DecodeEvent]]:
     return Generate(f"r{i}", prompt, SamplingParams(max_tokens=8), send), recv
 
 
+async def _prefill_all(actor: PrefillActor, lease: GpuLease, join_recv: trio.MemoryReceiveChannel[JoinRow],
+                       n: int) -> tuple[list[JoinRow], int]:
+    """`n` requests sent before the actor starts, until all joined: their joins and the lease jobs they took."""
+    for admitted, _ in [_request(i) for i in range(n)]:
+        actor.inbox_send.send_nowait(admitted)
+    jobs_before = lease.statistics().jobs_run
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        with trio.fail_after(30):
+            joins = [await join_recv.receive() for _ in range(n)]
+        nursery.cancel_scope.cancel()
+    return joins, lease.statistics().jobs_run - jobs_before
+
+
 async def test_a_cancelled_cohort_ends_every_request_it_took(lease: GpuLease) -> None:
     """The decoder takes no joins (a restart is under way): cancelling prefill must close every reply."""
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
@@ -83,17 +97,9 @@ async def test_while_rows_decode_short_fresh_prompts_still_fill_a_whole_chunk_pe
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
 
     actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64), lease, join=join_send)
-    requests = [_request(i) for i in range(8)]
-    for admitted, _ in requests:
-        actor.inbox_send.send_nowait(admitted)
-    jobs_before = lease.statistics().jobs_run
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
-        with trio.fail_after(30):
-            joins = [await join_recv.receive() for _ in range(8)]
-        nursery.cancel_scope.cancel()
+    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
     assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
-    assert lease.statistics().jobs_run - jobs_before == 2
+    assert jobs == 2
     assert actor.statistics().cohort_rows == 8
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
@@ -105,11 +111,10 @@ def test_a_cohort_row_weighs_its_tokens_times_the_chunks_its_context_spans() -> 
     assert int(2048 // cohort_weight(128, 8192 + 128, 2048)) == 3  # rows extending an 8k prefix: 3 per cohort
 
 
-async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicted_prefills_fill_the_target(
-        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows that prefill one after another cost their own prefills: with each predicted at 20 ms (a fixed 10 ms
-    per chunk and per token 0) and a 50 ms target, 8 short prompts prefill 2 to a job (4 jobs), where the
-    tokens rule would put 5 and 3 together (the test above)."""
+async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch,
+                       forward_s: float) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
+    """A prefill actor as under prefill-only cuDNN, rows decoding, a 50 ms target, its sizer fitted to a fixed
+    `forward_s` a forward."""
     from mlx_trio.actors import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
@@ -117,20 +122,21 @@ async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicte
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
     actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
                          join=join_send)
-    actor.sizer.record(32, 0, 0.010)
-    actor.sizer.record(64, 0, 0.010)  # a fixed cost per forward: 10 ms
+    actor.sizer.record(32, 0, forward_s)
+    actor.sizer.record(64, 0, forward_s)
+    return actor, join_recv
+
+
+async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicted_prefills_fill_the_target(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that prefill one after another cost their own prefills: with each predicted at 20 ms (a fixed 10 ms
+    per chunk and per token 0) and a 50 ms target, 8 short prompts prefill 2 to a job (4 jobs), where the
+    tokens rule would put 5 and 3 together (the test above)."""
+    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010)  # 10 ms a forward
     assert actor.sizer.predict_prefill(11, 0, 64) == pytest.approx(0.020)
-    requests = [_request(i) for i in range(8)]
-    for admitted, _ in requests:
-        actor.inbox_send.send_nowait(admitted)
-    jobs_before = lease.statistics().jobs_run
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
-        with trio.fail_after(30):
-            joins = [await join_recv.receive() for _ in range(8)]
-        nursery.cancel_scope.cancel()
+    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
     assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
-    assert lease.statistics().jobs_run - jobs_before == 4
+    assert jobs == 4
     assert actor.statistics().cohort_rows == 8
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
@@ -140,27 +146,11 @@ async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_pr
         lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 60 ms prediction against a 50 ms target: no cohort; each prompt takes its row's job and one chunk's,
     token 0's step in the last chunk's job (not a job of its own behind the next step link)."""
-    from mlx_trio.actors import prefill as prefill_module
-
-    monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
-    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
-    join_send, join_recv = trio.open_memory_channel[JoinRow](2)
-    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
-                         join=join_send)
-    actor.sizer.record(32, 0, 0.030)
-    actor.sizer.record(64, 0, 0.030)
-    requests = [_request(i) for i in range(2)]
-    for admitted, _ in requests:
-        actor.inbox_send.send_nowait(admitted)
-    jobs_before = lease.statistics().jobs_run
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
-        with trio.fail_after(30):
-            joins = [await join_recv.receive() for _ in range(2)]
-        nursery.cancel_scope.cancel()
+    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.030)
+    joins, jobs = await _prefill_all(actor, lease, join_recv, 2)
     assert actor.statistics().cohort_rows == 0
     assert actor.statistics().chunks == 2
-    assert lease.statistics().jobs_run - jobs_before == 4
+    assert jobs == 4
     assert [join.token0 for join in joins] == [join.row.token0 for join in joins]
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
