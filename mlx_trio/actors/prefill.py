@@ -606,7 +606,6 @@ def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, flo
     return remaining, seconds
 
 
-
 def computed_tokens(row: SoloRow, before: int, after: int) -> int:
     """The tokens the row's last chunk (from `before` to `after` fed) computed: on the grid its shape's (dummy
     padding included), what it costs."""

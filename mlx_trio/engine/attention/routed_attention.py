@@ -106,10 +106,11 @@ def qk_norm_of(attention: Any) -> bool | None:
     if known is None:
         return None
     qk_norm, digest = known
-    return qk_norm if _source_digest(cls) == digest else None
+    return qk_norm if source_digest(cls) == digest else None
 
 
-def _source_digest(cls: type) -> str:
+def source_digest(cls: type) -> str:
+    """The sha256 prefix of `cls.__call__`'s source: a wrapped mlx-lm class is the one its forward reproduces."""
     return hashlib.sha256(inspect.getsource(cls.__call__).encode()).hexdigest()[:16]
 
 

@@ -165,10 +165,12 @@ class ChunkedPrefill:
         `evaluate=False`: the chunk is launched (`mx.async_eval`) and the allocator not cleared, so the
         caller builds its next forward while the device runs this one; it evaluates at the end.
         """
-        # `most`: what the prompt allows (its tokens, the step size, a snapshot boundary); `limit` only asks.
-        most = min(self._step_size, self.remaining)
+        # `stretch`: the tokens up to the prompt's end or its snapshot boundary; `most`: what the prompt
+        # allows (that, within the step size); `limit` only asks.
+        stretch = self.remaining
         if self._split_at is not None and self.fed < self._split_at:
-            most = min(most, self._split_at - self.fed)
+            stretch = min(stretch, self._split_at - self.fed)
+        most = min(self._step_size, stretch)
         n = min(most, limit or self._step_size)
         if n == 0:
             return None
@@ -178,8 +180,6 @@ class ChunkedPrefill:
             # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
             # padded to a step cost the same and left the next chunks off the grid, each a new shape
             # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/benchmarks.md).
-            stretch = self.remaining if self._split_at is None or self.fed >= self._split_at else min(
-                self.remaining, self._split_at - self.fed)
             n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
                                 rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
             if self.fed % self._grid == 0:

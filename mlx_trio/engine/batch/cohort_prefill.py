@@ -80,10 +80,13 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
 
 def can_prefill_in_sequence(rows: Sequence[SoloRow]) -> bool:
     """Rows that prefill alone under prefill-only cuDNN, on plain bf16 caches, none storing a snapshot part-way."""
-    return decode_layout.is_active() and all(
-        row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches)
-        for row in rows
-    )
+    return decode_layout.is_active() and _plain(rows)
+
+
+def _plain(rows: Sequence[SoloRow]) -> bool:
+    """Every row on plain full-attention bf16 caches (`KVCache` layers), none storing a snapshot part-way."""
+    return all(row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches)
+               for row in rows)
 
 
 def prefill_in_sequence(rows: Sequence[SoloRow]) -> None:
@@ -122,9 +125,7 @@ def can_prefill_together(rows: Sequence[SoloRow]) -> bool:
     mask is a new cuDNN shape per cohort, a plan build each (60-90 ms on an H200), where each row alone
     runs the grid's chunks, planned ahead (engine/batch/prefill_plans.py), in the same lease job.
     """
-    return len(rows) > 1 and not decode_layout.is_active() and all(
-        row.snapshot_at is None and not row.kv_scheme.quantized and all(type(c) is KVCache for c in row.caches) for row in rows
-    )
+    return len(rows) > 1 and not decode_layout.is_active() and _plain(rows)
 
 
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:

@@ -43,8 +43,6 @@ own path (engine/model/draft_model.py) and stays unfused.
 from __future__ import annotations
 
 import copy
-import hashlib
-import inspect
 import os
 from collections.abc import Sequence
 
@@ -53,7 +51,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from mlx_trio.engine.attention.routed_attention import RoutedAttention
+from mlx_trio.engine.attention.routed_attention import RoutedAttention, source_digest
 
 # Set to 1 to load every projection as mlx-lm made it (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_FUSED_PROJECTIONS"
@@ -143,7 +141,7 @@ def _fuse_mlp(layer: nn.Module) -> str | None:
         return ""
     cls = type(mlp)
     digest = MLP_FAMILY.get((cls.__module__, cls.__qualname__))
-    if digest is None or hashlib.sha256(inspect.getsource(cls.__call__).encode()).hexdigest()[:16] != digest:
+    if digest is None or source_digest(cls) != digest:
         return f"{cls.__module__}.{cls.__qualname__} is not the llama family's MLP"
     gate, up = mlp.get("gate_proj"), mlp.get("up_proj")
     problem = why_not_one([gate, up])
