@@ -55,6 +55,10 @@
 #           MLX_TRIO_NO_FUSED_PROJECTIONS=1, one child process per setting, rounds alternated, and the B=8 greedy
 #           tokens of each setting against the first's. PARTS=knobs MODELS=1b, <= KNOBS_LIMIT_S (200); other
 #           settings with KNOBS_SETTINGS (e.g. default,ops300,nographs).
+#   anatomy: benchmarks/step_anatomy.py (issues #20, #25): one decode step's host time cut into graph building, MLX's
+#           launch (`mx.async_eval`) and the token read, engine vs bare loop at ANATOMY_BATCHES (1,8,64), and the
+#           primitives of one step's graph by kind. PARTS=anatomy, <= ANATOMY_LIMIT_S (150); ANATOMY_ARGS for more flags
+#           (e.g. "--shape llama-1b --num-layers 2" for what one layer adds).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -438,6 +442,10 @@ for m in $MODELS; do
     script_part knobs "${KNOBS_LIMIT_S:-200}" "knobs, $m: ${KNOBS_SETTINGS:-fused,unfused}, 3 rounds alternated, B=8 token agreement" \
       $PY benchmarks/cuda_graph_knobs.py --model "$dir" --settings "${KNOBS_SETTINGS:-fused,unfused}" --rounds 3 \
       --json "$RESULTS/knobs-$m.json"
+  ;; esac
+  case " $PARTS " in *" anatomy "*)
+    script_part anatomy "${ANATOMY_LIMIT_S:-150}" "step anatomy, $m: build / launch / read per step, primitives per step graph" \
+      $PY benchmarks/step_anatomy.py --model "$dir" --batches "${ANATOMY_BATCHES:-1,8,64}" ${ANATOMY_ARGS:-}
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
