@@ -140,6 +140,21 @@ class RoutedAttention(nn.Module):
         return self._route
 
     @property
+    def q_end(self) -> int:
+        """Where the fused projection's queries end (0 unfused)."""
+        return self._q_end
+
+    @property
+    def k_end(self) -> int:
+        """Where the fused projection's keys end (0 unfused)."""
+        return self._k_end
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are normalised per head (qwen3's q_norm / k_norm)."""
+        return self._qk_norm
+
+    @property
     def fused(self) -> bool:
         """Whether q/k/v run as one `qkv_proj` matmul (`fuse_qkv`)."""
         return self._k_end > 0
@@ -180,11 +195,12 @@ class RoutedAttention(nn.Module):
             queries = self.rope(queries)
             keys = self.rope(keys)
 
-        output = self._attention(queries, keys, values, cache, mask)
+        output = self.attend(queries, keys, values, cache, mask)
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output)
 
-    def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
+        """The attention of `queries` over the fetched `keys`/`values`: the ragged route where it applies, else mlx-lm's."""
         attend = self._route.attend
         if (attend is not None and mask is not None and type(cache) is HostPaddedBatchKVCache
                 and ragged_kernel.supports(queries, keys, values)):

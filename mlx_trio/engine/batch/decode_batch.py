@@ -68,6 +68,7 @@ from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, r
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_rollback, row_slots
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
+from mlx_trio.engine.model.decode_forward import DecodeForward
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
 from mlx_trio.engine.batch.solo_row import SoloRow
@@ -153,6 +154,8 @@ class DecodeBatch:
         # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
         # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
         self._compile_batches = compile_decode is True
+        # Else the step's forward with a third fewer graph nodes where the model allows (engine/model/decode_forward.py).
+        self._lean = DecodeForward.of(model)
         self._kv_scheme = kv_scheme
         # Speculation needs caches whose rows can drop a tail (full attention, bf16 or quantized); else none.
         self._speculator = (speculation.speculator() if speculation is not None
@@ -440,13 +443,15 @@ class DecodeBatch:
         return self._forward_slots(padded[row_of])[slots]
 
     def _forward_slots(self, inputs: mx.array) -> mx.array:
-        """One step's logits `[slots, V]`: compiled where it covers the caches, else the model's own graph."""
+        """One step's logits `[slots, V]`: compiled where it covers the caches, else the lean or the model's own graph."""
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
         if (self._compiled is not None and (self._compile_batches or self._solo)
                 and compiled_step.covers(self._caches)):
             logits = self._compiled(inputs, self._caches)
             if logits is not None:
                 return logits
+        if self._lean is not None:
+            return self._lean(inputs, self._caches)
         return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
 
     def _convert_when_due(self) -> None:

@@ -86,6 +86,11 @@ class FusedMLP(nn.Module):
         self.down_proj = down_proj
         self._hidden = hidden  # gate's output rows: where the fused output splits
 
+    @property
+    def hidden(self) -> int:
+        """Gate's output rows: where the fused output splits."""
+        return self._hidden
+
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), [self._hidden], axis=-1)
         return self.down_proj(swiglu(gate, up))
