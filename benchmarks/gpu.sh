@@ -40,6 +40,13 @@
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
 #           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
 #           threads, top jobs and sampled functions. PARTS=profile MODELS=1b, <= PROFILE_LIMIT_S (240).
+#   options: benchmarks/serve_vs_engine.py (issue #20's Done-when): the engine's decode tok/s at B=8/64 (in the
+#           script's process) vs ONE `mlx-trio serve --batch 64` under closed-loop uniform loads at c=8/64 (8-word
+#           prompts, 256 tokens, 2 x c requests): greedy, a 2-token logit_bias, penalties and mixed options per row,
+#           and ~1200-token prompts with a logit_bias; 2 rounds, order alternated; the Done-when ratios. MODELS=1b
+#           PARTS=options, <= OPTIONS_LIMIT_S (300); the 8B point (64 rows >= 3x the tok/s of 8): MODELS=8b
+#           PARTS=options OPTIONS_ARGS="--kinds greedy --concurrency 8,64"; OPTIONS_ARGS=--mlx-lm adds mlx_lm.server.
+#           On a CPU: OPTIONS_ARGS="--concurrency 2,4 --batch 4 --output-tokens 8 --long-prompt-words 40 --rounds 1".
 #   churn:  benchmarks/churn.py (issue #20 point 3): c=64 serving churn on the embedded engine (prompts 100-1000
 #           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
 #           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2), then
@@ -77,7 +84,7 @@
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
 #   LONG_LIMIT_S (120), PROFILE_LIMIT_S (240), PROFILE_CONCURRENCY (8,64,256), PROFILE_ARGS (more serving_profile.py
-#   flags, e.g. "--workloads serving,agents"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   flags, e.g. "--workloads serving,agents"), OPTIONS_LIMIT_S (300), OPTIONS_ARGS (more serve_vs_engine.py flags), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -404,6 +411,10 @@ for m in $MODELS; do
     script_part profile "${PROFILE_LIMIT_S:-240}" "serving profile, $m: serving workload at c=${PROFILE_CONCURRENCY:-8,64,256}" \
       $PY benchmarks/serving_profile.py --model "$dir" --concurrency "${PROFILE_CONCURRENCY:-8,64,256}" \
       --json "$RESULTS/profile-$m.json" ${PROFILE_ARGS:-}
+  ;; esac
+  case " $PARTS " in *" options "*)
+    script_part options "${OPTIONS_LIMIT_S:-300}" "serve vs engine, $m: engine B=8/64 vs HTTP c=8/64 per option kind" \
+      $PY benchmarks/serve_vs_engine.py --model "$dir" --json "$RESULTS/options-$m.json" ${OPTIONS_ARGS:-}
   ;; esac
   case " $PARTS " in *" compiled "*)
     bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)

@@ -44,7 +44,7 @@ examples:
   mlx-trio bench --serve ours --serve ours-nocache --out run.json --plot run.png
 
 Workloads: agents (multi-turn sessions sharing a system prompt, Poisson arrivals), uniform
-(independent prompts), long-prompt (one long prefill while other streams decode), serving (prompts
+(independent prompts, each with the sampling options of --options), long-prompt (one long prefill while other streams decode), serving (prompts
 log-uniform in --min/--max-prompt-words, outputs --output-tokens..--max-output-tokens, per-row
 sampling options mixed, Poisson arrivals).
 More in docs/benchmarks.md ("mlx-trio bench")."""
@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--followup-words", type=positive_int, default=d.followup_words,
         help="agents: words in the second turn (default: %(default)s)")
     arg("--prompt-words", type=positive_int, default=d.prompt_words, help="uniform: words per prompt (default: %(default)s)")
+    arg("--options", choices=workloads.OPTION_KINDS, default=d.options,
+        help="uniform: the per-row sampling options of every request: greedy (none), logit_bias (2 tokens), "
+             "penalties (presence/frequency), sampled (temperature/top_p/seed), mixed (the four in turn) "
+             "(default: %(default)s)")
     arg("--long-prompt-words", type=positive_int, default=d.long_prompt_words,
         help="long-prompt: words in the long prompt (default: %(default)s)")
     arg("--long-output-tokens", type=positive_int, default=d.long_output_tokens,
@@ -143,7 +147,7 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
         prompt_words=args.prompt_words, long_prompt_words=args.long_prompt_words,
         long_output_tokens=args.long_output_tokens, tool_result_words=args.tool_result_words,
         min_prompt_words=args.min_prompt_words, max_prompt_words=max(args.min_prompt_words, args.max_prompt_words),
-        max_output_tokens=max(args.output_tokens, args.max_output_tokens),
+        max_output_tokens=max(args.output_tokens, args.max_output_tokens), options=args.options,
     )
 
 

@@ -61,6 +61,8 @@ def run_metadata(args: argparse.Namespace, *, model: str | None, eos_ids: Sequen
         outputs = (f"{params['output_tokens']}-{params['max_output_tokens']} output tokens, prompts "
                    f"{params['min_prompt_words']}-{params['max_prompt_words']} words log-uniform, sampling mixed"
                    if args.workload == "serving" else f"{params['output_tokens']} output tokens")
+        if args.workload == "uniform" and params.get("options", "greedy") != "greedy":
+            outputs += f", sampling options {params['options']}"
         shape = f"{params['num_requests']} requests/run, {outputs}, arrivals {arrivals}"
     workload_line = (f"concurrency C = {','.join(map(str, args.concurrency))}, {args.rounds} round(s) A B A B, "
                      f"{shape}, seed {args.seed}, EOS ids suppressed {list(eos_ids)}")

@@ -9,7 +9,10 @@ the servers' `usage.prompt_tokens` gives the exact counts.
 * **agents**: every session shares one long system prompt (prose plus tool
   schemas, the part a prefix cache can reuse), sends a distinct task, then a
   second turn; sessions arrive as a Poisson process.
-* **uniform**: single-turn requests with fixed prompt and output lengths.
+* **uniform**: single-turn requests with fixed prompt and output lengths,
+  each with the per-row sampling options of `WorkloadParams.options`
+  (`OPTION_KINDS`: greedy, the default, sends none; `mixed` cycles through
+  `SERVING_KINDS`), so a closed-loop run can set one kind against greedy.
 * **long-prompt**: `concurrency` streams decode while one very long prompt
   arrives; the streams' largest inter-token gap is the decode stall.
 * **agent-loop**: `concurrency` agents share one system prompt; each sends
@@ -129,6 +132,8 @@ class WorkloadParams:
     min_prompt_words: int = 100
     max_prompt_words: int = 10_000
     max_output_tokens: int = 512
+    # uniform: the per-row sampling options of every request (one of `OPTION_KINDS`).
+    options: str = "greedy"
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -174,15 +179,27 @@ def agents(params: WorkloadParams, concurrency: int) -> Workload:
 
 
 def uniform(params: WorkloadParams, concurrency: int) -> Workload:
-    """N single-turn requests of `prompt_words` words and `output_tokens` tokens, `concurrency` at once."""
+    """N single-turn requests of `prompt_words` words and `output_tokens` tokens, `concurrency` at once.
+
+    Each request carries the sampling options of `params.options` (request i
+    of `mixed` gets `SERVING_KINDS[i % 4]`) and is tagged with its kind; greedy
+    requests carry none and keep the tag "task". The options come from their
+    own random stream, so every kind sends the same prompts for one seed.
+    """
+    if params.options not in OPTION_KINDS:
+        raise ValueError(f"unknown options kind {params.options!r}; choose one of {', '.join(OPTION_KINDS)}")
     rng = random.Random(params.seed)
+    options_rng = random.Random(f"options-{params.seed}")
     arrivals = poisson_arrivals(rng, params.num_requests, params.rate_per_s)
-    sessions = tuple(
-        Session(f"uniform-{i}", None, (Turn(f"Request {i}: {words(rng, params.prompt_words)}.",
-                                            params.output_tokens),), arrival_s=arrival_s)
-        for i, arrival_s in enumerate(arrivals)
-    )
-    return Workload("uniform", sessions, max_in_flight=concurrency)
+    sessions = []
+    for i, arrival_s in enumerate(arrivals):
+        prompt = f"Request {i}: {words(rng, params.prompt_words)}."
+        kind = SERVING_KINDS[i % len(SERVING_KINDS)] if params.options == "mixed" else params.options
+        sampling, bias = serving_options(options_rng, kind)
+        turn = Turn(prompt, params.output_tokens, sampling=sampling, logit_bias=bias)
+        sessions.append(Session(f"uniform-{i}", None, (turn,), arrival_s=arrival_s,
+                                tag="task" if kind == "greedy" else kind))
+    return Workload("uniform", tuple(sessions), max_in_flight=concurrency)
 
 
 def long_prompt(params: WorkloadParams, concurrency: int) -> Workload:
@@ -223,6 +240,8 @@ def agent_loop(params: WorkloadParams, concurrency: int) -> Workload:
 
 # serving: the per-row sampling options, one kind per request, drawn with equal odds.
 SERVING_KINDS = ("greedy", "logit_bias", "penalties", "sampled")
+# uniform: one of these for every request; mixed is the four in turn.
+OPTION_KINDS = (*SERVING_KINDS, "mixed")
 # Token ids a logit_bias row biases: below 500, so they exist in every vocabulary the bench meets.
 BIAS_TOKEN_IDS = range(10, 500)
 

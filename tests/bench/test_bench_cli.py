@@ -38,8 +38,14 @@ def test_agents_default_to_poisson_arrivals_and_inf_means_all_at_once() -> None:
     assert workload_params(_parse("--workload", "uniform")).rate_per_s is None
 
 
+def test_options_flag_reaches_the_workload_params_and_defaults_to_greedy() -> None:
+    assert workload_params(_parse()).options == "greedy"
+    assert workload_params(_parse("--workload", "uniform", "--options", "mixed")).options == "mixed"
+
+
 @pytest.mark.parametrize("argv", [["--serve", "vllm"], ["--concurrency", "0"], ["--concurrency", ","],
-                                  ["--workload", "chat"], ["--requests", "0"]])
+                                  ["--workload", "chat"], ["--requests", "0"],
+                                  ["--options", "beam"]])
 def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
     """Unknown stacks, workloads and non-positive counts exit with status 2 before anything starts."""
     with pytest.raises(SystemExit) as info:

@@ -146,3 +146,45 @@ def test_log_uniform_int_stays_in_bounds_and_refuses_a_bad_range() -> None:
     assert {workloads.log_uniform_int(rng, 7, 7) for _ in range(5)} == {7}
     with pytest.raises(ValueError):
         workloads.log_uniform_int(rng, 0, 5)
+
+
+def test_uniform_greedy_sends_no_options_and_each_kind_keeps_the_prompts() -> None:
+    """--options: greedy requests carry nothing; every other kind carries its fields on the same prompts."""
+    params = WorkloadParams(num_requests=8, seed=2, prompt_words=12, output_tokens=5)
+    greedy = build("uniform", params, 4)
+    assert all(s.tag == "task" and not s.turns[0].sampling and not s.turns[0].logit_bias for s in greedy.sessions)
+    for kind in ("logit_bias", "penalties", "sampled", "mixed"):
+        other = build("uniform", attrs.evolve(params, options=kind), 4)
+        assert [s.turns[0].user for s in other.sessions] == [s.turns[0].user for s in greedy.sessions]
+        rng = random.Random(f"options-{params.seed}")
+        for i, session in enumerate(other.sessions):
+            row_kind = workloads.SERVING_KINDS[i % 4] if kind == "mixed" else kind
+            sampling, bias = workloads.serving_options(rng, row_kind)
+            (turn,) = session.turns
+            assert (dict(turn.sampling), dict(turn.logit_bias)) == (sampling, bias)
+            assert session.tag == ("task" if row_kind == "greedy" else row_kind)
+
+
+def test_uniform_option_kinds_put_their_fields_in_the_request_bodies() -> None:
+    """What reaches the server: 2 logit_bias tokens, both penalties, temperature/top_p/seed; mixed in turn."""
+    from mlx_trio.bench.client import RequestSpec, messages
+
+    def bodies(kind: str) -> list[dict[str, object]]:
+        w = build("uniform", WorkloadParams(num_requests=8, prompt_words=4, options=kind), 8)
+        return [RequestSpec(messages(None, [], s.turns[0].user), s.turns[0].max_tokens,
+                            logit_bias=s.turns[0].logit_bias, sampling=s.turns[0].sampling).body()
+                for s in w.sessions]
+
+    assert all("logit_bias" not in b and "presence_penalty" not in b and "top_p" not in b for b in bodies("greedy"))
+    assert all(len(b["logit_bias"]) == 2 for b in bodies("logit_bias"))  # type: ignore[arg-type]
+    assert all(b["presence_penalty"] == b["frequency_penalty"] == 0.5 for b in bodies("penalties"))
+    assert all((b["temperature"], b["top_p"]) == (0.7, 0.9) and isinstance(b["seed"], int) for b in bodies("sampled"))
+    mixed = bodies("mixed")
+    assert ["logit_bias" in b for b in mixed] == [False, True, False, False] * 2
+    assert ["presence_penalty" in b for b in mixed] == [False, False, True, False] * 2
+    assert ["seed" in b for b in mixed] == [False, False, False, True] * 2
+
+
+def test_uniform_refuses_an_unknown_options_kind() -> None:
+    with pytest.raises(ValueError, match="options"):
+        build("uniform", WorkloadParams(options="beam"), 1)
