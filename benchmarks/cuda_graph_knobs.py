@@ -22,7 +22,8 @@ against "unfused" (`MLX_TRIO_NO_FUSED_PROJECTIONS=1`): a wider matmul may take a
 CUDA and round differently, so the parent also compares the greedy tokens of the engine's B=8 run
 (token 0 from each row's prefill, then every decode step) of each setting with the first setting's,
 and each setting's rounds with each other (the run-to-run floor): rows identical, and where the
-first row diverges.
+first row diverges. "lean" (the default: the decode step's own forward, engine/model/decode_forward.py)
+against "nolean" (`MLX_TRIO_NO_LEAN_DECODE=1`: the model's forward) the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ SETTINGS = {
     "nographs": {"MLX_USE_CUDA_GRAPHS": "0"},
     "fused": {},
     "unfused": {"MLX_TRIO_NO_FUSED_PROJECTIONS": "1"},
+    "lean": {},
+    "nolean": {"MLX_TRIO_NO_LEAN_DECODE": "1"},
 }
 DEFAULT_SETTINGS = ("default", "ops300", "ops1000", "ops40", "nographs")
 # The batch whose greedy tokens the parent compares between settings.
