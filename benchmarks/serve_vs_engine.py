@@ -10,7 +10,8 @@ Issue #20's "Done when" compares ratios measured on one machine instance, and
 the H200s differ by ±30 % between calls, so every number of a ratio comes
 from this one process tree, in rounds that alternate the loads' order:
 
-* **engine**: this process opens the engine (`open_engine`, `--batch` rows)
+* **engine**: this process opens the engine (`open_engine`, `--batch` rows,
+  no cuDNN plans of its own: none in idle time while the servers run)
   and runs `benchmarks/batch_throughput.py`'s `engine_run` at B = each
   concurrency: B concurrent 32-token prompts, `--output-tokens` tokens each,
   the decode-window tok/s (the reference of the ratios);
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 from mlx_trio import open_engine
@@ -58,6 +60,9 @@ from mlx_trio.bench.servers import ManagedServer
 from mlx_trio.testing.shaped_models import resolve_model
 
 from batch_throughput import SERVE_SWITCH_INTERVAL_S, engine_run, pick_prompts
+
+# How long the measurements wait for our server's idle-time cuDNN plans (`plans_settled`).
+PLANS_LIMIT_S = 240.0
 
 ENGINE_PROMPT_TOKENS = 32
 LONG = "long"  # the long-prompt load's kind label (its rows carry a logit_bias)
@@ -150,6 +155,22 @@ async def warm(engine: Any, servers: dict[str, ManagedServer], args: argparse.Na
         await run_workload(url, workloads.build("uniform", params, top), RunOptions(read_timeout_s=args.timeout_s))
 
 
+async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> None:
+    """Wait while our server still plans cuDNN shapes in idle time (`cudnn_plans_pending` in /v1/status).
+
+    Each idle-time plan is a lease job on the shared GPU: planned during another load's runs (the
+    engine's, mlx_lm.server's), it would slow that one and flatter our ratios.
+    """
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while time.perf_counter() - start < limit_s:
+            counters = (await client.get(f"{url}/v1/status")).json().get("counters", {})
+            if not counters.get("cudnn_plans_pending"):
+                return
+            await trio.sleep(1.0)
+    print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
+
+
 async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: dict[str, ManagedServer],
                 runs: list[dict[str, Any]]) -> None:
     """Open the engine, start the servers, warm up, then the rounds; each run appended to `runs` as it ends."""
@@ -159,11 +180,14 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
         servers["mlx_lm"] = ManagedServer("mlx_lm", "mlx_lm", model, workdir / "mlx_lm.log",
                                           extra_args=("--decode-concurrency", str(args.batch)))
     start = time.perf_counter()
-    async with open_engine(model, batch=args.batch) as engine:
+    # No cuDNN plans here: this engine's prefill is 32-token prompts, and an engine that plans shapes in its idle
+    # time (actors/plan_warmup.py) would take the GPU and the GIL from the HTTP runs.
+    async with open_engine(model, batch=args.batch, cudnn_warm_tokens=0) as engine:
         async with trio.open_nursery() as nursery:
             for server in servers.values():
                 nursery.start_soon(server.start)
         await warm(engine, servers, args)
+        await plans_settled(servers["ours"].url)
         print(f"engine open, {len(servers)} server(s) up and warm in {time.perf_counter() - start:.0f} s", flush=True)
         for round_index in range(args.rounds):
             for ci, concurrency in enumerate(args.concurrency):

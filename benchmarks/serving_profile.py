@@ -75,7 +75,7 @@ async def profile_one(model: str, workload: str, concurrency: int, args: argpars
         num_requests=max(args.requests, args.requests_per_stream * concurrency), seed=args.seed,
         rate_per_s=args.rate if args.rate else concurrency / 2, output_tokens=args.output_tokens,
         max_output_tokens=args.max_output_tokens, min_prompt_words=args.min_prompt_words,
-        max_prompt_words=args.max_prompt_words, system_words=args.system_words)
+        max_prompt_words=args.max_prompt_words, system_words=args.system_words, prompt_words=args.prompt_words)
     options = RunOptions(read_timeout_s=600.0)
     live.append(server)
     try:
@@ -171,6 +171,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per run, at least")
     p.add_argument("--requests-per-stream", type=int, default=1)
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: concurrency / 2)")
+    p.add_argument("--prompt-words", type=int, default=512, help="uniform: every prompt's words")
     p.add_argument("--min-prompt-words", type=int, default=25, help="about 100 tokens with the shapes' small BPE")
     p.add_argument("--max-prompt-words", type=int, default=2500, help="about 10k tokens with the shapes' small BPE")
     p.add_argument("--output-tokens", type=int, default=128, help="the shortest output")

@@ -191,6 +191,9 @@ class EngineActors:
             "decoded_tokens": decode.tokens_decoded if decode else 0,
             "speculative_proposed": decode.proposed if decode else 0,
             "speculative_accepted": decode.accepted if decode else 0,
+            # Prefill-only cuDNN: shapes planned so far, and whether idle time still plans more (actors/plan_warmup.py).
+            "cudnn_plans": prefill.cudnn_plans if prefill else 0,
+            "cudnn_plans_pending": prefill.cudnn_plans_pending if prefill else False,
         }
 
     def prompt_cache_counters(self) -> dict[str, Any]:

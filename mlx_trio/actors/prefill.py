@@ -101,6 +101,7 @@ class PrefillStatistics:
     sized_chunks: int = 0  # of those, sized to --prefill-chunk-ms (others decoded or waited)
     partial_puts: int = 0  # prefixes of left prompts kept in the prompt cache
     cudnn_plans: int = 0  # prefill chunk shapes planned ahead under prefill-only cuDNN (actors/plan_warmup.py)
+    cudnn_plans_pending: bool = False  # idle time still has shapes to plan (each a lease job while nothing decodes)
 
 
 @attrs.define(eq=False)
@@ -155,6 +156,7 @@ class PrefillActor:
             prefill_tokens=self._prefill_tokens, cached_tokens=self._cached_tokens, snapshots=self._snapshots,
             cohort_rows=self._cohort_rows, prefilling=len(self._jobs), chunks=self._chunks,
             sized_chunks=self._sized_chunks, partial_puts=self._partial_puts, cudnn_plans=self._plans.planned,
+            cudnn_plans_pending=self._plans.pending,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
