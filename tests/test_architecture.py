@@ -49,9 +49,10 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     # The ragged route reads the batch cache's padding, and runs the kernel where the lease thread sees CUDA.
     "engine/attention": frozenset({"engine/kv", "engine/lease_thread"}),
     "engine/distributed": frozenset({"engine/lease_thread"}),  # a follower's thread is set up as a lease's
-    # Each row's forward uses its adapter; a decode step runs the model's lean forward (engine/model/decode_forward.py).
+    # Each row's forward uses its adapter; a decode step runs the lean forward (engine/model/decode_forward.py);
+    # a cohort under prefill-only cuDNN shares its forwards only where the routed attention covers the model.
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
-                               "engine/adapters", "engine/model"}),
+                               "engine/adapters", "engine/model", "engine/attention"}),
     "engine/speculative": frozenset({"engine/kv"}),  # a draft model's KV joins, leaves and rolls back by row
     "engine/adapters": frozenset(),
     "http": frozenset({"http/server", "http/server/app"}),

@@ -402,6 +402,8 @@ class PrefillActor:
         token 0's step, H200, 1B shape) then prefill several to a lease job
         instead of taking four jobs each, each followed by a step link of a
         batch that stays small meanwhile (docs/benchmarks.md, twelfth pass).
+        Short prompts' cohorts share their forwards there (engine/batch/cohort_prefill.py
+        `can_prefill_together`), which costs less than this bound assumes.
         """
         return prefill_only_cudnn() and self.sizer.predict(1, 0) is not None
 

@@ -54,7 +54,9 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from mlx_trio.engine.attention import ragged_kernel
-from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.attention.unfused_attention import unfused_attention
+from mlx_trio.engine.kv import decode_layout
+from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
 from mlx_trio.engine.lease_thread import on_cuda
 
 log = logging.getLogger(__name__)
@@ -200,7 +202,13 @@ class RoutedAttention(nn.Module):
         return self.o_proj(output)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
-        """The attention of `queries` over the fetched `keys`/`values`: the ragged route where it applies, else mlx-lm's."""
+        """The attention of `queries` over the fetched `keys`/`values`: the ragged route where it applies, else mlx-lm's.
+
+        A cohort's shared prefill (`CohortKVCache`) under prefill-only cuDNN runs on MLX's plain ops
+        (engine/attention/unfused_attention.py): on cuDNN each cohort's shape would be a new plan.
+        """
+        if type(cache) is CohortKVCache and decode_layout.is_active():
+            return unfused_attention(queries, keys, values, self.scale, mask)
         attend = self._route.attend
         if (attend is not None and mask is not None and type(cache) is HostPaddedBatchKVCache
                 and ragged_kernel.supports(queries, keys, values)):
@@ -258,6 +266,12 @@ def _check_kernel(layers: list[RoutedAttention]) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def covers(model: nn.Module) -> bool:
+    """Whether every attention layer of `model` is a `RoutedAttention` (so `attend` decides every layer's kernel)."""
+    layers = [layer for layer in getattr(model, "layers", None) or [] if layer is not None]
+    return bool(layers) and all(isinstance(getattr(layer, "self_attn", None), RoutedAttention) for layer in layers)
 
 
 def route_of(model: nn.Module) -> RaggedRoute | None:

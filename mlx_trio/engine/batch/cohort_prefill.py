@@ -19,12 +19,16 @@ a `[1, n]` one with a causal mask), as any batched step does; a request alone
 never takes this path. Only models whose every layer is a plain `KVCache`
 prefill together, and only with bf16 KV (a quantized scheme converts each row
 after its own forwards, engine/kv/kv_scheme.py); others prefill each row alone.
+Under prefill-only cuDNN only short prompts do, on a `CohortKVCache` whose
+attention the routed layers run on MLX's plain ops (`can_prefill_together`,
+docs/design.md §2.4); the others there prefill in sequence.
 
 Runs on the lease thread.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,9 +37,18 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.adapters.forward import rows_selected
+from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
+from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.batch.solo_row import SoloRow
+
+# Under prefill-only cuDNN, the most rows, and the longest prompt, whose cohort shares its forwards
+# (`can_prefill_together`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
+COHORT_CUDNN_MAX_ROWS = 32
+COHORT_CUDNN_MAX_CONTEXT = 512
+# Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
+IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
 
 def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
@@ -54,7 +67,7 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
         except Exception as exc:
             outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
-    together = made if can_prefill_together(made) else []
+    together = made if can_prefill_together(made, model) else []
     if together:
         try:
             prefill_together(model, together)
@@ -118,14 +131,30 @@ def _failed(row: SoloRow | Exception, exc: Exception) -> Exception:
     return exc
 
 
-def can_prefill_together(rows: Sequence[SoloRow]) -> bool:
+def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None) -> bool:
     """Two or more rows, all on plain full-attention bf16 caches, none storing a snapshot part-way.
 
-    Never under prefill-only cuDNN (engine/kv/decode_layout.py active): a batched forward with an array
-    mask is a new cuDNN shape per cohort, a plan build each (60-90 ms on an H200), where each row alone
-    runs the grid's chunks, planned ahead (engine/batch/prefill_plans.py), in the same lease job.
+    Under prefill-only cuDNN (engine/kv/decode_layout.py active) a batched forward with an array mask
+    would be a new cuDNN shape per cohort, a plan build each (60-90 ms on an H200). There the rows
+    share their forwards only when `model`'s every attention layer is routed (engine/attention/
+    routed_attention.py: it runs a `CohortKVCache`'s attention on MLX's plain ops, no cuDNN), there
+    are at most `COHORT_CUDNN_MAX_ROWS`, every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens
+    (the plain attention holds rows x heads x queries x keys scores), and
+    `MLX_TRIO_COHORTS_IN_SEQUENCE` is not set; otherwise each row prefills alone on the grid's
+    planned chunks (`prefill_in_sequence`).
     """
-    return len(rows) > 1 and not decode_layout.is_active() and _plain(rows)
+    if len(rows) < 2 or not _plain(rows):
+        return False
+    if not decode_layout.is_active():
+        return True
+    return (model is not None and routed_attention.covers(model) and not in_sequence_forced()
+            and len(rows) <= COHORT_CUDNN_MAX_ROWS
+            and all(row.num_prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT for row in rows))
+
+
+def in_sequence_forced() -> bool:
+    """`MLX_TRIO_COHORTS_IN_SEQUENCE=1`: under prefill-only cuDNN every cohort row prefills alone, as before."""
+    return os.environ.get(IN_SEQUENCE_SWITCH, "") in ("1", "true", "yes")
 
 
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
@@ -165,8 +194,12 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
 
 
 def _merge(rows: Sequence[SoloRow]) -> list[Any]:
-    """Per layer, the rows' caches as one batch cache (left-padded to the longest); the rows' own stay intact."""
-    return [merge_rows([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
+    """Per layer, the rows' caches as one batch cache (left-padded to the longest); the rows' own stay intact.
+
+    Under prefill-only cuDNN a `CohortKVCache`, whose attention the routed layers keep off cuDNN.
+    """
+    merge = CohortKVCache.merge if decode_layout.is_active() else merge_rows
+    return [merge([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
 
 
 def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:

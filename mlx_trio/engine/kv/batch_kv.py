@@ -178,3 +178,12 @@ class HostPadding:
 
 class HostPaddedBatchKVCache(HostPadding, BatchKVCache):
     """mlx-lm's `BatchKVCache` (bf16 storage) with host padding and shared offsets; see the module docstring."""
+
+
+class CohortKVCache(HostPaddedBatchKVCache):
+    """The batch cache of a cohort's shared prefill forwards (engine/batch/cohort_prefill.py), nothing else.
+
+    Only its type differs: under prefill-only cuDNN the routed attention runs these forwards on
+    MLX's plain attention ops instead of cuDNN (engine/attention/unfused_attention.py), since each
+    cohort's shape would be a new cuDNN plan.
+    """

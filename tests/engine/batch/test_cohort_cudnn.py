@@ -1,0 +1,120 @@
+"""Under prefill-only cuDNN a cohort of short prompts shares its forwards, on MLX's plain attention ops.
+
+On the CPU the layout switch (engine/kv/decode_layout.py) is flipped by hand:
+the routed attention then sends a `CohortKVCache`'s attention to
+`unfused_attention`, which computes what MLX's own attention computes here, so
+the cohort's rows must end exactly where the same cohort ends without the
+switch, and like their solo prefills (as tests/engine/batch/test_cohort_prefill.py
+checks those). Where the routed attention does not cover the model, for long
+prompts, too many rows, or `MLX_TRIO_COHORTS_IN_SEQUENCE=1`, the rows prefill
+alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_trio.engine.attention import routed_attention
+from mlx_trio.engine.batch import cohort_prefill
+from mlx_trio.engine.batch.cohort_prefill import can_prefill_together, prefill_rows
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv import decode_layout
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+GREEDY = SamplingParams(max_tokens=8)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, logprobs=True, top_logprobs=3)
+LENGTHS = (7, 30, 2, 19)
+
+
+def _prompt(salt: int, n: int) -> list[int]:
+    return [(13 * salt + 7 * j) % 500 + 3 for j in range(n)]
+
+
+@pytest.fixture(scope="module")
+def routed():
+    model = load(str(tiny_model(LLAMA)))[0]
+    routed_attention.install(model)
+    return model
+
+
+@pytest.fixture
+def cudnn_layout() -> Iterator[None]:
+    decode_layout.set_active(True)
+    try:
+        yield
+    finally:
+        decode_layout.set_active(False)
+
+
+def _makers(model, lengths=LENGTHS):
+    return [lambda i=i, n=n: SoloRow(model, f"r{i}", _prompt(i, n), SEEDED if i == 1 else GREEDY)
+            for i, n in enumerate(lengths)]
+
+
+def _state(rows) -> list[tuple]:
+    out = []
+    for row in rows:
+        kv = [np.array(a) for c in row.caches for a in (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])]
+        lp = row.token0_logprobs
+        out.append((row.token0, row.fed, kv, None if lp is None else (lp.logprob, tuple(lp.top))))
+    return out
+
+
+def _same(a, b) -> bool:
+    return all(x[0] == y[0] and x[1] == y[1] and x[3] == y[3] and all(np.array_equal(p, q) for p, q in zip(x[2], y[2]))
+               for x, y in zip(a, b, strict=True))
+
+
+def test_short_prompts_share_their_forwards_off_cudnn_and_end_as_without_it(routed, cudnn_layout, monkeypatch) -> None:
+    calls = []
+    plain = routed_attention.unfused_attention
+    monkeypatch.setattr(routed_attention, "unfused_attention", lambda *a: calls.append(a[0].shape) or plain(*a))
+    rows = [make() for make in _makers(routed)]
+    assert can_prefill_together(rows, routed)
+    for row in rows:
+        row.close()
+    got = _state(prefill_rows(routed, _makers(routed)))
+    # Every layer of every shared forward routed: the rows' prompt tokens (rows leave as their prompts end),
+    # then token 0's step of all the rows at once.
+    layers = len(routed.layers)
+    assert len(calls) % layers == 0 and calls[0][0] == len(LENGTHS) and calls[-1][:3] == (len(LENGTHS), 4, 1)
+    decode_layout.set_active(False)
+    want = _state(prefill_rows(routed, _makers(routed)))  # the same cohort on MLX's own attention
+    assert _same(got, want)
+    alone = _state(prefill_rows(routed, [make])[0] for make in _makers(routed))
+    assert [g[0] for g in got] == [a[0] for a in alone]  # token 0 as each row's solo prefill
+    for g, a in zip(got, alone, strict=True):
+        for x, y in zip(g[2], a[2], strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-4)
+
+
+def test_where_a_cohort_keeps_prefilling_row_after_row(routed, cudnn_layout, monkeypatch) -> None:
+    short = [make() for make in _makers(routed)]
+    assert not can_prefill_together(short)  # no model: the route cannot be checked
+    unrouted = load(str(tiny_model(LLAMA)))[0]
+    assert not can_prefill_together([make() for make in _makers(unrouted)], unrouted)
+    long = [make() for make in _makers(routed, (7, cohort_prefill.COHORT_CUDNN_MAX_CONTEXT + 1))]
+    assert not can_prefill_together(long, routed)
+    many = [make() for make in _makers(routed, (3,) * (cohort_prefill.COHORT_CUDNN_MAX_ROWS + 1))]
+    assert not can_prefill_together(many, routed)
+    monkeypatch.setenv(cohort_prefill.IN_SEQUENCE_SWITCH, "1")
+    assert not can_prefill_together(short, routed)
+    monkeypatch.delenv(cohort_prefill.IN_SEQUENCE_SWITCH)
+    assert can_prefill_together(short, routed)
+    for row in [*short, *long, *many]:
+        row.close()
+
+
+def test_without_the_layout_the_route_stays_as_it_was(routed, monkeypatch) -> None:
+    """Off prefill-only cuDNN (the CPU, Metal) a cohort's attention is MLX's own, as before."""
+    calls = []
+    monkeypatch.setattr(routed_attention, "unfused_attention", lambda *a: calls.append(1))
+    outcomes = prefill_rows(routed, _makers(routed))
+    assert all(isinstance(row, SoloRow) for row in outcomes) and not calls
+    mx.clear_cache()
