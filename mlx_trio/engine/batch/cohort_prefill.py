@@ -43,8 +43,8 @@ from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.batch.solo_row import SoloRow
 
-# Under prefill-only cuDNN, the most rows, and the longest prompt, whose cohort shares its forwards
-# (`can_prefill_together`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
+# Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`),
+# and the most rows one forward takes (`prefill_rows`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
 COHORT_CUDNN_MAX_ROWS = 32
 COHORT_CUDNN_MAX_CONTEXT = 512
 # Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
@@ -68,11 +68,13 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
     together = made if can_prefill_together(made, model) else []
-    if together:
+    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's scores).
+    size = COHORT_CUDNN_MAX_ROWS if decode_layout.is_active() else max(1, len(together))
+    for group in (together[i : i + size] for i in range(0, len(together), size)):
         try:
-            prefill_together(model, together)
+            prefill_together(model, group)
         except Exception as exc:
-            outcomes = [_failed(row, exc) if row in together else row for row in outcomes]
+            outcomes = [_failed(row, exc) if row in group else row for row in outcomes]
     alone = [row for row in made if row not in together]
     if len(alone) > 1 and can_prefill_in_sequence(alone):
         try:
@@ -138,8 +140,8 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
     would be a new cuDNN shape per cohort, a plan build each (60-90 ms on an H200). There the rows
     share their forwards only when `model`'s every attention layer is routed (engine/attention/
     routed_attention.py: it runs a `CohortKVCache`'s attention on MLX's plain ops, no cuDNN), there
-    are at most `COHORT_CUDNN_MAX_ROWS`, every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens
-    (the plain attention holds rows x heads x queries x keys scores), and
+    every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens (the plain attention holds rows x heads x
+    queries x keys scores; `prefill_rows` runs at most `COHORT_CUDNN_MAX_ROWS` rows a forward), and
     `MLX_TRIO_COHORTS_IN_SEQUENCE` is not set; otherwise each row prefills alone on the grid's
     planned chunks (`prefill_in_sequence`).
     """
@@ -148,7 +150,6 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
     if not decode_layout.is_active():
         return True
     return (model is not None and routed_attention.covers(model) and not in_sequence_forced()
-            and len(rows) <= COHORT_CUDNN_MAX_ROWS
             and all(row.num_prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT for row in rows))
 
 

@@ -101,13 +101,11 @@ def test_where_a_cohort_keeps_prefilling_row_after_row(routed, cudnn_layout, mon
     assert not can_prefill_together([make() for make in _makers(unrouted)], unrouted)
     long = [make() for make in _makers(routed, (7, cohort_prefill.COHORT_CUDNN_MAX_CONTEXT + 1))]
     assert not can_prefill_together(long, routed)
-    many = [make() for make in _makers(routed, (3,) * (cohort_prefill.COHORT_CUDNN_MAX_ROWS + 1))]
-    assert not can_prefill_together(many, routed)
     monkeypatch.setenv(cohort_prefill.IN_SEQUENCE_SWITCH, "1")
     assert not can_prefill_together(short, routed)
     monkeypatch.delenv(cohort_prefill.IN_SEQUENCE_SWITCH)
     assert can_prefill_together(short, routed)
-    for row in [*short, *long, *many]:
+    for row in [*short, *long]:
         row.close()
 
 
@@ -118,3 +116,15 @@ def test_without_the_layout_the_route_stays_as_it_was(routed, monkeypatch) -> No
     outcomes = prefill_rows(routed, _makers(routed))
     assert all(isinstance(row, SoloRow) for row in outcomes) and not calls
     mx.clear_cache()
+
+
+def test_more_rows_than_one_forward_takes_share_forwards_in_groups(routed, cudnn_layout, monkeypatch) -> None:
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_ROWS", 3)
+    batches = []
+    plain = routed_attention.unfused_attention
+    monkeypatch.setattr(routed_attention, "unfused_attention", lambda *a: batches.append(a[0].shape[0]) or plain(*a))
+    lengths = (5, 9, 4, 12, 6, 3, 8)
+    got = prefill_rows(routed, _makers(routed, lengths))
+    assert max(batches) == 3 and batches[-1] == 1  # groups of 3, 3 and 1 rows, each with its token-0 step
+    alone = [prefill_rows(routed, [make])[0] for make in _makers(routed, lengths)]
+    assert [r.token0 for r in got] == [r.token0 for r in alone]
