@@ -132,7 +132,6 @@ class DecodeForward:
     """`model(tokens[:, None], cache=caches)[:, -1, :]` for an accepted model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[_Layer]) -> None:
-        self._model = model
         self._inner = model.model
         self._layers = tuple(layers)
         self._fa_idx = int(getattr(self._inner, "fa_idx", 0))
