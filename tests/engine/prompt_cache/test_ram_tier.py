@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hypothesis import settings
+import numpy as np
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -125,3 +126,13 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
 PromptCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestPromptCacheMachine = PromptCacheMachine.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=12), st.lists(st.integers(0, 2), max_size=12))
+def test_shared_prefix_counts_the_leading_tokens_in_common(entry_tokens: list[int], prompt: list[int]) -> None:
+    want = 0
+    while want < min(len(entry_tokens), len(prompt)) and entry_tokens[want] == prompt[want]:
+        want += 1
+    entry = CacheEntry(tuple(entry_tokens), [], 1, True)
+    assert entry.shared_prefix(np.asarray(prompt, dtype=np.int64)) == want
