@@ -42,17 +42,18 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/lease_thread": frozenset({"engine/kv"}),  # prefill-only cuDNN turns decode's KV layout on
     "engine/sampling": frozenset(),
     "engine/prompt_cache": frozenset(),
-    "engine/kv": frozenset({"engine/prompt_cache"}),  # cache_clone copies host entries
+    "engine/switches": frozenset(),  # the environment's kill switches, read one way
+    "engine/kv": frozenset({"engine/prompt_cache", "engine/switches"}),  # cache_clone copies host entries
     # load measures the KV layout, builds the grammar, loads one rank's shard
     "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed",
-                               "engine/attention"}),  # load wraps attention layers for the ragged kernel
+                               "engine/attention", "engine/switches"}),  # load wraps attention layers for the ragged kernel
     # The ragged route reads the batch cache's padding, and runs the kernel where the lease thread sees CUDA.
-    "engine/attention": frozenset({"engine/kv", "engine/lease_thread"}),
+    "engine/attention": frozenset({"engine/kv", "engine/lease_thread", "engine/switches"}),
     "engine/distributed": frozenset({"engine/lease_thread"}),  # a follower's thread is set up as a lease's
     # Each row's forward uses its adapter; a decode step runs the lean forward (engine/model/decode_forward.py);
     # a cohort under prefill-only cuDNN shares its forwards only where the routed attention covers the model.
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
-                               "engine/adapters", "engine/model", "engine/attention"}),
+                               "engine/adapters", "engine/model", "engine/attention", "engine/switches"}),
     "engine/speculative": frozenset({"engine/kv"}),  # a draft model's KV joins, leaves and rolls back by row
     "engine/adapters": frozenset(),
     "http": frozenset({"http/server", "http/server/app"}),

@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +57,7 @@ from mlx_trio.engine.attention.unfused_attention import unfused_attention
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
 from mlx_trio.engine.lease_thread import on_cuda
+from mlx_trio.engine.switches import switched_on
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Installed:
 
 
 def killed() -> bool:
-    return os.environ.get(KILL_SWITCH, "") in ("1", "true", "yes")
+    return switched_on(KILL_SWITCH)
 
 
 def class_name(attention: Any) -> str:

@@ -28,7 +28,6 @@ Runs on the lease thread.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.switches import switched_on
 
 # Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`),
 # and the most rows one forward takes (`prefill_rows`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
@@ -155,7 +155,7 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
 
 def in_sequence_forced() -> bool:
     """`MLX_TRIO_COHORTS_IN_SEQUENCE=1`: under prefill-only cuDNN every cohort row prefills alone, as before."""
-    return os.environ.get(IN_SEQUENCE_SWITCH, "") in ("1", "true", "yes")
+    return switched_on(IN_SEQUENCE_SWITCH)
 
 
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:

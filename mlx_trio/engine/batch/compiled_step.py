@@ -59,7 +59,6 @@ Runs on the lease thread.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +67,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.switches import switched_on
 
 # Set to 1 to restore the uncompiled step whatever the configuration says (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_COMPILE"
@@ -88,7 +88,7 @@ def compile_wanted(requested: bool | None) -> bool:
     """
     if requested is None:
         requested = mx.default_device() != mx.gpu
-    return requested and os.environ.get(KILL_SWITCH, "") not in ("1", "true", "yes")
+    return requested and not switched_on(KILL_SWITCH)
 
 
 class _Slot:

@@ -35,7 +35,6 @@ state). Functions run on the lease thread and build lazy arrays.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv import batch_kv
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.switches import switched_on
 
 # Set to 1 for mlx-lm's filter / extend on every join and leave (the kill switch; benchmarks/churn.py's A/B).
 KILL_SWITCH = "MLX_TRIO_NO_ROW_SLOTS"
@@ -53,7 +53,7 @@ TRIM_SHARE = 0.25
 
 def wanted() -> bool:
     """Whether batches use row slots: unless `MLX_TRIO_NO_ROW_SLOTS=1`."""
-    return os.environ.get(KILL_SWITCH, "") not in ("1", "true", "yes")
+    return not switched_on(KILL_SWITCH)
 
 
 def supports_slots(caches: Sequence[Any]) -> bool:

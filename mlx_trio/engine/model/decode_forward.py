@@ -35,7 +35,6 @@ steps through the model as before (the kill switch). Lease thread only.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from mlx_trio.engine.attention.routed_attention import RoutedAttention, source_digest
 from mlx_trio.engine.model.fused_projections import FusedMLP
+from mlx_trio.engine.switches import switched_on
 
 # Set to 1 to step through the model's own forward (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_LEAN_DECODE"
@@ -65,7 +65,7 @@ FAMILY: dict[tuple[str, str], str] = {
 
 
 def killed() -> bool:
-    return os.environ.get(KILL_SWITCH, "") in ("1", "true", "yes")
+    return switched_on(KILL_SWITCH)
 
 
 @functools.cache

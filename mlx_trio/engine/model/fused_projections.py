@@ -43,7 +43,6 @@ own path (engine/model/draft_model.py) and stays unfused.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Sequence
 
 import attrs
@@ -52,6 +51,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from mlx_trio.engine.attention.routed_attention import RoutedAttention, source_digest
+from mlx_trio.engine.switches import switched_on
 
 # Set to 1 to load every projection as mlx-lm made it (the kill switch).
 KILL_SWITCH = "MLX_TRIO_NO_FUSED_PROJECTIONS"
@@ -74,7 +74,7 @@ class Fused:
 
 
 def killed() -> bool:
-    return os.environ.get(KILL_SWITCH, "") in ("1", "true", "yes")
+    return switched_on(KILL_SWITCH)
 
 
 class FusedMLP(nn.Module):
