@@ -54,7 +54,6 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 from mlx_trio.engine.attention import ragged_kernel
 from mlx_trio.engine.attention.unfused_attention import unfused_attention
-from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
 from mlx_trio.engine.lease_thread import on_cuda
 from mlx_trio.engine.switches import switched_on
@@ -204,10 +203,10 @@ class RoutedAttention(nn.Module):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
         """The attention of `queries` over the fetched `keys`/`values`: the ragged route where it applies, else mlx-lm's.
 
-        A cohort's shared prefill (`CohortKVCache`) under prefill-only cuDNN runs on MLX's plain ops
-        (engine/attention/unfused_attention.py): on cuDNN each cohort's shape would be a new plan.
+        A cohort's shared prefill (`CohortKVCache`: made only under prefill-only cuDNN) runs on MLX's
+        plain ops (engine/attention/unfused_attention.py): on cuDNN each cohort's shape would be a new plan.
         """
-        if type(cache) is CohortKVCache and decode_layout.is_active():
+        if type(cache) is CohortKVCache:
             return unfused_attention(queries, keys, values, self.scale, mask)
         attend = self._route.attend
         if (attend is not None and mask is not None and type(cache) is HostPaddedBatchKVCache
