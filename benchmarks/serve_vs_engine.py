@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -55,6 +54,7 @@ import trio
 
 from mlx_trio import open_engine
 from mlx_trio.bench import gpu_busy, metrics, workloads
+from mlx_trio.bench.orchestrate import until_sigterm
 from mlx_trio.bench.runner import RunOptions, run_matrix, run_workload, warmup
 from mlx_trio.bench.servers import ManagedServer
 from mlx_trio.testing.shaped_models import resolve_model
@@ -197,23 +197,6 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
                     runs.append(await measure(load, concurrency, round_index, seed, engine, servers, args))
                     print_run(runs[-1])
                     write(args, runs)
-
-
-async def until_sigterm(run: Callable[[], Awaitable[None]]) -> bool:
-    """`run()`, cancelled cleanly by SIGTERM (gpu.sh's `timeout`); False when SIGTERM cut it short."""
-    done = False
-    async with trio.open_nursery() as nursery:
-        async def watch() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    print("SIGTERM: stopping; the runs that finished follow", flush=True)
-                    nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
-        await run()
-        done = True
-        nursery.cancel_scope.cancel()
-    return done
 
 
 def _f(value: float | None, scale: float = 1.0, digits: int = 0) -> str:

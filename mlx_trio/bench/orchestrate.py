@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +108,19 @@ def _report(args: argparse.Namespace, records: list[RunRecord], meta: dict[str, 
 
 async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
                  options: RunOptions, records: list[RunRecord]) -> bool:
-    """`_measure` into `records`; False if SIGTERM (`timeout`, a job runner) stopped it first.
+    """`_measure` into `records`; False if SIGTERM (`timeout`, a job runner) stopped it first."""
+    return await until_sigterm(partial(_measure, args, servers, params, options, records))
+
+
+async def until_sigterm(run: Callable[[], Awaitable[None]]) -> bool:
+    """`run()`; False if SIGTERM stopped it first.
 
     SIGTERM is taken as a Trio signal rather than a Python handler raising
-    mid-step, so that the cancellation unwinds cleanly and `main` still stops
-    the servers and reports the runs that finished.
+    mid-step, so that the cancellation unwinds cleanly and the caller still
+    stops the servers and reports the runs that finished. An exception of
+    `run` (say a `ServerStartError`) is raised as itself, outside the
+    nursery's exception group. Off the main thread no signal can be received,
+    and `run` runs unwatched.
     """
     outcome: dict[str, Any] = {}
     async with trio.open_nursery() as nursery:
@@ -122,9 +132,9 @@ async def _bench(args: argparse.Namespace, servers: list[Any], params: workloads
 
         async def measure() -> None:
             try:
-                await _measure(args, servers, params, options, records)
+                await run()
                 outcome["done"] = True
-            except ServerStartError as exc:  # re-raised below, outside the nursery's exception group
+            except Exception as exc:  # re-raised below, outside the nursery's exception group
                 outcome["error"] = exc
             nursery.cancel_scope.cancel()
 
