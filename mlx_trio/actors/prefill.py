@@ -46,7 +46,7 @@ from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_sh
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
-from mlx_trio.engine.batch.cohort_prefill import prefill_rows
+from mlx_trio.engine.batch.cohort_prefill import prefill_rows, shares_forwards
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
@@ -353,23 +353,29 @@ class PrefillActor:
         smaller cohorts and the running rows' stall stays about that of one
         sized chunk of a long prompt. Where the rows prefill one after another
         (`_timed_cohort`), each row counts by its predicted prefill time instead
-        and the cohort fills `--prefill-chunk-ms`. Takes nothing from the backlog;
+        and the cohort fills `--prefill-chunk-ms`; a cohort that shares its forwards
+        there (`_shares_forwards`) counts its padded tokens, rows x the longest
+        uncached prompt, against the tokens budget. Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
         busy = self._busy
-        # Rows that prefill one after another in the cohort's job (`_timed_cohort`) cost their own prefills.
-        timed_cohort = busy and self._timed_cohort
         budget = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
         hits: list[CacheHit | None] = []
         used = 0.0
+        longest = 0  # a shared cohort's longest uncached prompt: its forwards' padded length
         first_hit: CacheHit | None = None
+        shared = False  # the cohort shares its forwards under prefill-only cuDNN (`_shares_forwards`)
         for i, cmd in enumerate(list(self._backlog)):
             caching = self._caching(cmd)
             hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
             cached = hit.usable if hit is not None else 0
             uncached = len(cmd.prompt_ids) - 1 - cached
-            if timed_cohort:
+            if i == 0:
+                shared = self._shares_forwards(cmd)
+            elif shared != self._shares_forwards(cmd):
+                break  # a cohort either shares its forwards or prefills row after row
+            if busy and self._timed_cohort and not shared:
                 # Its whole prefill and token 0 as the sizer predicts them; a first row over the
                 # target alone is not short (it prefills chunk by chunk).
                 weight = self._alone_seconds(uncached, cached)
@@ -377,7 +383,11 @@ class PrefillActor:
             else:
                 if uncached > (self._chunk_tokens(cached) if busy else self._prefill_step_size):
                     break  # not short: it prefills alone, chunk by chunk
-                weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
+                if shared:
+                    # Right-padded to the longest: the forwards cost rows x that length.
+                    weight = (len(hits) + 1) * max(longest, uncached) - used
+                else:
+                    weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
                 fits = used + weight <= budget
             if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
@@ -385,7 +395,18 @@ class PrefillActor:
                 break  # its adapter would need a slot the rows before it take
             hits.append(hit)
             used += weight
+            longest = max(longest, uncached)
         return hits, first_hit
+
+    def _shares_forwards(self, cmd: Generate) -> bool:
+        """Under prefill-only cuDNN, whether `cmd`'s row shares a cohort's forwards (engine/batch/cohort_prefill.py).
+
+        Such a cohort is bounded by its padded tokens like any batched cohort,
+        not by its rows' prefills one after another (`_timed_cohort`).
+        """
+        layout = self._model.kv_layout
+        return (prefill_only_cudnn() and not (layout.window or layout.fixed_bytes)
+                and not self._model.kv_scheme.quantized and shares_forwards(self._model.model, len(cmd.prompt_ids)))
 
     @property
     def _timed_cohort(self) -> bool:
@@ -402,8 +423,8 @@ class PrefillActor:
         token 0's step, H200, 1B shape) then prefill several to a lease job
         instead of taking four jobs each, each followed by a step link of a
         batch that stays small meanwhile (docs/benchmarks.md, twelfth pass).
-        Short prompts' cohorts share their forwards there (engine/batch/cohort_prefill.py
-        `can_prefill_together`), which costs less than this bound assumes.
+        Short prompts' cohorts share their forwards there (`_shares_forwards`) and
+        are bounded by their padded tokens instead.
         """
         return prefill_only_cudnn() and self.sizer.predict(1, 0) is not None
 

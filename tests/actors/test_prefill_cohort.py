@@ -111,13 +111,15 @@ def test_a_cohort_row_weighs_its_tokens_times_the_chunks_its_context_spans() -> 
     assert int(2048 // cohort_weight(128, 8192 + 128, 2048)) == 3  # rows extending an 8k prefix: 3 per cohort
 
 
-async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch,
-                       forward_s: float) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
+async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, forward_s: float, *,
+                       in_sequence: bool = True) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
     """A prefill actor as under prefill-only cuDNN, rows decoding, a 50 ms target, its sizer fitted to a fixed
-    `forward_s` a forward."""
+    `forward_s` a forward; `in_sequence`: cohorts prefill row after row (MLX_TRIO_COHORTS_IN_SEQUENCE)."""
     from mlx_trio.actors import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
+    if in_sequence:
+        monkeypatch.setenv("MLX_TRIO_COHORTS_IN_SEQUENCE", "1")
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
     actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
@@ -137,6 +139,20 @@ async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicte
     joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
     assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
     assert jobs == 4
+    assert actor.statistics().cohort_rows == 8
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+
+async def test_under_prefill_only_cudnn_a_cohort_that_shares_its_forwards_counts_its_padded_tokens(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where short prompts share their forwards (a routed model, no switch), the same 20 ms predictions do not
+    bound the cohort: its padded tokens do, 5 and 3 rows of 11 uncached tokens in 64 (as the tokens rule)."""
+    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
+    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
+    assert actor._shares_forwards(_request(0)[0])
+    assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
+    assert jobs == 2
     assert actor.statistics().cohort_rows == 8
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]

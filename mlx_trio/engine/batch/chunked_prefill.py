@@ -155,6 +155,11 @@ class ChunkedPrefill:
         return self._split_at
 
     @property
+    def step_size(self) -> int:
+        """The most tokens one chunk feeds (`--prefill-step-size`)."""
+        return self._step_size
+
+    @property
     def remaining(self) -> int:
         """Tokens still to prefill before the first sampling step (the last one is that step's input)."""
         return max(int(self.pending.size) - 1, 0)

@@ -68,8 +68,10 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
     together = made if can_prefill_together(made, model) else []
-    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's scores).
-    size = COHORT_CUDNN_MAX_ROWS if decode_layout.is_active() else max(1, len(together))
+    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's
+    # scores), in groups of about equal size.
+    groups = -(-len(together) // COHORT_CUDNN_MAX_ROWS) if decode_layout.is_active() else 1
+    size = max(1, -(-len(together) // max(groups, 1)))
     for group in (together[i : i + size] for i in range(0, len(together), size)):
         try:
             prefill_together(model, group)
@@ -149,8 +151,20 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
         return False
     if not decode_layout.is_active():
         return True
-    return (model is not None and routed_attention.covers(model) and not in_sequence_forced()
-            and all(row.num_prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT for row in rows))
+    return model is not None and all(shares_forwards(model, row.num_prompt_tokens) for row in rows)
+
+
+def shares_forwards(model: nn.Module, prompt_tokens: int) -> bool:
+    """Under prefill-only cuDNN: whether a cohort row of `prompt_tokens` tokens would share the cohort's forwards.
+
+    What `can_prefill_together` asks of a row there that a caller knows before
+    the row is made (the caches' kind aside): the model's attention routed, the
+    prompt at most `COHORT_CUDNN_MAX_CONTEXT` tokens, the switch not set. The
+    prefill actor sizes such a cohort by its padded tokens, not by the rows'
+    prefills one after another (actors/prefill.py `_cohort`).
+    """
+    return (prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT and not in_sequence_forced()
+            and routed_attention.covers(model))
 
 
 def in_sequence_forced() -> bool:
@@ -161,30 +175,36 @@ def in_sequence_forced() -> bool:
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     """Prefill every row's prompt and sample its token 0, batched; `can_prefill_together(rows)` must hold.
 
-    Afterwards each row is where `prefill_chunk()` until done then
-    `first_token()` leaves it. An error leaves the rows unusable (the caller
-    closes them all): they share every forward.
+    As mlx-lm's `BatchGenerator` prompts a batch: the rows' caches merged
+    (left-padded to the longest cached prefix), their uncached tokens
+    right-padded to the longest and fed in forwards of at most the step
+    size (the causal mask keeps every real token from the padding after
+    it), the right padding then rolled to the left (`finalize`), and one
+    batched L=1 step of each row's last prompt token, from whose logits
+    each row samples token 0 with its own sampler. So a cohort costs about
+    one forward however its prompt lengths differ. Afterwards each row is
+    where `prefill_chunk()` until done then `first_token()` leaves it. An
+    error leaves the rows unusable (the caller closes them all): they share
+    every forward.
     """
-    active = [row for row in rows if row.prefill_remaining]
-    caches = _merge(active) if active else []
-    while active:
-        # The fewest tokens any row has left: every forward ends at least one row's prompt.
-        n = min(row.prefill_remaining for row in active)
-        with rows_selected([row.adapter for row in active]).applied():  # each row with its own adapter
-            model(mx.stack([row.take_prefill(n) for row in active]), cache=caches)
-        mx.eval([c.state for c in caches])
-        done = [i for i, row in enumerate(active) if not row.prefill_remaining]
-        _hand_back([active[i] for i in done], caches, done)
-        keep = [i for i, row in enumerate(active) if row.prefill_remaining]
-        if keep:
-            for layer in caches:
-                layer.filter(keep)  # the rest go on in the same batch (no re-merge)
-        active = [active[i] for i in keep]
-        mx.clear_cache()
-    lasts = [row.last_input() for row in rows]
     caches = _merge(rows)
-    decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
-    with rows_selected([row.adapter for row in rows]).applied():
+    lengths = [row.prefill_remaining for row in rows]
+    longest = max(lengths)
+    with rows_selected([row.adapter for row in rows]).applied():  # each row with its own adapter
+        if longest:
+            right = [longest - n for n in lengths]
+            inputs = mx.stack([_right_padded(row.take_prefill(n) if n else None, longest)
+                               for row, n in zip(rows, lengths, strict=True)])
+            for layer in caches:
+                layer.prepare(lengths=lengths, right_padding=right)
+            step = rows[0].prefill_step_size
+            for start in range(0, longest, step):
+                model(inputs[:, start : start + step], cache=caches)
+                mx.eval([c.state for c in caches])
+            for layer in caches:
+                layer.finalize()
+        lasts = [row.last_input() for row in rows]
+        decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
         logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
     arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
     mx.eval(arrays, [c.state for c in caches])
@@ -192,6 +212,14 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     for row in rows:
         row.read_token0()
     mx.clear_cache()
+
+
+def _right_padded(tokens: mx.array | None, length: int) -> mx.array:
+    """`tokens` (1-D) followed by zeros up to `length` (the padding's ids are never attended to)."""
+    if tokens is None:
+        return mx.zeros((length,), mx.int32)
+    pad = length - int(tokens.size)
+    return mx.pad(tokens, (0, pad)) if pad else tokens
 
 
 def _merge(rows: Sequence[SoloRow]) -> list[Any]:

@@ -106,6 +106,11 @@ class SoloRow:
         return self._prompt_ids
 
     @property
+    def prefill_step_size(self) -> int:
+        """The most prompt tokens one of this row's forwards feeds (`--prefill-step-size`)."""
+        return self._prefill.step_size
+
+    @property
     def prefill_remaining(self) -> int:
         """Prompt tokens still to prefill before token 0 can be sampled (excludes the last)."""
         return self._prefill.remaining

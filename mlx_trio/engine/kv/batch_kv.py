@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Host padding that is not known (the array may have been changed by an operation not mirrored here).
 UNKNOWN = None
@@ -86,6 +86,7 @@ class HostPadding:
     def __init__(self, left_padding: list[int], *args: Any, **kwargs: Any) -> None:
         super().__init__(left_padding, *args, **kwargs)  # type: ignore[call-arg]
         self.host_padding: tuple[int, ...] | None = tuple(int(p) for p in left_padding)
+        self._host_right: tuple[int, ...] | None = None  # `prepare`'s right padding, until `finalize`
 
     # -- offsets: derived from _idx, so a step's `_idx += 1` moves them (see the module docstring) --
 
@@ -147,13 +148,28 @@ class HostPadding:
         shared = min(kept) if kept else 0  # mlx-lm drops the padding every survivor has
         self.host_padding = tuple(p - shared for p in kept)
 
-    def prepare(self, **kwargs: Any) -> None:
-        super().prepare(**kwargs)
-        self.host_padding = UNKNOWN
+    def prepare(self, *, left_padding: Sequence[int] | None = None, lengths: Sequence[int] | None = None,
+                right_padding: Sequence[int] | None = None) -> None:
+        """mlx-lm's `prepare`, followed on the host when the padding is given as host numbers (a cohort's)."""
+        mine = self.host_padding
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)  # type: ignore[misc]
+        hosted = all(p is None or isinstance(p, (list, tuple)) for p in (left_padding, right_padding))
+        if mine is UNKNOWN or not hosted:
+            self.host_padding = UNKNOWN
+            return
+        if left_padding is not None:
+            mine = tuple(p + int(q) for p, q in zip(mine, left_padding, strict=True))
+        if right_padding is not None and max(right_padding, default=0) > 0:
+            # `finalize` rolls the right padding to the left: then it is left padding.
+            self._host_right = tuple(int(q) for q in right_padding)
+        self.host_padding = mine
 
     def finalize(self) -> None:
-        super().finalize()
-        self.host_padding = UNKNOWN
+        mine, right = self.host_padding, self._host_right
+        super().finalize()  # type: ignore[misc]  # its offset update goes through the setter: anchored
+        self._host_right = None
+        if mine is not UNKNOWN and right is not None:
+            self.host_padding = tuple(p + q for p, q in zip(mine, right, strict=True))
 
     @property
     def state(self) -> Any:
@@ -178,6 +194,22 @@ class HostPadding:
 
 class HostPaddedBatchKVCache(HostPadding, BatchKVCache):
     """mlx-lm's `BatchKVCache` (bf16 storage) with host padding and shared offsets; see the module docstring."""
+
+    def extract(self, idx: int) -> KVCache:
+        """mlx-lm's `extract`, without reading `left_padding` back when the host knows it.
+
+        mlx-lm evaluates and reads the padding array on every call: a cohort
+        handing its rows back (engine/batch/cohort_prefill.py) would wait
+        rows x layers times for it.
+        """
+        padding = self.host_padding
+        if padding is UNKNOWN:
+            return super().extract(idx)
+        cache = KVCache()
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding[idx] : self._idx])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding[idx] : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
 
 
 class CohortKVCache(HostPaddedBatchKVCache):

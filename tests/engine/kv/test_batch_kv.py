@@ -94,12 +94,43 @@ def test_operations_it_does_not_follow_make_the_padding_unknown_and_keep_mlx_lms
     cache.state = cache.state
     assert cache.host_padding is None and cache.make_mask(1) is not None
     fresh = HostPaddedBatchKVCache([0, 0])
-    fresh.prepare(left_padding=[1, 0])
+    fresh.prepare(left_padding=mx.array([1, 0]))  # padding as an array: not read back
     assert fresh.host_padding is None and fresh.make_mask(1) is not None
     # Extending with a cache of unknown padding makes the result unknown.
     known = HostPaddedBatchKVCache.merge([_solo(3, 3)])
     known.extend(BatchKVCache.merge([_solo(3, 4)]))
     assert known.host_padding is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 7)), min_size=1, max_size=4), st.integers(0, 3))
+def test_a_cohorts_padding_is_followed_through_prepare_finalize_and_extract(rows: list[tuple[int, int]],
+                                                                             left: int) -> None:
+    """Cached prefixes merged, new tokens right-padded (`prepare`), rolled left (`finalize`): mlx-lm's arrays,
+    the host copy equal to them, and `extract` without reading the padding back equals mlx-lm's."""
+    caches = [_solo(cached, salt) if cached else KVCache() for salt, (cached, _) in enumerate(rows)]
+    ours, theirs = HostPaddedBatchKVCache.merge(caches), BatchKVCache.merge(caches)
+    new = [n for _, n in rows]
+    longest = max(new)
+    if ours._idx == 0 and left:  # left padding can only be added to an empty cache
+        for cache in (ours, theirs):
+            cache.prepare(left_padding=[left] * len(rows))
+    right = [longest - n for n in new]
+    for cache in (ours, theirs):
+        cache.prepare(lengths=new, right_padding=right)
+    if longest:
+        keys = mx.random.normal((len(rows), HEADS, longest, DIM), key=mx.random.key(len(rows)))
+        for cache in (ours, theirs):
+            cache.update_and_fetch(keys, keys + 1)
+    for cache in (ours, theirs):
+        cache.finalize()
+    _check(ours, theirs)
+    for i in range(len(rows) if theirs.keys is not None else 0):
+        got, want = ours.extract(i), theirs.extract(i)
+        assert got.offset == want.offset
+        if want.offset:
+            np.testing.assert_array_equal(np.array(got.keys), np.array(want.keys))
+            np.testing.assert_array_equal(np.array(got.values), np.array(want.values))
 
 
 def test_a_batch_of_equal_rows_decodes_without_a_mask_and_keeps_its_tokens() -> None:
