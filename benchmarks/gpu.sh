@@ -66,6 +66,9 @@
 #           launch (`mx.async_eval`) and the token read, engine vs bare loop at ANATOMY_BATCHES (1,8,64), and the
 #           primitives of one step's graph by kind. PARTS=anatomy, <= ANATOMY_LIMIT_S (150); ANATOMY_ARGS for more flags
 #           (e.g. "--shape llama-1b --num-layers 2" for what one layer adds).
+#   cohorts: benchmarks/cohort_shapes.py (issue #20): one cohort prefill job (`prefill_rows`) by rows (1..32 short
+#           prompts), at padded shapes new to the process vs seen; COHORTS_ARGS (e.g. --in-sequence). PARTS=cohorts,
+#           <= COHORTS_LIMIT_S (120).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -457,6 +460,10 @@ for m in $MODELS; do
   case " $PARTS " in *" anatomy "*)
     script_part anatomy "${ANATOMY_LIMIT_S:-150}" "step anatomy, $m: build / launch / read per step, primitives per step graph" \
       $PY benchmarks/step_anatomy.py --model "$dir" --batches "${ANATOMY_BATCHES:-1,8,64}" ${ANATOMY_ARGS:-}
+  ;; esac
+  case " $PARTS " in *" cohorts "*)
+    script_part cohorts "${COHORTS_LIMIT_S:-120}" "cohort shapes, $m: one cohort prefill job by rows, new vs seen shapes" \
+      $PY benchmarks/cohort_shapes.py --model "$dir" --json "$RESULTS/cohorts-$m.json" ${COHORTS_ARGS:-}
   ;; esac
   case " $PARTS " in *" lora "*)
     script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \

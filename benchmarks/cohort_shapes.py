@@ -1,0 +1,132 @@
+"""What one cohort prefill job costs by rows, at cohort shapes never seen before and seen again (issue #20).
+
+Usage:
+    python benchmarks/cohort_shapes.py --tiny                                     # this CPU, < 1 min
+    python benchmarks/cohort_shapes.py --model /tmp/mlx-trio-gpu-models/llama-1b   # the H200
+    MLX_USE_CUDA_GRAPHS=0 python benchmarks/cohort_shapes.py --model ...           # kernels launched one by one
+
+A serving burst of short prompts (c=64, ~47-token prompts) prefilled in ~62 jobs
+of about two rows each at ~29 ms a job on the H200 (docs/benchmarks.md,
+fourteenth pass), where one batched forward of 32 such rows is a few ms of
+device work. This script times `prefill_rows` (engine/batch/cohort_prefill.py:
+make the rows, prefill them, sample token 0) as the prefill actor's lease job
+runs it, under prefill-only cuDNN's layout on CUDA (the cohort's attention on
+MLX's plain ops), for cohorts of `--rows` rows of random `--min-len`..`--max-len`
+token prompts:
+
+* **new**: every job's padded shape (rows x longest prompt) is one this
+  process has not run before;
+* **seen**: the last new job's exact prompts' lengths again (its shape seen);
+* the same two with `MLX_TRIO_COHORTS_IN_SEQUENCE=1` (each row prefills alone
+  on the grid's planned chunks, then its token-0 step), when `--in-sequence`.
+
+If "new" costs much more than "seen", a cohort pays per shape (CUDA-graph
+instantiation, kernel selection or compilation), and bucketing the cohort's
+shapes would pay it once per bucket. Milliseconds per job (median of
+`--repeats`), and per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load
+
+from mlx_trio.engine.attention import routed_attention
+from mlx_trio.engine.batch import cohort_prefill
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv import decode_layout
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def _job_ms(model: object, lengths: Sequence[int], salt: int) -> float:
+    """One `prefill_rows` job of prompts of `lengths` tokens, device work included (ms)."""
+    rng = random.Random(salt)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    makers: list[Callable[[], SoloRow]] = [
+        lambda i=i, p=p: SoloRow(model, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    mx.synchronize()
+    start = time.perf_counter()
+    rows = cohort_prefill.prefill_rows(model, makers)  # type: ignore[arg-type]
+    mx.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    for row in rows:
+        if isinstance(row, Exception):
+            raise row
+        row.close()
+    return ms
+
+
+def measure(model: object, rows: int, args: argparse.Namespace, rng: random.Random, seen_longest: set[int]) -> dict:
+    """`args.repeats` jobs at new shapes, then as many at the last one's shape."""
+    new: list[float] = []
+    lengths: list[int] = []
+    for k in range(args.repeats):
+        # A longest prompt this process has not run at this row count: a new padded shape.
+        free = [n for n in range(args.min_len, args.max_len + 1) if (rows, n) not in seen_longest]
+        longest = rng.choice(free) if free else args.max_len
+        seen_longest.add((rows, longest))
+        lengths = [rng.randint(args.min_len, longest) for _ in range(rows - 1)] + [longest]
+        new.append(_job_ms(model, lengths, salt=rows * 1000 + k))
+    seen = [_job_ms(model, lengths, salt=rows * 1000 + 500 + k) for k in range(args.repeats)]
+    return {"rows": rows, "new_ms": statistics.median(new), "seen_ms": statistics.median(seen),
+            "new_all": new, "seen_all": seen}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="the tiny random llama on this CPU")
+    p.add_argument("--model", default=None, help="a model directory")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="cohort sizes")
+    p.add_argument("--min-len", type=int, default=40)
+    p.add_argument("--max-len", type=int, default=56)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--in-sequence", action="store_true", help="also with MLX_TRIO_COHORTS_IN_SEQUENCE=1")
+    p.add_argument("--warmup", type=int, default=3, help="jobs run first (not measured)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    path = str(tiny_model(LLAMA)) if args.tiny or args.model is None else args.model
+    model = load(path)[0]
+    routed_attention.install(model)
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    decode_layout.set_active(cuda)  # prefill-only cuDNN's layout, as the lease thread sets it on CUDA
+    graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "1")
+    print(f"# cohort shapes: {path}; CUDA {cuda}, MLX_USE_CUDA_GRAPHS={graphs}; prompts {args.min_len}-"
+          f"{args.max_len} tokens, {args.repeats} jobs a cell", flush=True)
+    sizes = [int(x) for x in args.rows.split(",")]
+    for _ in range(args.warmup):
+        _job_ms(model, [args.min_len] * 2, salt=7)
+    results = []
+    modes = ["shared", "in sequence"] if args.in_sequence else ["shared"]
+    for mode in modes:
+        if mode == "in sequence":
+            os.environ[cohort_prefill.IN_SEQUENCE_SWITCH] = "1"
+        rng = random.Random(0)
+        seen: set[int] = set()
+        for rows in sizes:
+            r = measure(model, rows, args, rng, seen) | {"mode": mode}
+            results.append(r)
+            print(f"  {mode:11s} rows={rows:3d}: new {r['new_ms']:7.1f} ms, seen {r['seen_ms']:7.1f} ms", flush=True)
+        os.environ.pop(cohort_prefill.IN_SEQUENCE_SWITCH, None)
+    print("\n| mode | rows | ms a job, new shape | seen shape | new / seen | ms a row (seen) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['mode']} | {r['rows']} | {r['new_ms']:.1f} | {r['seen_ms']:.1f} | "
+              f"{r['new_ms'] / max(r['seen_ms'], 1e-9):.2f} | {r['seen_ms'] / r['rows']:.1f} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
