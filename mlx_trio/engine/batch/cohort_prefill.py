@@ -47,6 +47,8 @@ from mlx_trio.engine.switches import switched_on
 # and the most rows one forward takes (`prefill_rows`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
 COHORT_CUDNN_MAX_ROWS = 32
 COHORT_CUDNN_MAX_CONTEXT = 512
+# There, a shared forward's prompt tokens are padded to a multiple of this (`cohort_shape`).
+COHORT_TOKEN_QUANTUM = 32
 # Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
 IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
@@ -68,10 +70,8 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
     together = made if can_prefill_together(made, model) else []
-    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's
-    # scores), in groups of about equal size.
-    groups = -(-len(together) // COHORT_CUDNN_MAX_ROWS) if decode_layout.is_active() else 1
-    size = max(1, -(-len(together) // max(groups, 1)))
+    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's scores).
+    size = COHORT_CUDNN_MAX_ROWS if decode_layout.is_active() else max(1, len(together))
     for group in (together[i : i + size] for i in range(0, len(together), size)):
         try:
             prefill_together(model, group)
@@ -182,21 +182,26 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     it), the right padding then rolled to the left (`finalize`), and one
     batched L=1 step of each row's last prompt token, from whose logits
     each row samples token 0 with its own sampler. So a cohort costs about
-    one forward however its prompt lengths differ. Afterwards each row is
-    where `prefill_chunk()` until done then `first_token()` leaves it. An
-    error leaves the rows unusable (the caller closes them all): they share
-    every forward.
+    one forward however its prompt lengths differ. Under prefill-only cuDNN
+    the forwards run at bucketed shapes (`cohort_shape`): empty rows and
+    more padding make every cohort one of a few shapes the device has run
+    before. Afterwards each row is where `prefill_chunk()` until done then
+    `first_token()` leaves it. An error leaves the rows unusable (the caller
+    closes them all): they share every forward.
     """
-    caches = _merge(rows)
     lengths = [row.prefill_remaining for row in rows]
-    longest = max(lengths)
-    with rows_selected([row.adapter for row in rows]).applied():  # each row with its own adapter
+    batch, longest = cohort_shape(len(rows), max(lengths)) if decode_layout.is_active() else (len(rows), max(lengths))
+    spare = batch - len(rows)  # empty rows that only round the batch up to its bucket
+    caches = _merge([*(row.caches for row in rows), *([KVCache() for _ in rows[0].caches] for _ in range(spare))])
+    uses = [*(row.adapter for row in rows), *([None] * spare)]
+    with rows_selected(uses).applied():  # each row with its own adapter
         if longest:
-            right = [longest - n for n in lengths]
-            inputs = mx.stack([_right_padded(row.take_prefill(n) if n else None, longest)
-                               for row, n in zip(rows, lengths, strict=True)])
+            lengths += [0] * spare
+            inputs = mx.stack([*(_right_padded(row.take_prefill(n) if n else None, longest)
+                                 for row, n in zip(rows, lengths, strict=False)),
+                               *(_right_padded(None, longest) for _ in range(spare))])
             for layer in caches:
-                layer.prepare(lengths=lengths, right_padding=right)
+                layer.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
             step = rows[0].prefill_step_size
             for start in range(0, longest, step):
                 model(inputs[:, start : start + step], cache=caches)
@@ -205,13 +210,27 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
                 layer.finalize()
         lasts = [row.last_input() for row in rows]
         decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
-        logits = model(mx.stack(lasts), cache=caches)[:, -1, :]
+        logits = model(mx.stack([*lasts, *(_right_padded(None, 1) for _ in range(spare))]), cache=caches)[:, -1, :]
     arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
     mx.eval(arrays, [c.state for c in caches])
     _hand_back(rows, caches, range(len(rows)))
     for row in rows:
         row.read_token0()
     mx.clear_cache()
+
+
+def cohort_shape(rows: int, longest: int) -> tuple[int, int]:
+    """A shared cohort's forward shape on the GPU: rows up to a power of two, the tokens up to `COHORT_TOKEN_QUANTUM`.
+
+    Each padded shape the device meets the first time costs a cohort job
+    about 12-15 ms more than a shape it ran before (H200, 1B shape: 27 ms
+    against 12 ms for 2 rows of ~50 tokens, whether or not MLX records CUDA
+    graphs; docs/benchmarks.md, fourteenth pass), while a row of a short
+    prompt adds under 1 ms. So at most 6 x 16 shapes (up to 32 rows of up to
+    512 tokens) are ever met.
+    """
+    batch = 1 << max(rows - 1, 0).bit_length()
+    return batch, -(-longest // COHORT_TOKEN_QUANTUM) * COHORT_TOKEN_QUANTUM
 
 
 def _right_padded(tokens: mx.array | None, length: int) -> mx.array:
@@ -222,13 +241,13 @@ def _right_padded(tokens: mx.array | None, length: int) -> mx.array:
     return mx.pad(tokens, (0, pad)) if pad else tokens
 
 
-def _merge(rows: Sequence[SoloRow]) -> list[Any]:
-    """Per layer, the rows' caches as one batch cache (left-padded to the longest); the rows' own stay intact.
+def _merge(caches: Sequence[Sequence[Any]]) -> list[Any]:
+    """Per layer, the rows' caches (one list per row) as one batch cache, left-padded to the longest; theirs stay intact.
 
     Under prefill-only cuDNN a `CohortKVCache`, whose attention the routed layers keep off cuDNN.
     """
     merge = CohortKVCache.merge if decode_layout.is_active() else merge_rows
-    return [merge([row.caches[i] for row in rows]) for i in range(len(rows[0].caches))]
+    return [merge([row[i] for row in caches]) for i in range(len(caches[0]))]
 
 
 def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:

@@ -125,6 +125,19 @@ def test_more_rows_than_one_forward_takes_share_forwards_in_groups(routed, cudnn
     monkeypatch.setattr(routed_attention, "unfused_attention", lambda *a: batches.append(a[0].shape[0]) or plain(*a))
     lengths = (5, 9, 4, 12, 6, 3, 8)
     got = prefill_rows(routed, _makers(routed, lengths))
-    assert max(batches) == 3 and batches[-1] == 1  # groups of 3, 3 and 1 rows, each with its token-0 step
+    # Groups of 3, 3 and 1 rows, each with its token-0 step; 3 rows run as 4 (`cohort_shape`: an empty row).
+    assert max(batches) == 4 and batches[-1] == 1
     alone = [prefill_rows(routed, [make])[0] for make in _makers(routed, lengths)]
     assert [r.token0 for r in got] == [r.token0 for r in alone]
+
+
+def test_a_cohort_runs_at_bucketed_shapes_and_its_empty_rows_change_nothing(routed, cudnn_layout) -> None:
+    """3 rows of up to 30 tokens run as 4 rows of 32 under the layout; they end exactly as without it (3 x 30)."""
+    assert cohort_prefill.cohort_shape(3, 30) == (4, 32)
+    assert [cohort_prefill.cohort_shape(n, 1) for n in (1, 2, 5, 17, 32)] == [(1, 32), (2, 32), (8, 32), (32, 32), (32, 32)]
+    assert cohort_prefill.cohort_shape(2, 0) == (2, 0) and cohort_prefill.cohort_shape(1, 65) == (1, 96)
+    lengths = (7, 30, 2)
+    bucketed = _state(prefill_rows(routed, _makers(routed, lengths)))
+    decode_layout.set_active(False)
+    exact = _state(prefill_rows(routed, _makers(routed, lengths)))
+    assert _same(bucketed, exact)
