@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 # Chunk sizes are rounded down to a multiple of this (fewer distinct shapes), and never smaller.
 CHUNK_QUANTUM = 32
 # Recent chunks the fit is taken over: enough to span a long prompt's contexts, few enough to follow a
@@ -103,29 +105,30 @@ def fit_nonnegative(samples: Sequence[Sample]) -> tuple[float, float, float] | N
     over each subset of the terms whose coefficients all come out ≥ 0 (an
     exact active-set search, seven small solves; `_SUBSETS` breaks ties). Each term is scaled by its
     largest factor first, so the normal equations stay well conditioned
-    although n·c runs to millions.
+    although n·c runs to millions. The sums are numpy's (the prefill actor
+    refits on its Trio thread after every measured chunk: in plain Python a
+    48-sample fit was ~1 ms of it).
     """
     if not samples:
         return None
-    scale = [max(abs(s[j]) for s in samples) or 1.0 for j in range(3)]
-    xs = [[s[j] / scale[j] for j in range(3)] for s in samples]
-    ys = [s[3] for s in samples]
+    data = np.asarray(samples, dtype=np.float64)
+    scale = np.abs(data[:, :3]).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs, ys = data[:, :3] / scale, data[:, 3]
+    gram, moment = (xs.T @ xs).tolist(), (xs.T @ ys).tolist()
     best: tuple[float, list[float], tuple[int, ...]] | None = None
     for terms in _SUBSETS:
-        gram = [[sum(x[i] * x[j] for x in xs) for j in terms] for i in terms]
-        moment = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in terms]
-        coef = _solve(gram, moment)
+        coef = _solve([[gram[i][j] for j in terms] for i in terms], [moment[i] for i in terms])
         if coef is None or any(c < 0 for c in coef):
             continue
-        residual = sum((y - sum(c * x[i] for c, i in zip(coef, terms, strict=True))) ** 2
-                       for x, y in zip(xs, ys, strict=True))
+        residual = float(np.square(ys - xs[:, list(terms)] @ np.asarray(coef)).sum())
         if best is None or residual < best[0] * (1 - 1e-9) - 1e-30:
             best = (residual, coef, terms)
     if best is None:
         return None
     full = [0.0, 0.0, 0.0]
     for c, i in zip(best[1], best[2], strict=True):
-        full[i] = c / scale[i]
+        full[i] = c / float(scale[i])
     return full[0], full[1], full[2]
 
 
@@ -142,7 +145,8 @@ class ChunkSizer:
         self.target_s = target_s
         self.max_tokens = max_tokens
         self._samples: collections.deque[Sample] = collections.deque(maxlen=WINDOW)
-        self._fit: tuple[float, float, float] | None = None
+        self._fitted: tuple[float, float, float] | None = None
+        self._stale = False  # samples came since the last fit: `_fit` refits once, when next read
         # The attention shapes seen, oldest first (SEEN_SHAPES at most): a first visit's seconds until the
         # second visit compares with it, then None.
         self._seen: dict[Hashable, float | None] = {}
@@ -177,8 +181,15 @@ class ChunkSizer:
                     self._plan_excess.append(max(first - seconds, 0.0))
                 self._remember(shape, None)
         self._samples.append((1.0, float(tokens), tokens * (context + tokens / 2), seconds))
-        self._fit = fit_nonnegative(self._samples)
+        self._stale = True
         return True
+
+    @property
+    def _fit(self) -> tuple[float, float, float] | None:
+        """The fit of the samples so far, refitted when read after new samples (several records, one fit)."""
+        if self._stale:
+            self._fitted, self._stale = fit_nonnegative(self._samples), False
+        return self._fitted
 
     def _planned_cost(self, tokens: int, context: int, seconds: float) -> float | None:
         """A first visit's `seconds` as a planned chunk's: as measured, less the plan cost, or None (unknown)."""
