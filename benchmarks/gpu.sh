@@ -87,7 +87,7 @@
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
 #   LONG_LIMIT_S (120), PROFILE_LIMIT_S (240), PROFILE_CONCURRENCY (8,64,256), PROFILE_ARGS (more serving_profile.py
-#   flags, e.g. "--workloads serving,agents"), OPTIONS_LIMIT_S (300), OPTIONS_ARGS (more serve_vs_engine.py flags), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   flags, e.g. "--workloads serving,agents"), OPTIONS_LIMIT_S (300), OPTIONS_ARGS (more serve_vs_engine.py flags), KNOBS_ARGS (more cuda_graph_knobs.py flags, e.g. "--batches 16,32,64"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -455,7 +455,7 @@ for m in $MODELS; do
   case " $PARTS " in *" knobs "*)
     script_part knobs "${KNOBS_LIMIT_S:-200}" "knobs, $m: ${KNOBS_SETTINGS:-fused,unfused}, 3 rounds alternated, B=8 token agreement" \
       $PY benchmarks/cuda_graph_knobs.py --model "$dir" --settings "${KNOBS_SETTINGS:-fused,unfused}" --rounds 3 \
-      --json "$RESULTS/knobs-$m.json"
+      --json "$RESULTS/knobs-$m.json" ${KNOBS_ARGS:-}
   ;; esac
   case " $PARTS " in *" anatomy "*)
     script_part anatomy "${ANATOMY_LIMIT_S:-150}" "step anatomy, $m: build / launch / read per step, primitives per step graph" \
