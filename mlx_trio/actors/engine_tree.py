@@ -133,10 +133,9 @@ class EngineActors:
         down = self.retrying.down
         if down is not None:
             return False, f"engine down: {down.reason}; starting again in {down.retry_in_s():.0f} s"
-        status = self.supervisor.status()
-        down = [c["id"] for c in status["children"] if c["state"] != "running"]
-        if status["state"] != "running" or down:
-            return False, f"engine actors not running: {', '.join(down) or status['state']}"
+        state, down = self.supervisor.liveness()
+        if state != "running" or down:
+            return False, f"engine actors not running: {', '.join(down) or state}"
         stalled = self._lease_stalled_s()
         if stalled is not None:
             return False, f"gpu-lease stalled {stalled:.0f} s: one job has run that long while requests wait"

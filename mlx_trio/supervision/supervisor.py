@@ -187,6 +187,14 @@ class Supervisor:
         child = self._run.children.get(id) if self._run is not None else None
         return child.handle if child is not None else None
 
+    def liveness(self) -> tuple[str, list[str]]:
+        """This supervisor's state and the ids of its children that are not running: what `status()` says
+        of them, without building it (every request's submit asks, through the engine's health)."""
+        run = self._run
+        if run is None:
+            return "stopped", []
+        return run.state, [child.spec.id for child in run.children.values() if child.state != "running"]
+
     def status(self) -> dict[str, Any]:
         """Return the live supervision tree as JSON-able data (call inside Trio).
 

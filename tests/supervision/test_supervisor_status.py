@@ -110,3 +110,25 @@ async def test_broken_statistics_do_not_break_status(autojump_clock: trio.abc.Cl
         entry = sup.status()["children"][0]
         await sup.stop()
     assert entry["stats_error"] == "ZeroDivisionError: no stats" and "stats" not in entry
+
+
+async def test_liveness_says_what_status_says_of_the_top_level(autojump_clock: trio.abc.Clock) -> None:
+    """liveness(): the supervisor's state and its children not running, as status() has them, without the tree."""
+    log: list[str] = []
+    sup = Supervisor("root", [recording("a", log), recording("b", log, restart=Restart.TEMPORARY)])
+    assert sup.liveness() == ("stopped", [])
+
+    def from_status() -> tuple[str, list[str]]:
+        status = sup.status()
+        return status["state"], [c["id"] for c in status["children"] if c["state"] != "running"]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        assert sup.liveness() == from_status() == ("running", [])
+        worker = sup.handle("b")
+        assert isinstance(worker, Worker)
+        worker.crash(OSError("gone"))  # temporary: not restarted
+        await trio.sleep(1)
+        assert sup.liveness() == from_status()
+        await sup.stop()
+    assert sup.liveness() == from_status()
