@@ -6,6 +6,7 @@ Usage:
     python benchmarks/trio_thread_cpu.py --profile /tmp/trio.txt   # where the Trio thread's time goes
     python benchmarks/trio_thread_cpu.py --src /tmp/other-checkout  # the server from another checkout
     python benchmarks/trio_thread_cpu.py --micro [--src ...]         # one event's own work, no sockets
+    python benchmarks/trio_thread_cpu.py --http-only [--src ...]     # the HTTP layer alone: no model, no engine
 
 The server runs in its own process (`python -m mlx_trio.cli serve`, tiny random
 model unless `--model`), and so do the clients (`--client`: c asyncio tasks
@@ -22,6 +23,13 @@ events per token, and aggregate tok/s.
 event costs the Trio thread without any socket: detokenize a message of
 `--micro-tokens` tokens, route, render and encode it (`time.thread_time`,
 the minimum of 7 repeats), the part of an event's work that is ours.
+
+`--http-only` serves the real app on hypercorn over a stand-in engine
+(`FakeEngine` below: no model, no actors, no lease thread) whose streams
+all get their next event of `--tokens-per-event` tokens at once every
+`--step-ms`, as a decode report wakes a batch's rows: the Trio thread's CPU
+per event and per token of the HTTP layer alone (request handling, routing,
+rendering, the ASGI write), without the GIL contention of a lease thread.
 
 `--profile FILE` samples the server's Trio thread's stack every millisecond and
 writes where its busy time goes to FILE when the server stops (`serve_profiled`);
@@ -145,6 +153,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the runs here")
     parser.add_argument("--micro", action="store_true", help="one event's own work, without sockets")
     parser.add_argument("--micro-tokens", type=int, default=3, help="tokens per event for --micro")
+    parser.add_argument("--http-only", action="store_true", help="the HTTP layer over a stand-in engine, no model")
+    parser.add_argument("--tokens-per-event", type=int, default=3, help="tokens per event for --http-only")
+    parser.add_argument("--step-ms", type=float, default=4.0, help="ms between events for --http-only")
     # The client process's own arguments.
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -152,6 +163,8 @@ def main() -> None:
     parser.add_argument("--eos", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
     if sys.argv[1:2] == ["--micro-child"]:  # the process of --micro, importing the checkout on PYTHONPATH
         return micro(int(sys.argv[2]))
+    if sys.argv[1:2] == ["--serve-fake"]:  # the server process of --http-only
+        return serve_fake(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
     if sys.argv[1:2] == ["--serve-profiled"]:  # the server process of --profile: the rest is serve's argv
         return serve_profiled(sys.argv[2], sys.argv[3:])
     args = parser.parse_args()
@@ -174,11 +187,15 @@ def main() -> None:
     if not eos:  # the tiny models name theirs only in the tokenizer
         added = json.loads((Path(model) / "tokenizer.json").read_text())["added_tokens"]
         eos = [t["id"] for t in added if t["content"] in ("<|im_end|>", "<|endoftext|>")]
+    if args.http_only:
+        eos = []  # the stand-in takes no logit_bias ids of a real vocabulary
     port = free_port()
     serve = ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--batch", str(args.batch),
              "--log-level", "WARNING"]
     argv = ([sys.executable, __file__, "--serve-profiled", args.profile, *serve] if args.profile
             else [sys.executable, "-m", "mlx_trio.cli", *serve])
+    if args.http_only:
+        argv = [sys.executable, __file__, "--serve-fake", str(port), str(args.tokens_per_event), str(args.step_ms)]
     # The checkout this script is in (or --src) is the one the server imports, whatever is installed.
     src = args.src or str(Path(__file__).resolve().parents[1])
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": src}, cwd=src)
@@ -244,6 +261,82 @@ def micro(per_event: int) -> None:
             one_stream()
         runs.append(1e6 * (time.thread_time() - start_s) / (5 * len(ids)))
     print(f"{per_event} tokens per event: {min(runs):.2f} µs per token, {min(runs) * per_event:.1f} µs per event")
+
+
+class FakeEngine:
+    """The surface of `Engine` the HTTP layer uses (`http.server.state.EngineLike`), streaming words "w0 w1 ...".
+
+    Every stream waits on one shared tick (`step_s`), so all of them get their next event
+    together, `per_event` tokens each, as a decode report wakes every row of a batch at once.
+    """
+
+    def __init__(self, per_event: int, step_s: float) -> None:
+        from mlx_trio.output_format import PLAIN
+        from mlx_trio.supervision.faults import Faults
+
+        self.faults = Faults()
+        self.group_lost = None
+        self.output_format = PLAIN
+        self.context_length = 1 << 20
+        self.model_id = "fake"
+        self._per_event, self._step_s = per_event, step_s
+        self._tick: Any = None
+
+    def health(self) -> tuple[bool, str]:
+        return True, "ok"
+
+    def status(self) -> dict[str, Any]:
+        return {"tree": {"id": "root", "state": "running", "children": []}, "model": "fake", "counters": {}}
+
+    def served_adapters(self) -> tuple[str, ...]:
+        return ()
+
+    def count_tokens(self, prompt: Any, **_: Any) -> int:
+        return 8
+
+    async def prepare_off_loop(self, prompt: Any, **sampling: Any) -> Any:
+        import types
+
+        return types.SimpleNamespace(prompt_ids=(0,) * 8, max_tokens=sampling.get("max_tokens") or 16)
+
+    async def ticks(self) -> None:
+        import trio
+
+        while True:
+            self._tick = trio.Event()
+            await trio.sleep(self._step_s)
+            self._tick.set()
+
+    async def stream(self, request: Any, **_: Any) -> Any:
+        from mlx_trio.events import Finished, PromptProgress, TextDelta, Usage
+
+        yield PromptProgress(8, 8)
+        n = request.max_tokens
+        for start in range(0, n, self._per_event):
+            await self._tick.wait()
+            ids = tuple(range(start, min(n, start + self._per_event)))
+            yield TextDelta("".join(f" w{i}" for i in ids), ids)
+        yield Finished("length", Usage(8, n))
+
+
+def serve_fake(port: int, per_event: int, step_ms: float) -> None:
+    """The process of `--http-only`: `HttpServer` over `FakeEngine` on `port`, until SIGINT."""
+    import trio
+
+    from mlx_trio.http.server.config import ServerConfig
+    from mlx_trio.http.server.http_server import HttpServer
+
+    async def main() -> None:
+        engine = FakeEngine(per_event, step_ms / 1000)
+        server = HttpServer(ServerConfig(host="127.0.0.1", port=port), engine)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.ticks)
+            await nursery.start(server.run)
+
+    try:
+        trio.run(main)
+    except* KeyboardInterrupt:  # the driver's SIGINT: the end of the run
+        pass
 
 
 def serve_profiled(out: str, argv: list[str]) -> None:

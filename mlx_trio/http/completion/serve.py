@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -34,12 +35,14 @@ from mlx_trio.http.completion.front_link import NO_LINK, Link, link_of, lost_res
 from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
 from mlx_trio.http.server.admin import handler_fault_point
+from mlx_trio.http.server.drain import Drain
 from mlx_trio.http.server.errors import INTERNAL_ERROR, ApiError, api_error, draining
 from mlx_trio.http.server.info import DEFAULT_MODEL_ALIAS
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.server.state import AppState, HandlerCrashes, closing
 from mlx_trio.output_format import PLAIN
+from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.http")
 
@@ -71,22 +74,22 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
                           tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
-    # A drain that times out cuts the wait for the next event: a 503 before the headers, else an in-band error.
-    # An "http" fault fires at an event as it arrives: this handler crashes (`admin.handler_fault_point`).
-    events = handler_fault_point(state.engine.faults,
-                                 state.drain.interruptible(state.engine.stream(prepared, **link.replay())))
+    events = state.engine.stream(prepared, **link.replay())
+    # Every wait for an event goes through `_next`: the drain's cut and the "http" fault point.
+    next_event = partial(_next, state.drain, state.engine.faults, events)
     if call.stream:
         # Wait for the first event before sending headers, so that errors before any output
         # (a full queue: 503 + Retry-After) keep their status; later ones go in-band.
-        first = await _first_event(events, request_log)
-        frames = _stream(first, events, renderer, router, request_log, state.crashes, logprobs=call.wants_logprobs,
-                         prompt_tokens=len(getattr(prepared, "prompt_ids", ())), link=link)
+        first = await _first_event(events, next_event, request_log)
+        frames = _stream(first, events, next_event, renderer, router, request_log, state.crashes,
+                         logprobs=call.wants_logprobs, prompt_tokens=len(getattr(prepared, "prompt_ids", ())),
+                         link=link)
         response = Response(frames, status=200, headers={**SSE_HEADERS, **link.headers(renderer)},
                             mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
         return response
-    deltas, finished = await _collect(events, request_log)
+    deltas, finished = await _collect(events, next_event, request_log)
     pieces = [piece for delta in deltas for piece in router.feed(delta.text, len(delta.token_ids))]
     pieces.extend(router.finish())
     logprobs = [item for delta in deltas for item in delta.logprobs] if call.wants_logprobs else None
@@ -141,25 +144,23 @@ def tool_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:
     return kwargs
 
 
-async def _first_event(events: AsyncIterator[GenerationEvent], request_log: RequestLog) -> GenerationEvent:
-    # Whatever ends this await (an error, the client leaving) also ends the generator: nothing to close.
+async def _first_event(events: AsyncIterator[GenerationEvent], next_event: NextEvent,
+                       request_log: RequestLog) -> GenerationEvent:
+    """The first event; whatever ends the wait instead (an error, a cut, the client leaving) closes `events`."""
     try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        raise ActorCrashed("the generation ended without any event") from None
-    except Exception as exc:
-        request_log.done(api_error(exc).code or "error")
-        raise
-    except BaseException:
-        request_log.done("cancelled")
-        raise
+        first = await next_event()
+    except BaseException as exc:
+        outcome = (api_error(exc).code or "error") if isinstance(exc, Exception) else "cancelled"
+        request_log.done(outcome)
+        async with closing(events):  # ended already, unless the fault point raised after the event came
+            raise
     request_log.saw(first)
     return first
 
 
-async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], renderer: Renderer,
-                  router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *, logprobs: bool,
-                  prompt_tokens: int, link: Link = NO_LINK) -> AsyncIterator[bytes]:
+async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], next_event: NextEvent,
+                  renderer: Renderer, router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *,
+                  logprobs: bool, prompt_tokens: int, link: Link = NO_LINK) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
 
     Each event's frames go out as one body chunk (one ASGI send, one socket
@@ -193,7 +194,7 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
                 if frames:  # one body chunk per event: one write, not one per frame
                     yield b"".join(frames)
                     frames = []
-                item = await _next(events)
+                item = await next_event()
                 request_log.saw(item)
             outcome = item.finish_reason
             last = [*frames, *renderer.finish(router.finish(), _counted(item, router), router.num_tool_calls)]
@@ -208,11 +209,22 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
     yield b"".join([*last, *renderer.closing()])
 
 
-async def _next(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+# `_next` of one request's engine stream, as `_serve` binds it.
+NextEvent = Callable[[], Awaitable[GenerationEvent]]
+
+
+async def _next(drain: Drain, faults: Faults, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+    """The next event, through the drain (a cut: 503 `shutdown`) and the "http" fault point (a crash).
+
+    Called directly, not as generators wrapping the engine stream: each layer
+    was an extra hop per streamed event on the Trio thread.
+    """
     try:
-        return await anext(events)
+        event = await drain.next_event(events)
     except StopAsyncIteration:  # an engine stream always ends with Finished or an error
         raise ActorCrashed("the generation ended without a finish event") from None
+    handler_fault_point(faults)
+    return event
 
 
 def _stream_failure(exc: Exception, stream_id: str) -> ApiError:
@@ -228,7 +240,7 @@ def _counted(finished: Finished, router: OutputRouter) -> Finished:
     return attrs.evolve(finished, usage=attrs.evolve(finished.usage, reasoning_tokens=router.reasoning_tokens))
 
 
-async def _collect(events: AsyncIterator[GenerationEvent],
+async def _collect(events: AsyncIterator[GenerationEvent], next_event: NextEvent,
                    request_log: RequestLog) -> tuple[list[TextDelta], Finished]:
     """A whole non-streamed generation: its text deltas and its `Finished`; logs the outcome."""
     deltas: list[TextDelta] = []
@@ -236,7 +248,7 @@ async def _collect(events: AsyncIterator[GenerationEvent],
     try:
         async with closing(events):
             while True:
-                event = await _next(events)
+                event = await next_event()
                 request_log.saw(event)
                 if isinstance(event, TextDelta):
                     deltas.append(event)

@@ -21,13 +21,12 @@ same port.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import trio
 from quart import Quart, Response, request
 
-from mlx_trio.events import GenerationEvent
 from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import invalid_value
 from mlx_trio.http.server.info import json_response
@@ -61,20 +60,13 @@ def install_fault_point(app: Quart, state: AppState) -> None:
         faults.check(HTTP_ACTOR_ID)  # raise: this handler crashes, a 500 through the error handlers
 
 
-async def handler_fault_point(faults: Faults, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
-    """Yield `events`, checking the "http" fault as each arrives: an armed one crashes this handler.
+def handler_fault_point(faults: Faults) -> None:
+    """Check the "http" fault as a running generation's event arrives: an armed one crashes this handler.
 
     What it raises (`InjectedFault`) ends the request as any bug in its handler
-    would. Closing this generator closes `events`.
+    would; the handler closes its engine stream on the way out.
     """
-    try:
-        async for event in events:
-            faults.check(HTTP_ACTOR_ID)
-            yield event
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    faults.check(HTTP_ACTOR_ID)
 
 
 def register_admin(app: Quart, state: AppState) -> None:

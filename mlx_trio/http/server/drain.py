@@ -6,9 +6,9 @@ child keeps draining). Three parts:
 * `track()` counts the HTTP requests in flight; the ASGI wrapper
   (`asgi.CountInFlight`) holds it around each request's whole life, response
   body included, so the count is right however a request ends.
-* `interruptible(events)` wraps each generation's event stream: every wait
-  for the next event runs in a cancel scope that `run` cancels at the
-  deadline. The wrapper then raises `shutdown_cut()`, which the handlers turn
+* `next_event(events)` is each wait for a generation's next event: it runs
+  in a cancel scope that `run` cancels at the deadline, and then raises
+  `shutdown_cut()`, which the handlers turn
   into a 503 (nothing sent yet) or an in-band SSE error event followed by
   `data: [DONE]` (a stream already running). Cancelling the wait closes the
   engine stream, which frees the request's KV cache like a client disconnect.
@@ -88,28 +88,27 @@ class Drain:
         finally:
             self._waits.discard(scope)
 
-    async def interruptible(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
-        """Yield `events` until they end or the drain deadline cuts them (`HttpError` 503 `shutdown`).
+    async def next_event(self, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+        """The next event of `events`, unless the drain deadline cuts the wait (`HttpError` 503 `shutdown`).
 
-        The cancel scope is entered and left around each wait, never across a
-        `yield`, so it always belongs to the task iterating this generator.
-        Closing this generator closes `events`.
+        Raises `StopAsyncIteration` when `events` ends. One cancel scope per
+        wait, never across a `yield` of the caller, so it always belongs to
+        the task awaiting it; its registration is inlined (not `cutting`):
+        this runs once per streamed event on the Trio thread. A cut wait
+        leaves `events` finished (the cancellation went through it).
         """
-        try:
-            while True:
-                with trio.CancelScope() as wait, self.cutting(wait):
-                    try:
-                        item = await anext(events)
-                    except StopAsyncIteration:
-                        return
-                if wait.cancelled_caught:
-                    self.cut_requests += 1
-                    raise shutdown_cut()
-                yield item
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        with trio.CancelScope() as wait:
+            if self.cut:
+                wait.cancel()
+            waits = self._waits
+            waits.add(wait)
+            try:
+                return await anext(events)
+            finally:
+                waits.discard(wait)
+        # Only a cut gets here: the scope caught its own cancellation.
+        self.cut_requests += 1
+        raise shutdown_cut()
 
     async def run(self, timeout_s: float) -> DrainReport:
         """Stop admitting, wait up to `timeout_s` for requests in flight, then cut the rest.

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
+import trio.testing
+from mlx_trio.events import PromptProgress, TextDelta
+from mlx_trio.http.server.drain import Drain
+from mlx_trio.http.server.errors import HttpError
 from tests.http.fakes import FakeEngine
 from tests.http.http_helpers import CLIENT_TIMEOUT_S, assert_openai_error, cli_server, serve_fake, sse_events
 
@@ -166,3 +171,58 @@ async def test_sigterm_with_a_client_that_never_reads_exits_0(tmp_path: Path) ->
             assert await trio.to_thread.run_sync(proc.wait) == 0
         sock.close()
     assert trio.current_time() - start_s < 0.5 + 5 + 5  # shutdown timeout + the issue's 5 s + slack for a busy box
+
+
+async def _two_events() -> Any:
+    yield PromptProgress(1, 1)
+    yield TextDelta("a", (7,))
+
+
+async def test_next_event_passes_events_then_the_end_of_the_stream() -> None:
+    drain, events = Drain(), _two_events()
+    assert await drain.next_event(events) == PromptProgress(1, 1)
+    assert await drain.next_event(events) == TextDelta("a", (7,))
+    with pytest.raises(StopAsyncIteration):
+        await drain.next_event(events)
+    assert drain.cut_requests == 0
+
+
+async def test_next_event_after_the_cut_is_a_503_shutdown_and_takes_no_event() -> None:
+    drain, taken = Drain(), []
+
+    async def events() -> Any:  # waits as an engine stream does (a channel receive is a checkpoint)
+        await trio.lowlevel.checkpoint()
+        taken.append(1)
+        yield PromptProgress(1, 1)
+
+    drain.cut = True
+    with pytest.raises(HttpError) as raised:
+        await drain.next_event(events())
+    assert raised.value.error.status == 503 and raised.value.error.code == "shutdown"
+    assert taken == [] and drain.cut_requests == 1
+
+
+async def test_the_cut_ends_a_wait_in_progress_and_closes_the_stream() -> None:
+    """`run` past its timeout cancels a pending wait: a 503 shutdown; the stream's own cleanup has run."""
+    drain, closed = Drain(), trio.Event()
+
+    async def never() -> Any:
+        try:
+            await trio.sleep_forever()
+            yield PromptProgress(0, 1)  # pragma: no cover - never reached
+        finally:
+            closed.set()
+
+    errors: list[HttpError] = []
+
+    async def wait() -> None:
+        with drain.track(), pytest.raises(HttpError) as raised:
+            await drain.next_event(never())
+        errors.append(raised.value)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        report = await drain.run(0.0)
+    assert closed.is_set() and errors[0].error.code == "shutdown"
+    assert report.cut == 1 and drain.in_flight == 0
