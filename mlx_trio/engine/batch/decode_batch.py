@@ -37,8 +37,14 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   (mlx-lm's `filter`, the path without slots). Every other layout takes that path.
 
 Invariant: every row's KV cache holds exactly the tokens fed so far: its
-prompt, then every token that has been a forward's input (`BatchRow.num_fed`
+prompt, then every token that has been a forward's input (`DecodeBatch.num_fed`
 counts them). The register holds tokens sampled but not yet fed.
+
+A plain step's Python is the same whatever the batch's size (issues #20, #25:
+on an H200 the host builds and launches each step slower than the device runs
+it): what every row does alike is counted once for the batch (`BatchRow`),
+what a step checks is settled at join and leave (`_convert_at`), and the
+register is read with one `tolist()`.
 
 **Speculative steps** (with a `Speculator`, engine/speculative/): while some
 row has a proposal, a step reads the register first, feeds every row its
@@ -98,8 +104,9 @@ class BatchRow:
     state lives in the batch's `BatchSampler`, aligned the same way)."""
 
     request_id: str
-    # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
-    num_fed: int
+    # Tokens in this row's KV cache less the batch's plain steps (`DecodeBatch._plain_steps`): a plain step
+    # feeds every row one token, so it counts once for the batch, not once a row.
+    fed_offset: int
 
 
 @attrs.frozen
@@ -173,6 +180,13 @@ class DecodeBatch:
         # While _unread: the logprobs of the unread tokens (None: no row asked).
         self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
+        # Plain steps run since the batch was made: with a row's `fed_offset`, the tokens in its KV cache.
+        self._plain_steps = 0
+        # While a bf16 batch of a quantized scheme waits to convert: the `_plain_steps` after which it does
+        # (its first row then holds `start` tokens); else None. Settled at join, leave and speculative steps.
+        self._convert_at: int | None = None
+        # Logprobs of a step no row asks them of: one tuple of Nones per batch size, not one a step.
+        self._no_logprobs: tuple[None, ...] = ()
         # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
         self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
@@ -225,7 +239,7 @@ class DecodeBatch:
 
     def num_fed(self, request_id: str) -> int:
         """Tokens in the row's KV cache (prompt + fed); what `cache_entry` hands over holds exactly these."""
-        return self._rows[self._index(request_id)].num_fed
+        return self._rows[self._index(request_id)].fed_offset + self._plain_steps
 
     def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
@@ -278,11 +292,12 @@ class DecodeBatch:
                 (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
                 for row, token0 in joiners])
         for row in rows:
-            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
+            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._plain_steps))
             self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
+        self._rows_changed()
         # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join. A join into free
         # slots replaced none: the allocator keeps its cache for the next steps.
@@ -415,12 +430,15 @@ class DecodeBatch:
             # A grammar's mask for this step needs the previous token consumed: read it first.
             previous = self._read()
         inputs = self._inputs
-        with self._selected.applied():
+        if self._selected is BASE_ROWS:
             logits = self._forward(inputs)
+        else:
+            with self._selected.applied():
+                logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
-        for row in self._rows:
-            row.num_fed += 1
-        self._convert_when_due()
+        self._plain_steps += 1
+        if self._convert_at is not None and self._plain_steps >= self._convert_at:
+            self._convert_when_due()
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
         # Start the next step on the device before reading the current one (pipelining).
@@ -457,9 +475,21 @@ class DecodeBatch:
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
         scheme = self._kv_scheme
-        if scheme.quantized and any(scheme.due(row.num_fed) for row in self._rows) and not self.is_quantized:
+        if scheme.quantized and any(scheme.due(self._num_fed(row)) for row in self._rows) and not self.is_quantized:
             scheme.convert_all(self._caches)
             batch_kv.share_offsets(self._caches)
+        self._rows_changed()
+
+    def _num_fed(self, row: BatchRow) -> int:
+        return row.fed_offset + self._plain_steps
+
+    def _rows_changed(self) -> None:
+        """Settle what each plain step would otherwise check row by row: when a bf16 batch converts (see
+        `_convert_when_due`: the step after which its longest row holds the scheme's `start`)."""
+        self._convert_at = None
+        scheme = self._kv_scheme
+        if scheme.quantized and self._rows and not self.is_quantized:
+            self._convert_at = scheme.start - max(row.fed_offset for row in self._rows)
 
     def _convert_for_join(self, rows: Sequence[SoloRow]) -> None:
         """One format per layer: if the running rows or any joiner are quantized, all convert before merging.
@@ -521,8 +551,10 @@ class DecodeBatch:
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         self._sampler.accept_runs(emitted)
         row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        self._plain_steps += 1
         for row, a in zip(self._rows, accepted):
-            row.num_fed += 1 + a
+            row.fed_offset += a
+        self._rows_changed()
         self._speculator.extend(emitted)
         self._inputs = mx.array([tokens[-1] for tokens in emitted], dtype=mx.uint32)
         self._unread = False
@@ -565,7 +597,12 @@ class DecodeBatch:
         if self._speculator is not None:
             self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
-        records = logprobs.records() if logprobs is not None else (None,) * len(tokens)
+        if logprobs is not None:
+            records = logprobs.records()
+        else:
+            if len(self._no_logprobs) != len(tokens):
+                self._no_logprobs = (None,) * len(tokens)
+            records = self._no_logprobs
         self._unread = False
         self._unread_logprobs = None
         return Decoded(tuple(tokens), records)
@@ -615,6 +652,7 @@ class DecodeBatch:
         self._adapters = [self._adapters[i] for i in keep]
         self._selected = rows_selected(self._adapters)
         self._sampler.keep(keep)
+        self._rows_changed()
         if self._speculator is not None:
             self._speculator.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
@@ -638,7 +676,7 @@ class DecodeBatch:
         finished) is trimmed back to `tokens`; None when that cannot be done.
         """
         index = self._index(request_id)
-        num_fed = self._rows[index].num_fed
+        num_fed = self._num_fed(self._rows[index])
         if self._solo:
             caches = list(self._caches)
         else:
@@ -664,6 +702,7 @@ class DecodeBatch:
         self._inputs = None
         self._unread = False
         self._unread_logprobs = None
+        self._convert_at = None
         self._sampler.close()
         if self._speculator is not None:
             self._speculator.close()
