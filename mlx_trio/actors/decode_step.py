@@ -295,35 +295,41 @@ class DecodeStepActor:
         """Send each row its tokens of these consecutive steps as one message; end the rows that finish.
 
         Returns whether a row finished or its session went away (it must leave the batch).
-        The steps are turned into each row's tokens once (`zip`), so a plain row's share is a few
-        calls whatever the steps' count; speculative steps go row by row through `_take_speculative`.
         """
         eos = self._model.eos_token_ids
         ended = False
-        speculative = False
         for decoded in steps:
             self._forwards += decoded.forwards
-            if decoded.proposed:
-                speculative = True
-                self._proposed += sum(decoded.proposed)
-                self._accepted += sum(decoded.accepted)
-        token_columns = list(zip(*(decoded.token_ids for decoded in steps)))
-        logprob_columns = list(zip(*(decoded.logprobs for decoded in steps)))
+            self._proposed += sum(decoded.proposed)
+            self._accepted += sum(decoded.accepted)
         for i, rid in enumerate(request_ids):
             row = self._rows.get(rid)
             if row is None or row.done:
                 continue  # already finished: these are the pipeline's wasted extra tokens
+            tokens: list[int] = []
+            logprobs: list[Any] = []
+            reason = None
             proposed, accepted = row.proposed, row.accepted
-            if speculative or None in token_columns[i]:
-                tokens, logprobs, reason = _take_speculative(row, i, steps, eos)
-            else:
-                count, reason = _taken(row, token_columns[i], eos)
-                tokens, logprobs = token_columns[i][:count], logprob_columns[i][:count]
-                row.generated.extend(tokens)
-            self._tokens += len(tokens)
+            for decoded in steps:
+                token = decoded.token_ids[i]
+                if decoded.proposed:
+                    row.proposed += decoded.proposed[i]
+                    row.accepted += decoded.accepted[i]
+                if token is None:
+                    continue  # the row emitted fewer tokens in this speculative step
+                tokens.append(token)
+                logprobs.append(decoded.logprobs[i])
+                row.generated.append(token)
+                self._tokens += 1
+                if token in eos:
+                    reason = FinishReason.STOP
+                elif row.num_generated >= row.request.params.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    break
             try:
                 row.request.reply.send_nowait(TokensDecoded(
-                    rid, tokens, logprobs if logprobs[0] is not None else None,
+                    rid, tuple(tokens), tuple(logprobs) if logprobs[0] is not None else None,
                     proposed=row.proposed - proposed, accepted=row.accepted - accepted))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 row.done = ended = True
@@ -366,43 +372,6 @@ def speculation_for(config: EngineConfig, model: LoadedModel | None) -> Speculat
     if not config.prompt_lookup:
         return None
     return SpeculationConfig.prompt_lookup(config.num_draft_tokens, config.prompt_lookup_ngram)
-
-
-def _taken(row: RunningRow, tokens: tuple[int, ...], eos: frozenset[int]) -> tuple[int, FinishReason | None]:
-    """How many of `tokens` (the row's next ones, in order) the row takes, and why it finishes after them.
-
-    The row takes them up to its first EOS (STOP) or up to `max_tokens` generated (LENGTH, unless that
-    token is an EOS); None: it takes them all and goes on.
-    """
-    generated, max_tokens = row.num_generated, row.request.params.max_tokens
-    cut = min(len(tokens), max(1, max_tokens - generated))  # a row is fed at least one token, as step by step
-    head = tokens[:cut]
-    if not eos.isdisjoint(head):
-        return next(j for j, token in enumerate(head) if token in eos) + 1, FinishReason.STOP
-    return cut, FinishReason.LENGTH if generated + cut >= max_tokens else None
-
-
-def _take_speculative(row: RunningRow, i: int, steps: Sequence[Decoded], eos: frozenset[int]) -> tuple[
-        tuple[int, ...], tuple[Any, ...], FinishReason | None]:
-    """Row `i`'s tokens and logprobs of steps that may be speculative (a row emits None past its tokens),
-    appended to `row.generated`, its proposals counted up to the step it finishes in; and why it finishes."""
-    tokens: list[int] = []
-    logprobs: list[Any] = []
-    for decoded in steps:
-        token = decoded.token_ids[i]
-        if decoded.proposed:
-            row.proposed += decoded.proposed[i]
-            row.accepted += decoded.accepted[i]
-        if token is None:
-            continue  # the row emitted fewer tokens in this speculative step
-        tokens.append(token)
-        logprobs.append(decoded.logprobs[i])
-        row.generated.append(token)
-        if token in eos:
-            return tuple(tokens), tuple(logprobs), FinishReason.STOP
-        if row.num_generated >= row.request.params.max_tokens:
-            return tuple(tokens), tuple(logprobs), FinishReason.LENGTH
-    return tuple(tokens), tuple(logprobs), None
 
 
 def _failed(request: Generate, error: BaseException) -> GenerationEnded:
