@@ -293,7 +293,8 @@ class _Plan:
     frequency: tuple[mx.array, mx.array] | None
     # The rows that draw (the rest take the argmax); None when every row is greedy.
     draws: _Draws | None
-    logprob_groups: tuple[tuple[int, tuple[int, ...]], ...]
+    # Per distinct `top_logprobs` k: (k, the rows asking it, those rows as an index array).
+    logprob_groups: tuple[tuple[int, tuple[int, ...], mx.array], ...]
 
     @classmethod
     def build(cls, rows: Sequence[_Row], dtype: Any, width: int) -> _Plan:
@@ -340,7 +341,7 @@ class _Plan:
             frequency=None if frequency is None else (frequency[0], mx.where(
                 frequency[0], _column([-s for s in frequency[1]], dtype), mx.array(0, dtype=dtype))),
             draws=_Draws.build([params[i] for i in sampled], sampled, n, dtype) if sampled else None,
-            logprob_groups=tuple((k, tuple(idx)) for k, idx in sorted(groups.items())),
+            logprob_groups=tuple((k, tuple(idx), mx.array(idx)) for k, idx in sorted(groups.items())),
         )
 
     def process(self, logits: mx.array, history: mx.array | None) -> mx.array:

@@ -88,15 +88,15 @@ class BatchLogprobs:
 
 
 def gather_batch_logprobs(logprobs: mx.array, tokens: mx.array,
-                          groups: Sequence[tuple[int, Sequence[int]]]) -> BatchLogprobs:
-    """`gather_logprobs` for many rows: `logprobs` `[B, V]`, `tokens` `[B]`, `groups` of (k, rows wanting k).
+                          groups: Sequence[tuple[int, Sequence[int], mx.array]]) -> BatchLogprobs:
+    """`gather_logprobs` for many rows: `logprobs` `[B, V]`, `tokens` `[B]`, `groups` of (k, rows wanting k,
+    those rows as an index array: made once per row set, not once a step).
 
     Per k one argpartition over those rows: which of several tied logits
     argpartition keeps depends on k, so rows asking for different k never share one.
     """
     out = []
-    for k, rows in groups:
-        take = mx.array(list(rows))
+    for k, rows, take in groups:
         sub = logprobs[take]
         chosen = mx.take_along_axis(sub, tokens[take].astype(mx.int32)[:, None], axis=-1)[:, 0]
         k = min(k, sub.shape[-1])
