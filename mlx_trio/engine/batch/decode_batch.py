@@ -40,11 +40,11 @@ Invariant: every row's KV cache holds exactly the tokens fed so far: its
 prompt, then every token that has been a forward's input (`DecodeBatch.num_fed`
 counts them). The register holds tokens sampled but not yet fed.
 
-A plain step's Python is the same whatever the batch's size (issues #20, #25:
-on an H200 the host builds and launches each step slower than the device runs
+A plain step's own Python does not grow with the batch (issues #20, #25: on
+an H200 the host builds and launches each step slower than the device runs
 it): what every row does alike is counted once for the batch (`BatchRow`),
-what a step checks is settled at join and leave (`_convert_at`), and the
-register is read with one `tolist()`.
+and what a step would check row by row is settled at join and leave
+(`_convert_at`).
 
 **Speculative steps** (with a `Speculator`, engine/speculative/): while some
 row has a proposal, a step reads the register first, feeds every row its
@@ -185,8 +185,6 @@ class DecodeBatch:
         # While a bf16 batch of a quantized scheme waits to convert: the `_plain_steps` after which it does
         # (its first row then holds `start` tokens); else None. Settled at join, leave and speculative steps.
         self._convert_at: int | None = None
-        # Logprobs of a step no row asks them of: one tuple of Nones per batch size, not one a step.
-        self._no_logprobs: tuple[None, ...] = ()
         # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
         self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
@@ -239,7 +237,7 @@ class DecodeBatch:
 
     def num_fed(self, request_id: str) -> int:
         """Tokens in the row's KV cache (prompt + fed); what `cache_entry` hands over holds exactly these."""
-        return self._rows[self._index(request_id)].fed_offset + self._plain_steps
+        return self._num_fed(self._rows[self._index(request_id)])
 
     def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
@@ -297,7 +295,7 @@ class DecodeBatch:
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
-        self._rows_changed()
+        self._settle_conversion()
         # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join. A join into free
         # slots replaced none: the allocator keeps its cache for the next steps.
@@ -437,8 +435,7 @@ class DecodeBatch:
                 logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
         self._plain_steps += 1
-        if self._convert_at is not None and self._plain_steps >= self._convert_at:
-            self._convert_when_due()
+        self._convert_when_due()
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
         # Start the next step on the device before reading the current one (pipelining).
@@ -474,18 +471,18 @@ class DecodeBatch:
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
-        scheme = self._kv_scheme
-        if scheme.quantized and any(scheme.due(self._num_fed(row)) for row in self._rows) and not self.is_quantized:
-            scheme.convert_all(self._caches)
-            batch_kv.share_offsets(self._caches)
-        self._rows_changed()
+        if self._convert_at is None or self._plain_steps < self._convert_at:
+            return
+        self._kv_scheme.convert_all(self._caches)
+        batch_kv.share_offsets(self._caches)
+        self._settle_conversion()
 
     def _num_fed(self, row: BatchRow) -> int:
         return row.fed_offset + self._plain_steps
 
-    def _rows_changed(self) -> None:
-        """Settle what each plain step would otherwise check row by row: when a bf16 batch converts (see
-        `_convert_when_due`: the step after which its longest row holds the scheme's `start`)."""
+    def _settle_conversion(self) -> None:
+        """After the rows changed: the plain step after which a bf16 batch of a quantized scheme converts
+        (its longest row then holds `start` tokens), so that a step checks one number, not every row."""
         self._convert_at = None
         scheme = self._kv_scheme
         if scheme.quantized and self._rows and not self.is_quantized:
@@ -554,7 +551,7 @@ class DecodeBatch:
         self._plain_steps += 1
         for row, a in zip(self._rows, accepted):
             row.fed_offset += a
-        self._rows_changed()
+        self._settle_conversion()
         self._speculator.extend(emitted)
         self._inputs = mx.array([tokens[-1] for tokens in emitted], dtype=mx.uint32)
         self._unread = False
@@ -597,12 +594,7 @@ class DecodeBatch:
         if self._speculator is not None:
             self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
-        if logprobs is not None:
-            records = logprobs.records()
-        else:
-            if len(self._no_logprobs) != len(tokens):
-                self._no_logprobs = (None,) * len(tokens)
-            records = self._no_logprobs
+        records = logprobs.records() if logprobs is not None else (None,) * len(tokens)
         self._unread = False
         self._unread_logprobs = None
         return Decoded(tuple(tokens), records)
@@ -652,7 +644,7 @@ class DecodeBatch:
         self._adapters = [self._adapters[i] for i in keep]
         self._selected = rows_selected(self._adapters)
         self._sampler.keep(keep)
-        self._rows_changed()
+        self._settle_conversion()
         if self._speculator is not None:
             self._speculator.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
