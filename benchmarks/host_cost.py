@@ -6,6 +6,17 @@ Usage:
     PYTHONPATH=/tmp/sampling-base python benchmarks/host_cost.py    # the same on another checkout
     python benchmarks/host_cost.py --split --scenarios greedy       # where a step's CPU goes (see below)
 
+    # Two checkouts A/B, alternated in rounds in one process tree (a noisy host hits both alike); this
+    # script from the newer one (the older may lack --split), the package from each on PYTHONPATH:
+    for r in 1 2 3; do for side in base branch; do
+      PYTHONPATH=/path/to/$side python benchmarks/host_cost.py --model /tmp/mlx-trio-gpu-models/llama-1b
+        --batch 64 --steps 200 --repeats 3 --split --label $side --json /tmp/host_cost-$side-$r.json   # one line
+    done; done
+
+Compare the parts as multiples of the same run's forward build (identical code on both sides: the
+"÷ forward" columns): on a shared host that cancels most of the noise that moves whole runs by tens
+of percent.
+
 For each scenario, B rows (random prompts of 8-40 tokens) prefill alone and
 join one `DecodeBatch`, which then steps as the decode actor drives it
 (`step_decoded`, tokens read one step behind). Measured on the thread that
@@ -210,11 +221,13 @@ def main() -> None:
               f"{m['cpu_ms_per_step'] / base:.2f} | {m['wall_ms_per_step']:.2f} | {m['tok_per_s']:.0f} |")
     if args.split:
         print()
-        print("| scenario | forward µs | sample µs | launch µs | read µs | rest µs | outside µs (sample+read+rest) |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| scenario | forward µs | sample µs | launch µs | read µs | rest µs | outside µs (sample+read+rest) | "
+              "rest ÷ forward | outside ÷ forward |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for s, m in medians.items():
             print(f"| {s} | {m['forward_us']:.0f} | {m['sample_us']:.0f} | {m['launch_us']:.0f} | "
-                  f"{m['read_us']:.0f} | {m['rest_us']:.0f} | {m['outside_us']:.0f} |")
+                  f"{m['read_us']:.0f} | {m['rest_us']:.0f} | {m['outside_us']:.0f} | "
+                  f"{m['rest_us'] / m['forward_us']:.3f} | {m['outside_us'] / m['forward_us']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"label": args.label, "model": model_label, "batch": args.batch,
                                          "steps": args.steps, "device": out["device"], "medians": medians,
