@@ -104,8 +104,8 @@ class BatchRow:
     state lives in the batch's `BatchSampler`, aligned the same way)."""
 
     request_id: str
-    # Tokens in this row's KV cache less the batch's plain steps (`DecodeBatch._plain_steps`): a plain step
-    # feeds every row one token, so it counts once for the batch, not once a row.
+    # Tokens in this row's KV cache less the batch's steps (`DecodeBatch._fed_steps`): a step feeds
+    # every row one token, so it is counted once for the batch, not once a row.
     fed_offset: int
 
 
@@ -180,10 +180,12 @@ class DecodeBatch:
         # While _unread: the logprobs of the unread tokens (None: no row asked).
         self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
-        # Plain steps run since the batch was made: with a row's `fed_offset`, the tokens in its KV cache.
-        self._plain_steps = 0
-        # While a bf16 batch of a quantized scheme waits to convert: the `_plain_steps` after which it does
-        # (its first row then holds `start` tokens); else None. Settled at join, leave and speculative steps.
+        # Steps run since the batch was made, each of which fed every row one token (a speculative step
+        # feeds a row its accepted tokens too: those go into the row's `fed_offset`). With a row's
+        # `fed_offset`, the tokens in its KV cache.
+        self._fed_steps = 0
+        # While a bf16 batch of a quantized scheme waits to convert: the `_fed_steps` after which it does
+        # (its longest row then holds `start` tokens); else None. Settled at join, leave and speculative steps.
         self._convert_at: int | None = None
         # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
         self._quiet_steps = self._quiet_wait = 0
@@ -290,7 +292,7 @@ class DecodeBatch:
                 (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
                 for row, token0 in joiners])
         for row in rows:
-            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._plain_steps))
+            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._fed_steps))
             self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
@@ -434,7 +436,7 @@ class DecodeBatch:
             with self._selected.applied():
                 logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
-        self._plain_steps += 1
+        self._fed_steps += 1
         self._convert_when_due()
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
@@ -471,14 +473,14 @@ class DecodeBatch:
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
-        if self._convert_at is None or self._plain_steps < self._convert_at:
+        if self._convert_at is None or self._fed_steps < self._convert_at:
             return
         self._kv_scheme.convert_all(self._caches)
         batch_kv.share_offsets(self._caches)
         self._settle_conversion()
 
     def _num_fed(self, row: BatchRow) -> int:
-        return row.fed_offset + self._plain_steps
+        return row.fed_offset + self._fed_steps
 
     def _settle_conversion(self) -> None:
         """After the rows changed: the plain step after which a bf16 batch of a quantized scheme converts
@@ -548,7 +550,7 @@ class DecodeBatch:
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         self._sampler.accept_runs(emitted)
         row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
-        self._plain_steps += 1
+        self._fed_steps += 1
         for row, a in zip(self._rows, accepted):
             row.fed_offset += a
         self._settle_conversion()
