@@ -4,6 +4,18 @@ Usage:
     python benchmarks/host_cost.py                                  # tiny model, B=64, CPU or GPU
     python benchmarks/host_cost.py --shape llama-1b --batch 64 --json out.json
     PYTHONPATH=/tmp/sampling-base python benchmarks/host_cost.py    # the same on another checkout
+    python benchmarks/host_cost.py --split --scenarios greedy       # where a step's CPU goes (see below)
+
+    # Two checkouts A/B, alternated in rounds in one process tree (a noisy host hits both alike); this
+    # script from the newer one (the older may lack --split), the package from each on PYTHONPATH:
+    for r in 1 2 3; do for side in base branch; do
+      PYTHONPATH=/path/to/$side python benchmarks/host_cost.py --model /tmp/mlx-trio-gpu-models/llama-1b
+        --batch 64 --steps 200 --repeats 3 --split --label $side --json /tmp/host_cost-$side-$r.json   # one line
+    done; done
+
+Compare the parts as multiples of the same run's forward build (identical code on both sides: the
+"÷ forward" columns): on a shared host that cancels most of the noise that moves whole runs by tens
+of percent.
 
 For each scenario, B rows (random prompts of 8-40 tokens) prefill alone and
 join one `DecodeBatch`, which then steps as the decode actor drives it
@@ -18,6 +30,18 @@ them) and the wall time. Scenarios:
 * ``penalties``  every row greedy with repetition 1.1, presence 0.5, frequency 0.3 (windows of 20);
 * ``mixed``      rows in turn: greedy; seeded T=0.8 top_p=0.9; seeded T=1.0 top_k=20 min_p=0.05;
                  greedy with a 2-token bias, repetition 1.1 and 3 top logprobs.
+
+The model is loaded as the engine loads it (`load_model`: fused projections,
+so the lean decode forward of engine/model/decode_forward.py where it applies).
+
+``--split`` cuts each step's CPU in five (thread time; the script wraps the
+batch's own methods and `mx.async_eval` on this one batch, the engine is
+unchanged): **forward** (building the model forward's graph: `_forward`),
+**sample** (building the sampler's graph), **launch** (`mx.async_eval`: MLX
+walks the step's graph and, on a GPU, encodes and launches its kernels),
+**read** (the register's `tolist()`, grammars, logprob records) and **rest**
+(every other line of `step_decoded`: the per-step bookkeeping). "outside"
+is what is neither the forward's build nor the launch: sample + read + rest.
 
 Rounds run the scenarios in turn (`--repeats`), so a noisy neighbour hits all
 of them alike; the table shows medians and each scenario's CPU relative to
@@ -65,8 +89,33 @@ def row_params(scenario: str, row: int, vocab_size: int) -> SamplingParams:
                           top_logprobs=3)
 
 
+PARTS = ("forward", "sample", "launch", "read")
+
+
+class PartClock:
+    """Thread time inside a few functions of one batch (`--split`): each wrapped on its own object only."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[part] += time.thread_time() - start
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.spent = dict.fromkeys(PARTS, 0.0)
+
+
 def measure(model: Any, vocab_size: int, scenario: str, batch: int, steps: int, warmup: int,
-            seed: int, compile_decode: bool = False) -> dict[str, float]:
+            seed: int, compile_decode: bool = False, split: bool = False) -> dict[str, float]:
     """One scenario once: B rows prefilled and joined, `warmup` steps, then `steps` measured steps."""
     import mlx.core as mx
 
@@ -84,17 +133,36 @@ def measure(model: Any, vocab_size: int, scenario: str, batch: int, steps: int, 
             pass
         joiners.append((row, row.first_token()))
     decode.join_many(joiners)
-    for _ in range(warmup):
-        decode.step_decoded()
-    cpu0, wall0 = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        decode.step_decoded()
-    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    clock = PartClock()
+    if split:
+        # The module's `mx` is mlx.core itself: wrapped for this measurement only, put back below.
+        launch = mx.async_eval
+        clock.wrap(decode, "_forward", "forward")
+        clock.wrap(decode._sampler, "sample", "sample")
+        clock.wrap(decode, "_read", "read")
+        clock.wrap(mx, "async_eval", "launch")
+    try:
+        for _ in range(warmup):
+            decode.step_decoded()
+        clock.reset()
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        for _ in range(steps):
+            decode.step_decoded()
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    finally:
+        if split:
+            mx.async_eval = launch
     decode.flush_decoded()
     decode.close()
     mx.clear_cache()
-    return {"cpu_ms_per_step": 1e3 * cpu / steps, "cpu_us_per_token": 1e6 * cpu / (steps * batch),
-            "wall_ms_per_step": 1e3 * wall / steps, "tok_per_s": steps * batch / wall}
+    out = {"cpu_ms_per_step": 1e3 * cpu / steps, "cpu_us_per_token": 1e6 * cpu / (steps * batch),
+           "wall_ms_per_step": 1e3 * wall / steps, "tok_per_s": steps * batch / wall}
+    if split:
+        parts = {part: 1e6 * spent / steps for part, spent in clock.spent.items()}
+        parts["rest"] = 1e6 * cpu / steps - sum(parts.values())
+        parts["outside"] = parts["sample"] + parts["read"] + parts["rest"]
+        out.update({f"{part}_us": us for part, us in parts.items()})
+    return out
 
 
 def main() -> None:
@@ -109,6 +177,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--compile", action="store_true",
                         help="compiled decode steps (engine/batch/compiled_step.py; default: uncompiled, as before)")
+    parser.add_argument("--split", action="store_true",
+                        help="also each step's CPU by part: forward build, sample, launch, read, rest (see above)")
     parser.add_argument("--label", default="", help="names the checkout in the report (e.g. main, branch)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -120,10 +190,11 @@ def main() -> None:
 
         def run() -> dict[str, Any]:
             import mlx.core as mx
-            from mlx_lm import load
 
-            model, tokenizer = load(str(path))
-            vocab_size = tokenizer.vocab_size
+            from mlx_trio.engine.model.load import load_model
+
+            loaded = load_model(str(path))
+            model, vocab_size = loaded.model, loaded.vocab_size
             results: dict[str, list[dict[str, float]]] = {s: [] for s in scenarios}
             for s in scenarios:  # warm-up round: compiles and allocator growth, not recorded
                 measure(model, vocab_size, s, args.batch, max(5, args.steps // 10), 2, seed=0,
@@ -131,7 +202,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for s in scenarios:
                     results[s].append(measure(model, vocab_size, s, args.batch, args.steps, args.warmup,
-                                              seed=repeat, compile_decode=args.compile))
+                                              seed=repeat, compile_decode=args.compile, split=args.split))
             return {"device": str(mx.default_device()), "results": results}
 
         out = run_in_mlx_thread(run)
@@ -148,6 +219,15 @@ def main() -> None:
     for s, m in medians.items():
         print(f"| {s} | {m['cpu_ms_per_step']:.2f} | {m['cpu_us_per_token']:.1f} | "
               f"{m['cpu_ms_per_step'] / base:.2f} | {m['wall_ms_per_step']:.2f} | {m['tok_per_s']:.0f} |")
+    if args.split:
+        print()
+        print("| scenario | forward µs | sample µs | launch µs | read µs | rest µs | outside µs (sample+read+rest) | "
+              "rest ÷ forward | outside ÷ forward |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for s, m in medians.items():
+            print(f"| {s} | {m['forward_us']:.0f} | {m['sample_us']:.0f} | {m['launch_us']:.0f} | "
+                  f"{m['read_us']:.0f} | {m['rest_us']:.0f} | {m['outside_us']:.0f} | "
+                  f"{m['rest_us'] / m['forward_us']:.3f} | {m['outside_us'] / m['forward_us']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"label": args.label, "model": model_label, "batch": args.batch,
                                          "steps": args.steps, "device": out["device"], "medians": medians,

@@ -37,8 +37,14 @@ This is mlx-lm's `GenerationBatch` rebuilt around rows that prefilled alone
   (mlx-lm's `filter`, the path without slots). Every other layout takes that path.
 
 Invariant: every row's KV cache holds exactly the tokens fed so far: its
-prompt, then every token that has been a forward's input (`BatchRow.num_fed`
+prompt, then every token that has been a forward's input (`DecodeBatch.num_fed`
 counts them). The register holds tokens sampled but not yet fed.
+
+A plain step's own Python does not grow with the batch (issues #20, #25: on
+an H200 the host builds and launches each step slower than the device runs
+it): what every row does alike is counted once for the batch (`BatchRow`),
+and what a step would check row by row is settled at join and leave
+(`_convert_at`).
 
 **Speculative steps** (with a `Speculator`, engine/speculative/): while some
 row has a proposal, a step reads the register first, feeds every row its
@@ -98,8 +104,9 @@ class BatchRow:
     state lives in the batch's `BatchSampler`, aligned the same way)."""
 
     request_id: str
-    # Tokens in this row's KV cache: the prompt, then one per step that fed this row.
-    num_fed: int
+    # Tokens in this row's KV cache less the batch's steps (`DecodeBatch._fed_steps`): a step feeds
+    # every row one token, so it is counted once for the batch, not once a row.
+    fed_offset: int
 
 
 @attrs.frozen
@@ -173,6 +180,13 @@ class DecodeBatch:
         # While _unread: the logprobs of the unread tokens (None: no row asked).
         self._unread_logprobs: BatchLogprobs | None = None
         self._num_steps = 0
+        # Steps run since the batch was made, each of which fed every row one token (a speculative step
+        # feeds a row its accepted tokens too: those go into the row's `fed_offset`). With a row's
+        # `fed_offset`, the tokens in its KV cache.
+        self._fed_steps = 0
+        # While a bf16 batch of a quantized scheme waits to convert: the `_fed_steps` after which it does
+        # (its longest row then holds `start` tokens); else None. Settled at join, leave and speculative steps.
+        self._convert_at: int | None = None
         # Plain steps to run before looking for proposals again, and the last such wait (see MAX_QUIET_STEPS).
         self._quiet_steps = self._quiet_wait = 0
         # Whether the last read of the register waited for the device (see step_decoded).
@@ -225,7 +239,7 @@ class DecodeBatch:
 
     def num_fed(self, request_id: str) -> int:
         """Tokens in the row's KV cache (prompt + fed); what `cache_entry` hands over holds exactly these."""
-        return self._rows[self._index(request_id)].num_fed
+        return self._num_fed(self._rows[self._index(request_id)])
 
     def join_many(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
         """Add each row (in order) as the last rows; its token 0 is its next input. Takes their caches and samplers.
@@ -278,11 +292,12 @@ class DecodeBatch:
                 (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
                 for row, token0 in joiners])
         for row in rows:
-            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens))
+            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._fed_steps))
             self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
+        self._settle_conversion()
         # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join. A join into free
         # slots replaced none: the allocator keeps its cache for the next steps.
@@ -415,11 +430,13 @@ class DecodeBatch:
             # A grammar's mask for this step needs the previous token consumed: read it first.
             previous = self._read()
         inputs = self._inputs
-        with self._selected.applied():
+        if self._selected is BASE_ROWS:
             logits = self._forward(inputs)
+        else:
+            with self._selected.applied():
+                logits = self._forward(inputs)
         sampled, state, logprobs = self._sampler.sample(logits, inputs)
-        for row in self._rows:
-            row.num_fed += 1
+        self._fed_steps += 1
         self._convert_when_due()
         if report is not None and not self._device_bound:
             previous = self._hand_on(previous, report)
@@ -456,10 +473,22 @@ class DecodeBatch:
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
+        if self._convert_at is None or self._fed_steps < self._convert_at:
+            return
+        self._kv_scheme.convert_all(self._caches)
+        batch_kv.share_offsets(self._caches)
+        self._settle_conversion()
+
+    def _num_fed(self, row: BatchRow) -> int:
+        return row.fed_offset + self._fed_steps
+
+    def _settle_conversion(self) -> None:
+        """After the rows changed: the plain step after which a bf16 batch of a quantized scheme converts
+        (its longest row then holds `start` tokens), so that a step checks one number, not every row."""
+        self._convert_at = None
         scheme = self._kv_scheme
-        if scheme.quantized and any(scheme.due(row.num_fed) for row in self._rows) and not self.is_quantized:
-            scheme.convert_all(self._caches)
-            batch_kv.share_offsets(self._caches)
+        if scheme.quantized and self._rows and not self.is_quantized:
+            self._convert_at = scheme.start - max(row.fed_offset for row in self._rows)
 
     def _convert_for_join(self, rows: Sequence[SoloRow]) -> None:
         """One format per layer: if the running rows or any joiner are quantized, all convert before merging.
@@ -521,8 +550,10 @@ class DecodeBatch:
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         self._sampler.accept_runs(emitted)
         row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        self._fed_steps += 1
         for row, a in zip(self._rows, accepted):
-            row.num_fed += 1 + a
+            row.fed_offset += a
+        self._settle_conversion()
         self._speculator.extend(emitted)
         self._inputs = mx.array([tokens[-1] for tokens in emitted], dtype=mx.uint32)
         self._unread = False
@@ -615,6 +646,7 @@ class DecodeBatch:
         self._adapters = [self._adapters[i] for i in keep]
         self._selected = rows_selected(self._adapters)
         self._sampler.keep(keep)
+        self._settle_conversion()
         if self._speculator is not None:
             self._speculator.keep(keep)
         self._inputs = self._inputs[mx.array(keep)]
@@ -638,7 +670,7 @@ class DecodeBatch:
         finished) is trimmed back to `tokens`; None when that cannot be done.
         """
         index = self._index(request_id)
-        num_fed = self._rows[index].num_fed
+        num_fed = self._num_fed(self._rows[index])
         if self._solo:
             caches = list(self._caches)
         else:
@@ -664,6 +696,7 @@ class DecodeBatch:
         self._inputs = None
         self._unread = False
         self._unread_logprobs = None
+        self._convert_at = None
         self._sampler.close()
         if self._speculator is not None:
             self._speculator.close()

@@ -71,10 +71,6 @@ class KvScheme:
             if type(cache) is KVCache and cache.offset >= self.start:
                 caches[i] = cache.to_quantized(group_size=self.group_size, bits=self.bits)
 
-    def due(self, num_tokens: int) -> bool:
-        """Whether a row holding `num_tokens` tokens is past the start (its batch must be quantized)."""
-        return self.bits is not None and num_tokens >= self.start
-
     def convert_all(self, caches: list[Any]) -> None:
         """Every convertible layer (serial or batched) to quantized storage, in place, whatever its offset (lazy)."""
         if self.bits is None:

@@ -19,6 +19,8 @@ import mlx.core as mx
 
 from mlx_trio.logprobs import SampledLogprobs
 
+_INF, _NEG_INF = math.inf, -math.inf
+
 # (sampled token's logprob [1], top ids [k], top logprobs [k]): lazy until the step is evaluated.
 LogprobArrays = tuple[mx.array, mx.array, mx.array]
 
@@ -73,23 +75,28 @@ class BatchLogprobs:
         """Per row (batch order), plain values from the evaluated arrays; None for rows that did not ask."""
         out: list[SampledLogprobs | None] = [None] * self.size
         for rows, chosen, top_ids, top_values in self.groups:
+            # `tolist()` gives Python ints and floats already: a row's top entries are zipped as they come,
+            # filtered one by one only where the grammar forbade some (-inf), as `to_record` does.
             for row, c, ids, values in zip(rows, chosen.tolist(), top_ids.tolist(), top_values.tolist()):
                 if row >= 0:
-                    out[row] = SampledLogprobs(
-                        float(c), tuple((int(i), float(v)) for i, v in zip(ids, values) if not math.isinf(v)))
+                    if _NEG_INF in values or _INF in values:
+                        top = tuple((i, v) for i, v in zip(ids, values) if not math.isinf(v))
+                    else:
+                        top = tuple(zip(ids, values))
+                    out[row] = SampledLogprobs(c, top)
         return tuple(out)
 
 
 def gather_batch_logprobs(logprobs: mx.array, tokens: mx.array,
-                          groups: Sequence[tuple[int, Sequence[int]]]) -> BatchLogprobs:
-    """`gather_logprobs` for many rows: `logprobs` `[B, V]`, `tokens` `[B]`, `groups` of (k, rows wanting k).
+                          groups: Sequence[tuple[int, Sequence[int], mx.array]]) -> BatchLogprobs:
+    """`gather_logprobs` for many rows: `logprobs` `[B, V]`, `tokens` `[B]`, `groups` of (k, rows wanting k,
+    those rows as an index array: made once per row set, not once a step).
 
     Per k one argpartition over those rows: which of several tied logits
     argpartition keeps depends on k, so rows asking for different k never share one.
     """
     out = []
-    for k, rows in groups:
-        take = mx.array(list(rows))
+    for k, rows, take in groups:
         sub = logprobs[take]
         chosen = mx.take_along_axis(sub, tokens[take].astype(mx.int32)[:, None], axis=-1)[:, 0]
         k = min(k, sub.shape[-1])

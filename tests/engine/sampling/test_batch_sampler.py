@@ -162,3 +162,24 @@ def test_a_row_whose_weights_are_nan_still_draws_a_token_in_the_vocabulary() -> 
     keys = mx.stack([mx.random.key(1), mx.random.key(2)])
     drawn = _categorical_rows(logits, keys).tolist()
     assert all(0 <= token < 7 for token in drawn)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_penalties_over_one_window_share_it_and_keep_the_solo_tokens(dtype: Any) -> None:
+    """Penalties whose windows are the same slots use one array (masked once a step); the draws stay the solo ones."""
+    from mlx_trio.engine.sampling.batch_sampler import _Plan, _Row  # noqa: PLC0415
+
+    same = SamplingParams(max_tokens=64, repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=1.1,
+                          repetition_context_size=3, presence_context_size=3, frequency_context_size=3)
+    other = attrs.evolve(same, presence_context_size=20, temperature=0.8, seed=11)
+    rows = [Row(same, (1, 2, 3, 2), 0, 12), Row(other, (4, 4, 5), 1, 10), Row(same, (7, 7), 2, 9)]
+    got = _batched(rows, dtype)
+    for i, row in enumerate(rows):
+        assert got[i] == _solo(row, i, dtype), i
+
+    plan = _Plan.build([_Row(same, None, None, 3)] * 2, dtype, 3)
+    assert plan.repetition is not None and plan.presence is not None and plan.frequency is not None
+    assert plan.repetition[0] is plan.presence[0] is plan.frequency[0]
+    mixed = _Plan.build([_Row(same, None, None, 3), _Row(other, None, None, 20)], dtype, 20)
+    assert mixed.repetition is not None and mixed.presence is not None
+    assert mixed.repetition[0] is not mixed.presence[0]

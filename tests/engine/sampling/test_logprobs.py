@@ -121,3 +121,21 @@ def test_constrained_logprobs_come_from_the_masked_distribution() -> None:
     assert all(tokenizer.decode([tid]).startswith('"') for tid, _ in first.top)
     assert sum(math.exp(lp) for _, lp in first.top) == pytest.approx(1.0, abs=1e-5)
     assert out.logprobs[-1] is not None and out.logprobs[-1].logprob == pytest.approx(0.0, abs=1e-6)  # EOS forced
+
+
+def test_batch_records_are_each_rows_own_record() -> None:
+    """`BatchLogprobs.records` (one `tolist()` per group) is `to_record` of each row, -inf entries left out."""
+    from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs, to_record
+
+    top_ids = mx.array([[4, 9, 1], [3, 0, 2]], dtype=mx.int32)
+    top_values = mx.array([[-0.25, -1.5, -math.inf], [-0.5, -0.75, -2.0]], dtype=mx.bfloat16)
+    chosen = mx.array([-0.25, -0.75], dtype=mx.bfloat16)
+    # Row 1 of the batch asks k=3 (group row 0), row 0 too (group row 1); row 2 did not ask; -1 left the batch.
+    batch = BatchLogprobs(3, (((1, 0), chosen, top_ids, top_values),))
+    records = batch.records()
+    assert records[2] is None
+    for group_row, batch_row in ((0, 1), (1, 0)):
+        want = to_record((chosen[group_row], top_ids[group_row], top_values[group_row]))
+        assert records[batch_row] == want
+        assert all(type(i) is int and type(v) is float for i, v in records[batch_row].top)
+    assert records[1].top == ((4, -0.25), (9, -1.5))
