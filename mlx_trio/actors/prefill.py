@@ -46,7 +46,7 @@ from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_sh
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
-from mlx_trio.engine.batch.cohort_prefill import prefill_rows, shares_forwards
+from mlx_trio.engine.batch.cohort_prefill import COHORT_CUDNN_MAX_TOKENS, prefill_rows, shares_forwards
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
@@ -63,6 +63,8 @@ SNAPSHOT_MIN_TOKENS = 256
 DECODING_CHUNK_DIVISOR = 4
 # A prefill passed over this many chunks in a row (shorter ones ran) runs the next one.
 AGING_CHUNKS = 4
+# A shared cohort's job takes at most this many forward groups' tokens (engine/batch/cohort_prefill.py).
+COHORT_JOB_CHUNKS = 2
 # While every waiting request needs an adapter slot held by running rows, how often to look again.
 ADAPTER_SLOT_POLL_S = 0.005
 # While cuDNN plans are left to build in idle time and rows decode, how often to look whether they ended.
@@ -386,9 +388,10 @@ class PrefillActor:
                 if shared:
                     # Right-padded to the longest: the forwards cost rows x that length.
                     weight = (len(hits) + 1) * max(longest, uncached) - used
+                    fits = self._shared_cohort_fits(used + weight, budget, busy)
                 else:
                     weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
-                fits = used + weight <= budget
+                    fits = used + weight <= budget
             if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
             if not self._adapters_fit(list(self._backlog)[: i + 1]):
@@ -407,6 +410,20 @@ class PrefillActor:
         layout = self._model.kv_layout
         return (prefill_only_cudnn() and not (layout.window or layout.fixed_bytes)
                 and not self._model.kv_scheme.quantized and shares_forwards(self._model.model, len(cmd.prompt_ids)))
+
+    def _shared_cohort_fits(self, padded: int, budget: int, busy: bool) -> bool:
+        """Whether a cohort sharing its forwards under prefill-only cuDNN may hold `padded` tokens (rows x longest).
+
+        While busy, once a chunk was measured: its predicted time, as one
+        chunk of that many tokens (which overstates the attention: each row
+        attends over its own prompt only), within `--prefill-chunk-ms`, and at
+        most `COHORT_JOB_CHUNKS` forwards' worth of tokens (engine/batch/
+        cohort_prefill.py `forward_groups`). Otherwise the tokens budget.
+        """
+        predicted = self.sizer.predict(padded, 0) if busy else None
+        if predicted is None:
+            return padded <= budget
+        return predicted <= self.sizer.target_s and padded <= COHORT_JOB_CHUNKS * COHORT_CUDNN_MAX_TOKENS
 
     @property
     def _timed_cohort(self) -> bool:

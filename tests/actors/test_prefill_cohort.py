@@ -144,16 +144,28 @@ async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicte
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
 
 
-async def test_under_prefill_only_cudnn_a_cohort_that_shares_its_forwards_counts_its_padded_tokens(
+async def test_under_prefill_only_cudnn_a_cohort_that_shares_its_forwards_is_bounded_by_its_padded_tokens_time(
         lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where short prompts share their forwards (a routed model, no switch), the same 20 ms predictions do not
-    bound the cohort: its padded tokens do, 5 and 3 rows of 11 uncached tokens in 64 (as the tokens rule)."""
+    """Where short prompts share their forwards (a routed model, no switch), the rows' own 20 ms prefills do not
+    bound the cohort: the predicted time of its padded tokens (rows x the longest) does. At 10 ms a forward
+    whatever its size all 8 fit the 50 ms target in one job; at 0.625 ms a token (8 x ~11 padded tokens: 55 ms) they
+    take two."""
+    from mlx_trio.actors.chunk_sizer import ChunkSizer
+
     actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
     joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
     assert actor._shares_forwards(_request(0)[0])
+    assert (jobs, actor.statistics().cohort_rows) == (1, 8)
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
+    actor.sizer = ChunkSizer(0.05, 64)
+    actor.sizer.record(32, 0, 0.020)
+    actor.sizer.record(64, 0, 0.040)
+    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
     assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
-    assert jobs == 2
-    assert actor.statistics().cohort_rows == 8
+    assert (jobs, actor.statistics().cohort_rows) == (2, 8)
     for join in joins:
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
 

@@ -43,12 +43,18 @@ from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.switches import switched_on
 
-# Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`),
-# and the most rows one forward takes (`prefill_rows`): 32 rows x 32 heads x 512 x 512 bf16 scores are 512 MiB.
+# Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`), the
+# most rows and padded tokens (rows x the longest) one forward takes (`prefill_rows`), and the prompt columns
+# one forward feeds (`prefill_together`). The plain attention holds rows x heads x columns x keys scores: at
+# most 8192 / 2048 rows x 32 heads x 512 x 2048 bf16 = 128 MiB (32 x 32 x 256 x 256 for short prompts: 128 MiB).
 COHORT_CUDNN_MAX_ROWS = 32
-COHORT_CUDNN_MAX_CONTEXT = 512
-# There, a shared forward's prompt tokens are padded to a multiple of this (`cohort_shape`).
+COHORT_CUDNN_MAX_CONTEXT = 2048
+COHORT_CUDNN_MAX_TOKENS = 8192
+COHORT_CUDNN_COLUMNS = 512
+# There, a shared forward's prompt tokens are padded to a multiple of this (`cohort_shape`), and its rows to
+# a power of two only up to this longest prompt (past it an empty row costs a long prompt's compute).
 COHORT_TOKEN_QUANTUM = 32
+COHORT_ROW_BUCKET_MAX_TOKENS = 256
 # Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
 IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
@@ -70,9 +76,7 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
     together = made if can_prefill_together(made, model) else []
-    # Under prefill-only cuDNN at most COHORT_CUDNN_MAX_ROWS rows share a forward (the plain attention's scores).
-    size = COHORT_CUDNN_MAX_ROWS if decode_layout.is_active() else max(1, len(together))
-    for group in (together[i : i + size] for i in range(0, len(together), size)):
+    for group in forward_groups(together):
         try:
             prefill_together(model, group)
         except Exception as exc:
@@ -93,6 +97,28 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
             except Exception as exc:
                 outcomes[i] = _failed(row, exc)
     return outcomes
+
+
+def forward_groups(rows: Sequence[SoloRow]) -> list[list[SoloRow]]:
+    """The rows in order, cut into the groups that share one forward each.
+
+    Under prefill-only cuDNN a group holds at most `COHORT_CUDNN_MAX_ROWS` rows and
+    `COHORT_CUDNN_MAX_TOKENS` padded tokens (its rows x its longest remaining
+    prompt): the plain attention's scores stay bounded. Elsewhere all rows are one group.
+    """
+    if not decode_layout.is_active():
+        return [list(rows)] if rows else []
+    groups: list[list[SoloRow]] = []
+    longest = 0
+    for row in rows:
+        n = max(longest, row.prefill_remaining, 1)
+        if groups and len(groups[-1]) < COHORT_CUDNN_MAX_ROWS and (len(groups[-1]) + 1) * n <= COHORT_CUDNN_MAX_TOKENS:
+            groups[-1].append(row)
+            longest = n
+        else:
+            groups.append([row])
+            longest = max(row.prefill_remaining, 1)
+    return groups
 
 
 def can_prefill_in_sequence(rows: Sequence[SoloRow]) -> bool:
@@ -143,7 +169,7 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
     share their forwards only when `model`'s every attention layer is routed (engine/attention/
     routed_attention.py: it runs a `CohortKVCache`'s attention on MLX's plain ops, no cuDNN), there
     every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens (the plain attention holds rows x heads x
-    queries x keys scores; `prefill_rows` runs at most `COHORT_CUDNN_MAX_ROWS` rows a forward), and
+    queries x keys scores; `prefill_rows` bounds each forward's rows and tokens: `forward_groups`), and
     `MLX_TRIO_COHORTS_IN_SEQUENCE` is not set; otherwise each row prefills alone on the grid's
     planned chunks (`prefill_in_sequence`).
     """
@@ -178,8 +204,9 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     As mlx-lm's `BatchGenerator` prompts a batch: the rows' caches merged
     (left-padded to the longest cached prefix), their uncached tokens
     right-padded to the longest and fed in forwards of at most the step
-    size (the causal mask keeps every real token from the padding after
-    it), the right padding then rolled to the left (`finalize`), and one
+    size (under prefill-only cuDNN `COHORT_CUDNN_COLUMNS`: the plain
+    attention's scores grow with the columns fed; the causal mask keeps
+    every real token from the padding after it), the right padding then rolled to the left (`finalize`), and one
     batched L=1 step of each row's last prompt token, from whose logits
     each row samples token 0 with its own sampler. So a cohort costs about
     one forward however its prompt lengths differ. Under prefill-only cuDNN
@@ -202,7 +229,7 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
                                *(_right_padded(None, longest) for _ in range(spare))])
             for layer in caches:
                 layer.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
-            step = rows[0].prefill_step_size
+            step = COHORT_CUDNN_COLUMNS if decode_layout.is_active() else rows[0].prefill_step_size
             for start in range(0, longest, step):
                 model(inputs[:, start : start + step], cache=caches)
                 mx.eval([c.state for c in caches])
@@ -220,17 +247,19 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
 
 
 def cohort_shape(rows: int, longest: int) -> tuple[int, int]:
-    """A shared cohort's forward shape on the GPU: rows up to a power of two, the tokens up to `COHORT_TOKEN_QUANTUM`.
+    """A shared cohort's forward shape on the GPU: the tokens up to a multiple of `COHORT_TOKEN_QUANTUM`, and for
+    prompts of at most `COHORT_ROW_BUCKET_MAX_TOKENS` the rows up to a power of two.
 
     Each padded shape the device meets the first time costs a cohort job
     about 12-15 ms more than a shape it ran before (H200, 1B shape: 27 ms
     against 12 ms for 2 rows of ~50 tokens, whether or not MLX records CUDA
     graphs; docs/benchmarks.md, fourteenth pass), while a row of a short
-    prompt adds under 1 ms. So at most 6 x 16 shapes (up to 32 rows of up to
-    512 tokens) are ever met.
+    prompt adds under 1 ms. So short prompts meet at most 6 x 8 shapes; a
+    longer prompt's empty row would cost its compute, so those keep their rows.
     """
-    batch = 1 << max(rows - 1, 0).bit_length()
-    return batch, -(-longest // COHORT_TOKEN_QUANTUM) * COHORT_TOKEN_QUANTUM
+    tokens = -(-longest // COHORT_TOKEN_QUANTUM) * COHORT_TOKEN_QUANTUM
+    batch = 1 << max(rows - 1, 0).bit_length() if tokens <= COHORT_ROW_BUCKET_MAX_TOKENS else rows
+    return batch, tokens
 
 
 def _right_padded(tokens: mx.array | None, length: int) -> mx.array:

@@ -141,3 +141,34 @@ def test_a_cohort_runs_at_bucketed_shapes_and_its_empty_rows_change_nothing(rout
     decode_layout.set_active(False)
     exact = _state(prefill_rows(routed, _makers(routed, lengths)))
     assert _same(bucketed, exact)
+
+
+def test_a_forward_group_is_bounded_by_rows_and_padded_tokens(routed, cudnn_layout, monkeypatch) -> None:
+    """Under the layout each shared forward holds at most COHORT_CUDNN_MAX_ROWS rows and COHORT_CUDNN_MAX_TOKENS
+    padded tokens (rows x its longest prompt); off it, one group."""
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_TOKENS", 100)
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_ROWS", 3)
+    rows = [make() for make in _makers(routed, (31, 46, 21, 5, 5, 5, 5))]
+    sizes = [[row.prefill_remaining for row in group] for group in cohort_prefill.forward_groups(rows)]
+    assert sizes == [[30, 45], [20, 4, 4], [4, 4]]
+    decode_layout.set_active(False)
+    assert [len(group) for group in cohort_prefill.forward_groups(rows)] == [7]
+
+
+def test_longer_prompts_share_forwards_fed_in_column_chunks_and_match_their_solo_prefills(routed, cudnn_layout,
+                                                                                         monkeypatch) -> None:
+    """Prompts past the old 512-token bound share their forwards, fed COHORT_CUDNN_COLUMNS columns at a time
+    (here 16): every row's token 0 and KV are its solo prefill's."""
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_COLUMNS", 16)
+    batches = []
+    plain = routed_attention.unfused_attention
+    monkeypatch.setattr(routed_attention, "unfused_attention", lambda *a: batches.append(a[0].shape[:3]) or plain(*a))
+    lengths = (600, 37, 90)
+    got = prefill_rows(routed, _makers(routed, lengths))
+    assert {shape[0] for shape in batches} == {3} and max(shape[2] for shape in batches) == 16
+    decode_layout.set_active(False)
+    alone = [prefill_rows(routed, [make])[0] for make in _makers(routed, lengths)]
+    for row, solo in zip(got, alone, strict=True):
+        assert (row.token0, row.fed) == (solo.token0, solo.fed)
+        for a, b in zip(_state([row])[0][2], _state([solo])[0][2], strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-4)
