@@ -128,6 +128,10 @@ def details(run: dict[str, Any]) -> None:
     print("jobs: " + "; ".join(f"{name} ×{j['count']} {j['total_s']:.2f} s (p50 {j['p50_ms']:.2f} / p95 "
                                f"{j['p95_ms']:.2f} / max {j['max_ms']:.1f} ms)"
                                for name, j in list(w["jobs"].items())[:TOP]))
+    phases = {step: v for step, v in w.get("requests", {}).items() if isinstance(v, dict)}
+    if phases:  # where the first token waits (mlx_trio/profiling/requests.py)
+        print("to first text, ms p50 / p95 / max: " + "; ".join(
+            f"{step} {v['p50_ms']:.0f} / {v['p95_ms']:.0f} / {v['max_ms']:.0f}" for step, v in phases.items()))
     for thread in (LEASE_THREAD, TRIO_THREAD):
         sampled = w["samples"].get(thread)
         if not sampled or not sampled["samples"]:

@@ -42,6 +42,7 @@ from mlx_trio.events import Completion, Finished, GenerationEvent, TextDelta
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.logprobs import TokenLogprob
 from mlx_trio.params import SamplingParams
+from mlx_trio.profiling import request_phase
 from mlx_trio.supervision import Backoff, ChildSpec, Restart, Strategy, Supervisor
 from mlx_trio.supervision.faults import Faults
 
@@ -303,6 +304,7 @@ class Engine:
         actor: SessionActor | None = None
         stalled = 0  # attempts in a row that brought no new token
         queued = 0  # of those, attempts that ended while still waiting in admission's queue
+        first_text = True  # until the stream's first text (the profile's request timeline)
         while True:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
             # A resume waits a moment for the restarting actors; longer after each fruitless try.
@@ -322,6 +324,9 @@ class Engine:
                     async for item in recv:
                         if isinstance(item, MlxTrioError):
                             raise item
+                        if first_text and isinstance(item, TextDelta) and item.text:
+                            first_text = False
+                            request_phase(request.request_id, "first_text")  # under MLX_TRIO_PROFILE only
                         if isinstance(item, Finished):
                             divergence = self.actors.cache_divergence(request.prompt_ids)
                             yield attrs.evolve(item, cache_divergence=divergence) if divergence else item

@@ -50,6 +50,7 @@ from mlx_trio.engine.batch.cohort_prefill import COHORT_CUDNN_MAX_TOKENS, prefil
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
+from mlx_trio.profiling import request_phase
 from mlx_trio.events import FinishReason
 from mlx_trio.supervision.faults import InjectedFault
 
@@ -468,6 +469,8 @@ class PrefillActor:
         2B solo ones. A request alone is the solo prefill of `_prefill`.
         """
         self._cohort_requests = [cmd for cmd, _ in cohort]
+        for cmd in self._cohort_requests:
+            request_phase(cmd.request_id, "prefill")
         specs = [self._row_maker(cmd, hit) for cmd, hit in cohort]
         outcomes: list[SoloRow | Exception] = []
         try:
@@ -538,6 +541,7 @@ class PrefillActor:
             assert token0 is not None
             logprobs = (row.token0_logprobs,) if row.token0_logprobs is not None else None
             cmd.reply.send_nowait(TokensDecoded(rid, (token0,), logprobs))
+            request_phase(rid, "token0")
             self._prefilled += 1
             if token0 in self._model.eos_token_ids or cmd.params.max_tokens == 1:
                 reason = FinishReason.STOP if token0 in self._model.eos_token_ids else FinishReason.LENGTH
@@ -561,6 +565,7 @@ class PrefillActor:
         """Make the request's row (from its prompt-cache hit, made by `_cohort`); its chunks then interleave."""
         caching = self._caching(cmd)
         row: SoloRow | None = None
+        request_phase(cmd.request_id, "prefill")
         try:
             row = await self._lease.run(self._row_maker(cmd, hit, self._snapshot_point(cmd, hit, caching)))
             self._cached_tokens += row.cached_tokens

@@ -33,6 +33,12 @@ def shared_job_log() -> list[tuple[str, float, float]] | None:
     return _active.job_log if _active is not None else None
 
 
+def request_phase(request_id: str, phase: str, at: float | None = None) -> None:
+    """Note that a request reached `phase` (profiling/requests.py `PHASES`) now or `at`; no-op without a profile."""
+    if _active is not None:
+        _active.requests.note(request_id, phase, at)
+
+
 def watch_counters(counters: Callable[[], Mapping[str, Any]]) -> None:
     """Give the running profile the engine's counters (`EngineActors.counters`); no-op without one."""
     if _active is not None:

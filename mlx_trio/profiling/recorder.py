@@ -25,6 +25,7 @@ from typing import Any
 
 from mlx_trio.profiling import thread_cpu
 from mlx_trio.profiling.jobs import JobStats
+from mlx_trio.profiling.requests import RequestTimeline, summary
 from mlx_trio.profiling.stacks import StackCounts
 
 # Thread names the per-unit costs are computed for: the GPU lease's thread and the Trio thread.
@@ -46,6 +47,7 @@ class _Window:
         self.process_cpu = thread_cpu.process_cpu_s()
         self.jobs = JobStats(self.start)
         self.stacks: dict[str, StackCounts] = {}
+        self.requests: dict[str, dict[str, float]] = {}
 
 
 class Profiler:
@@ -61,6 +63,7 @@ class Profiler:
         self.path = path
         self.interval_s = interval_s
         self.job_log: list[tuple[str, float, float]] = []
+        self.requests = RequestTimeline()  # the serve path's request phases (`mlx_trio.profiling.request_phase`)
         self.counters: Callable[[], Mapping[str, Any]] | None = None
         self.windows: list[dict[str, Any]] = []
         self._started_at = time.perf_counter()
@@ -108,6 +111,10 @@ class Profiler:
             self._drain(window)
 
     def _drain(self, window: _Window) -> None:
+        for request_id, phases in list(self.requests.take().items()):
+            known = window.requests.setdefault(request_id, {})
+            for phase, at in list(phases.items()):  # the Trio thread may still add to a request it just looked up
+                known.setdefault(phase, at)
         n = len(self.job_log)
         if n:
             window.jobs.add(self.job_log[:n])
@@ -160,6 +167,7 @@ def close_window(window: _Window, counters_end: Mapping[str, float], started_at:
         "threads": threads,
         "per_unit_us": per_unit_us(threads, deltas),
         "jobs": window.jobs.summary(),
+        "requests": summary(window.requests),
         "samples": {name: counts.top(TOP_FUNCTIONS) for name, counts in sorted(window.stacks.items())},
     }
 

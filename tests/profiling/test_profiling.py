@@ -198,3 +198,46 @@ async def test_the_job_log_names_a_timed_job_after_what_it_wraps() -> None:
         assert result == 16 and seconds >= 0
     assert [name for name, _, _ in log] == ["_square", "timed(_square)"]
     assert all(start <= end for _, start, end in log)
+
+
+def test_a_request_timeline_keeps_each_phases_first_time_and_sums_up_the_steps_between_them() -> None:
+    from mlx_trio.profiling.requests import RequestTimeline, summary
+
+    timeline = RequestTimeline()
+    for i in range(4):
+        base = 10.0 * i
+        for phase, at in (("arrived", 0.0), ("prepared", 0.001), ("prefill", 0.003), ("token0", 0.010 * (i + 1)),
+                          ("first_text", 0.010 * (i + 1) + 0.002)):
+            timeline.note(f"r{i}", phase, base + at)
+        timeline.note(f"r{i}", "prefill", base + 5.0)  # a later repeat (a resumed prefill) is ignored
+    timeline.note("r9", "arrived", 1.0)  # a request that got no further
+    taken = timeline.take()
+    assert timeline.take() == {} and len(taken) == 5
+    got = summary(taken)
+    assert got["requests"] == 5
+    assert got["arrived->prepared"]["count"] == 4 and got["arrived->prepared"]["p50_ms"] == pytest.approx(1.0)
+    assert got["prefill->token0"]["p50_ms"] == pytest.approx(22.0) and got["prefill->token0"]["max_ms"] == pytest.approx(37.0)
+    assert got["arrived->first_text"]["p95_ms"] == pytest.approx(42.0)
+    assert "token0->first_text" in got and got["token0->first_text"]["max_ms"] == pytest.approx(2.0)
+
+
+def test_a_served_request_reaches_every_phase_in_the_profile(tmp_path: Path) -> None:
+    """Under a profile, the real serve path notes arrived, prepared, prefill, token0 and first_text for a request."""
+    import httpx
+    from tests.http.http_helpers import ServerThread, tiny_engine_config
+
+    from mlx_trio.http import ServerConfig
+
+    path = tmp_path / "p.json"
+    with profiling.from_environment({profiling.PROFILE_ENV: str(path)}):
+        with ServerThread(tiny_engine_config(), ServerConfig(port=0)) as server:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+                    "stream": True, "logit_bias": {"0": -100}}
+            with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/chat/completions",
+                                                                   json=body) as response:
+                assert response.status_code == 200
+                lines = list(response.iter_lines())
+            assert any('"content":"' in line and '"content":""' not in line for line in lines)
+    requests = json.loads(path.read_text())["windows"][-1]["requests"]
+    steps = ["arrived->prepared", "prepared->prefill", "prefill->token0", "token0->first_text", "arrived->first_text"]
+    assert requests["requests"] == 1 and all(requests[step]["count"] == 1 for step in steps)

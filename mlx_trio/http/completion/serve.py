@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -42,6 +43,7 @@ from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.server.state import AppState, HandlerCrashes, closing
 from mlx_trio.output_format import PLAIN
+from mlx_trio.profiling import request_phase
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.http")
@@ -65,7 +67,12 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
 async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link: Link) -> Response:
     if state.draining:
         raise draining()
+    arrived = time.perf_counter()
     prepared = await prepare(state, call)
+    request_id = getattr(prepared, "request_id", None)
+    if request_id is not None:  # the request's timeline under MLX_TRIO_PROFILE (mlx_trio/profiling/requests.py)
+        request_phase(request_id, "arrived", arrived)
+        request_phase(request_id, "prepared")
     if link.resume is not None:
         renderer.continuing(link.resume.id, link.resume.created)
     # Text completions are not split: their output is shown as the model wrote it, markers included.
