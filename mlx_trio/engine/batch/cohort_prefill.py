@@ -44,13 +44,15 @@ from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.switches import switched_on
 
 # Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`), the
-# most rows and padded tokens (rows x the longest) one forward takes (`prefill_rows`), and the prompt columns
-# one forward feeds (`prefill_together`). The plain attention holds rows x heads x columns x keys scores: at
-# most 8192 / 2048 rows x 32 heads x 512 x 2048 bf16 = 128 MiB (32 x 32 x 256 x 256 for short prompts: 128 MiB).
+# most rows and padded tokens (rows x the longest) one forward takes, the prompt columns one forward feeds
+# (`prefill_together`), and the most query-key pairs a head of one forward scores (rows x columns x keys,
+# cached prefixes included: `forward_groups`). The plain attention holds them all at once: 2^22 pairs are
+# 256 MiB of bf16 scores at 32 heads (4 rows of 2048 tokens, or 32 short prompts of 256, fit).
 COHORT_CUDNN_MAX_ROWS = 32
 COHORT_CUDNN_MAX_CONTEXT = 2048
 COHORT_CUDNN_MAX_TOKENS = 8192
 COHORT_CUDNN_COLUMNS = 512
+COHORT_CUDNN_MAX_SCORES = 1 << 22
 # There, a shared forward's prompt tokens are padded to a multiple of this (`cohort_shape`), and its rows to
 # a power of two only up to this longest prompt (past it an empty row costs a long prompt's compute).
 COHORT_TOKEN_QUANTUM = 32
@@ -102,22 +104,26 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
 def forward_groups(rows: Sequence[SoloRow]) -> list[list[SoloRow]]:
     """The rows in order, cut into the groups that share one forward each.
 
-    Under prefill-only cuDNN a group holds at most `COHORT_CUDNN_MAX_ROWS` rows and
+    Under prefill-only cuDNN a group holds at most `COHORT_CUDNN_MAX_ROWS` rows,
     `COHORT_CUDNN_MAX_TOKENS` padded tokens (its rows x its longest remaining
-    prompt): the plain attention's scores stay bounded. Elsewhere all rows are one group.
+    prompt) and `COHORT_CUDNN_MAX_SCORES` query-key pairs a head (its rows x the
+    columns a forward feeds x its longest context, cached prefix included): the
+    plain attention's scores stay bounded. Elsewhere all rows are one group.
     """
     if not decode_layout.is_active():
         return [list(rows)] if rows else []
     groups: list[list[SoloRow]] = []
-    longest = 0
+    longest = keys = 0
     for row in rows:
-        n = max(longest, row.prefill_remaining, 1)
-        if groups and len(groups[-1]) < COHORT_CUDNN_MAX_ROWS and (len(groups[-1]) + 1) * n <= COHORT_CUDNN_MAX_TOKENS:
+        n, k = max(longest, row.prefill_remaining, 1), max(keys, row.fed + row.prefill_remaining + 1)
+        size = len(groups[-1]) + 1 if groups else 0
+        if (groups and size <= COHORT_CUDNN_MAX_ROWS and size * n <= COHORT_CUDNN_MAX_TOKENS
+                and size * min(n, COHORT_CUDNN_COLUMNS) * k <= COHORT_CUDNN_MAX_SCORES):
             groups[-1].append(row)
-            longest = n
+            longest, keys = n, k
         else:
             groups.append([row])
-            longest = max(row.prefill_remaining, 1)
+            longest, keys = max(row.prefill_remaining, 1), row.fed + row.prefill_remaining + 1
     return groups
 
 

@@ -23,6 +23,7 @@ from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.batch import cohort_prefill
 from mlx_trio.engine.batch.cohort_prefill import can_prefill_together, prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
@@ -50,6 +51,14 @@ def cudnn_layout() -> Iterator[None]:
         yield
     finally:
         decode_layout.set_active(False)
+
+
+def _solo_entry(model, n: int):
+    """The prompt-cache entry of `_prompt(99, n)`'s KV (a solo prefill's snapshot)."""
+    row = SoloRow(model, "s", [*_prompt(99, n), 9], GREEDY)
+    while row.prefill_remaining:
+        row.prefill_chunk()
+    return row.snapshot()
 
 
 def _makers(model, lengths=LENGTHS):
@@ -143,9 +152,10 @@ def test_a_cohort_runs_at_bucketed_shapes_and_its_empty_rows_change_nothing(rout
     assert _same(bucketed, exact)
 
 
-def test_a_forward_group_is_bounded_by_rows_and_padded_tokens(routed, cudnn_layout, monkeypatch) -> None:
-    """Under the layout each shared forward holds at most COHORT_CUDNN_MAX_ROWS rows and COHORT_CUDNN_MAX_TOKENS
-    padded tokens (rows x its longest prompt); off it, one group."""
+def test_a_forward_group_is_bounded_by_rows_padded_tokens_and_scores(routed, cudnn_layout, monkeypatch) -> None:
+    """Under the layout each shared forward holds at most COHORT_CUDNN_MAX_ROWS rows, COHORT_CUDNN_MAX_TOKENS
+    padded tokens (rows x its longest prompt) and COHORT_CUDNN_MAX_SCORES query-key pairs (rows x columns x
+    keys, a cached prefix included); off it, one group."""
     monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_TOKENS", 100)
     monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_ROWS", 3)
     rows = [make() for make in _makers(routed, (31, 46, 21, 5, 5, 5, 5))]
@@ -153,6 +163,15 @@ def test_a_forward_group_is_bounded_by_rows_and_padded_tokens(routed, cudnn_layo
     assert sizes == [[30, 45], [20, 4, 4], [4, 4]]
     decode_layout.set_active(False)
     assert [len(group) for group in cohort_prefill.forward_groups(rows)] == [7]
+    decode_layout.set_active(True)
+    # Rows extending a 60-token cached prefix by 4 tokens each: 4 x 4 x 65 pairs fit 1100, a fifth row not.
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_ROWS", 32)
+    monkeypatch.setattr(cohort_prefill, "COHORT_CUDNN_MAX_SCORES", 1100)
+    entry = _solo_entry(routed, 60)
+    hits = [SoloRow(routed, f"h{i}", [*_prompt(99, 60), *_prompt(i, 5)], GREEDY, hit=CacheHit(entry, 60))
+            for i in range(5)]
+    assert [row.fed for row in hits] == [60] * 5
+    assert [len(group) for group in cohort_prefill.forward_groups(hits)] == [4, 1]
 
 
 def test_longer_prompts_share_forwards_fed_in_column_chunks_and_match_their_solo_prefills(routed, cudnn_layout,
