@@ -1,14 +1,14 @@
-"""Prefill several solo rows as one batch: equal chunks of real tokens (docs/design.md §2.4).
+"""Prefill several solo rows as one batch: one right-padded forward (docs/design.md §2.4).
 
 Requests that arrive together (an agent's sub-agents fanning out) would
 otherwise prefill one after another: B forwards of a short prompt, each as
-slow as the host's graph launch, then B L=1 steps for token 0. Here every
-forward feeds each row of the cohort the same number `n` of its own prompt
-tokens, so no input is padded: `n` is the fewest tokens any row still has to
-prefill. A row that is done leaves the cohort (its KV copied back to its own
-caches) and the others go on; then one batched L=1 step feeds every row its
-last prompt token, and each row samples token 0 from its own logits with its
-own sampler. Rows that start at different offsets (prompt-cache hits of
+slow as the host's graph launch, then B L=1 steps for token 0. Here the
+cohort is prompted as mlx-lm's `BatchGenerator` prompts a batch: every row's
+uncached tokens right-padded to the longest and fed together (the causal
+mask keeps each real token from the padding after it), the padding rolled to
+the left afterwards, then one batched L=1 step feeds every row its last
+prompt token, and each row samples token 0 from its own logits with its own
+sampler. Rows that start at different offsets (prompt-cache hits of
 different lengths) are left-padded in the KV by mlx-lm's `BatchKVCache.merge`
 and masked, exactly as a decode batch is.
 
@@ -19,9 +19,10 @@ a `[1, n]` one with a causal mask), as any batched step does; a request alone
 never takes this path. Only models whose every layer is a plain `KVCache`
 prefill together, and only with bf16 KV (a quantized scheme converts each row
 after its own forwards, engine/kv/kv_scheme.py); others prefill each row alone.
-Under prefill-only cuDNN only short prompts do, on a `CohortKVCache` whose
-attention the routed layers run on MLX's plain ops (`can_prefill_together`,
-docs/design.md §2.4); the others there prefill in sequence.
+Under prefill-only cuDNN prompts of up to `COHORT_CUDNN_MAX_CONTEXT` tokens
+do, on a `CohortKVCache` whose attention the routed layers run on MLX's plain
+ops (`can_prefill_together`), in bounded groups (`forward_groups`) at bucketed
+shapes (`cohort_shape`); the others there prefill in sequence.
 
 Runs on the lease thread.
 """
