@@ -13,7 +13,7 @@ interleaved: the one with the fewest tokens left runs next, and one passed
 over `AGING_CHUNKS` times in a row runs before it, so a short prompt never
 waits for a long one and the long one still progresses. Each row joins the
 batch as soon as its own prefill ends. Short prompts that wait together
-prefill as a cohort: one batch of equal real-token chunks
+prefill as a cohort: one right-padded batch
 (engine/batch/cohort_prefill.py) in one lease job bounded like one chunk.
 The last prompt token is fed as an L=1 step that samples token 0 on the
 row's own caches (mlx-lm's convention), in the last chunk's lease job
