@@ -31,6 +31,7 @@ then while nothing runs (actors/plan_warmup.py).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -46,7 +47,8 @@ from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_sh
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
-from mlx_trio.engine.batch.cohort_prefill import COHORT_CUDNN_MAX_TOKENS, prefill_rows, shares_forwards
+from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
+                                                   shares_forwards)
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
@@ -408,9 +410,14 @@ class PrefillActor:
         Such a cohort is bounded by its padded tokens like any batched cohort,
         not by its rows' prefills one after another (`_timed_cohort`).
         """
+        return self._model_shares_forwards and len(cmd.prompt_ids) <= COHORT_CUDNN_MAX_CONTEXT
+
+    @functools.cached_property
+    def _model_shares_forwards(self) -> bool:
+        """`_shares_forwards`'s part that holds for the actor's model and backend: asked once, not once a request."""
         layout = self._model.kv_layout
         return (prefill_only_cudnn() and not (layout.window or layout.fixed_bytes)
-                and not self._model.kv_scheme.quantized and shares_forwards(self._model.model, len(cmd.prompt_ids)))
+                and not self._model.kv_scheme.quantized and shares_forwards(self._model.model))
 
     def _shared_cohort_fits(self, padded: int, budget: int, busy: bool) -> bool:
         """Whether a cohort sharing its forwards under prefill-only cuDNN may hold `padded` tokens (rows x longest).

@@ -114,17 +114,17 @@ def forward_groups(rows: Sequence[SoloRow]) -> list[list[SoloRow]]:
     if not decode_layout.is_active():
         return [list(rows)] if rows else []
     groups: list[list[SoloRow]] = []
-    longest = keys = 0
+    longest = keys = 0  # the last group's longest remaining prompt and longest context
     for row in rows:
-        n, k = max(longest, row.prefill_remaining, 1), max(keys, row.fed + row.prefill_remaining + 1)
-        size = len(groups[-1]) + 1 if groups else 0
+        own_n, own_k = max(row.prefill_remaining, 1), row.fed + row.prefill_remaining + 1
+        n, k, size = max(longest, own_n), max(keys, own_k), len(groups[-1]) + 1 if groups else 0
         if (groups and size <= COHORT_CUDNN_MAX_ROWS and size * n <= COHORT_CUDNN_MAX_TOKENS
                 and size * min(n, COHORT_CUDNN_COLUMNS) * k <= COHORT_CUDNN_MAX_SCORES):
             groups[-1].append(row)
-            longest, keys = n, k
         else:
             groups.append([row])
-            longest, keys = max(row.prefill_remaining, 1), row.fed + row.prefill_remaining + 1
+            n, k = own_n, own_k
+        longest, keys = n, k
     return groups
 
 
@@ -184,20 +184,20 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
         return False
     if not decode_layout.is_active():
         return True
-    return model is not None and all(shares_forwards(model, row.num_prompt_tokens) for row in rows)
+    return (model is not None and shares_forwards(model)
+            and all(row.num_prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT for row in rows))
 
 
-def shares_forwards(model: nn.Module, prompt_tokens: int) -> bool:
-    """Under prefill-only cuDNN: whether a cohort row of `prompt_tokens` tokens would share the cohort's forwards.
+def shares_forwards(model: nn.Module) -> bool:
+    """Under prefill-only cuDNN: whether `model`'s cohort rows of at most `COHORT_CUDNN_MAX_CONTEXT` tokens
+    share the cohort's forwards.
 
-    What `can_prefill_together` asks of a row there that a caller knows before
-    the row is made (the caches' kind aside): the model's attention routed, the
-    prompt at most `COHORT_CUDNN_MAX_CONTEXT` tokens, the switch not set. The
-    prefill actor sizes such a cohort by its padded tokens, not by the rows'
-    prefills one after another (actors/prefill.py `_cohort`).
+    What `can_prefill_together` asks there of the model, not of each row: its
+    attention routed, the switch not set. The prefill actor sizes such a
+    cohort by its padded tokens, not by the rows' prefills one after another
+    (actors/prefill.py `_cohort`).
     """
-    return (prompt_tokens <= COHORT_CUDNN_MAX_CONTEXT and not in_sequence_forced()
-            and routed_attention.covers(model))
+    return not in_sequence_forced() and routed_attention.covers(model)
 
 
 def in_sequence_forced() -> bool:
@@ -228,12 +228,11 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     spare = batch - len(rows)  # empty rows that only round the batch up to its bucket
     caches = _merge([*(row.caches for row in rows), *([KVCache() for _ in rows[0].caches] for _ in range(spare))])
     uses = [*(row.adapter for row in rows), *([None] * spare)]
+    lengths += [0] * spare  # batch order: the rows, then the empty ones
     with rows_selected(uses).applied():  # each row with its own adapter
         if longest:
-            lengths += [0] * spare
-            inputs = mx.stack([*(_right_padded(row.take_prefill(n) if n else None, longest)
-                                 for row, n in zip(rows, lengths, strict=False)),
-                               *(_right_padded(None, longest) for _ in range(spare))])
+            taken = [row.take_prefill(n) if n else None for row, n in zip(rows, lengths)]
+            inputs = mx.stack([_right_padded(tokens, longest) for tokens in [*taken, *([None] * spare)]])
             for layer in caches:
                 layer.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
             step = COHORT_CUDNN_COLUMNS if decode_layout.is_active() else rows[0].prefill_step_size
