@@ -68,7 +68,7 @@ def _job_ms(model: object, lengths: Sequence[int], salt: int) -> float:
     return ms
 
 
-def measure(model: object, rows: int, args: argparse.Namespace, rng: random.Random, seen_longest: set[int]) -> dict:
+def measure(model: object, rows: int, args: argparse.Namespace, rng: random.Random, seen_longest: set[tuple[int, int]]) -> dict:
     """`args.repeats` jobs at new shapes, then as many at the last one's shape."""
     new: list[float] = []
     lengths: list[int] = []
@@ -113,7 +113,7 @@ def main() -> None:
         if mode == "in sequence":
             os.environ[cohort_prefill.IN_SEQUENCE_SWITCH] = "1"
         rng = random.Random(0)
-        seen: set[int] = set()
+        seen: set[tuple[int, int]] = set()
         for rows in sizes:
             r = measure(model, rows, args, rng, seen) | {"mode": mode}
             results.append(r)
