@@ -85,12 +85,19 @@ class Load:
 
 def loads(args: argparse.Namespace) -> list[Load]:
     """Every load of one concurrency, in round 1's order (round 2 reverses it)."""
-    out = [Load("engine", "decode"), *(Load("ours", kind) for kind in args.kinds)]
-    if args.long_prompt_words:
-        out.append(Load("ours", LONG))
+    out = [Load("engine", "decode")]
+    for target in ours_targets(args):
+        out.extend(Load(target, kind) for kind in args.kinds)
+        if args.long_prompt_words:
+            out.append(Load(target, LONG))
     if args.mlx_lm:
         out.append(Load("mlx_lm", "greedy"))
     return out
+
+
+def ours_targets(args: argparse.Namespace) -> list[str]:
+    """Our servers: "ours" (`--server-args`), and "split" (the same plus `--split-args`) when that is given."""
+    return ["ours", "split"] if args.split_args else ["ours"]
 
 
 def params_for(load: Load, args: argparse.Namespace, concurrency: int, seed: int) -> workloads.WorkloadParams:
@@ -178,6 +185,10 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
     """Open the engine, start the servers, warm up, then the rounds; each run appended to `runs` as it ends."""
     servers["ours"] = ManagedServer("ours", "ours", model, workdir / "ours.log",
                                     extra_args=("--batch", str(args.batch), *args.server_args.split()))
+    if args.split_args:
+        servers["split"] = ManagedServer("split", "ours", model, workdir / "split.log",
+                                         extra_args=("--batch", str(args.batch), *args.server_args.split(),
+                                                     *args.split_args.split()))
     if args.mlx_lm:
         servers["mlx_lm"] = ManagedServer("mlx_lm", "mlx_lm", model, workdir / "mlx_lm.log",
                                           extra_args=("--decode-concurrency", str(args.batch)))
@@ -189,7 +200,8 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
             for server in servers.values():
                 nursery.start_soon(server.start)
         await warm(engine, servers, args)
-        await plans_settled(servers["ours"].url)
+        for target in ours_targets(args):
+            await plans_settled(servers[target].url)
         print(f"engine open, {len(servers)} server(s) up and warm in {time.perf_counter() - start:.0f} s", flush=True)
         for round_index in range(args.rounds):
             for ci, concurrency in enumerate(args.concurrency):
@@ -261,20 +273,24 @@ def ratio_rows(runs: Sequence[dict[str, Any]], concurrency: Sequence[int]) -> li
         rows.append((what, value, " / ".join(_f(v, 1, 2) for v in per_round), target))
 
     top = max(concurrency)
+    for ours in ("ours", "split"):
+        greedy = f"{ours} greedy"
+        for c in concurrency:
+            target = {64: "≥ 0.7", 8: "≥ 0.85"}.get(c, "")
+            add(f"{greedy} c={c} / engine B={c}", (greedy, c), ("engine", c), target)
+            # The engine's rate with its prefill and ramp counted too (the HTTP rate counts them): how much is the ramp.
+            add(f"{greedy} c={c} / engine B={c} end to end", (greedy, c), ("engine", c), "", b_key="e2e_tok_s")
+        if len(concurrency) > 1:
+            low = min(concurrency)
+            add(f"{greedy} c={top} / c={low}", (greedy, top), (greedy, low),
+                "≥ 3 (8B)" if (low, top) == (8, 64) else "")
+        for c in concurrency:
+            for label in sorted({label for label, cc in g if cc == c and label.startswith(f"{ours} ")}):
+                if label != greedy:
+                    add(f"{label} / {greedy}, c={c}", (label, c), (greedy, c),
+                        ("≥ 0.5" if label == f"{ours} {LONG}" else "≥ 0.9") if c == 64 else "")
     for c in concurrency:
-        target = {64: "≥ 0.7", 8: "≥ 0.85"}.get(c, "")
-        add(f"ours greedy c={c} / engine B={c}", ("ours greedy", c), ("engine", c), target)
-        # The engine's rate with its prefill and ramp counted too (the HTTP rate counts them): how much is the ramp.
-        add(f"ours greedy c={c} / engine B={c} end to end", ("ours greedy", c), ("engine", c), "", b_key="e2e_tok_s")
-    if len(concurrency) > 1:
-        low = min(concurrency)
-        add(f"ours greedy c={top} / c={low}", ("ours greedy", top), ("ours greedy", low),
-            "≥ 3 (8B)" if (low, top) == (8, 64) else "")
-    for c in concurrency:
-        for label in sorted({label for label, cc in g if cc == c and label.startswith("ours ")}):
-            if label != "ours greedy":
-                add(f"{label} / ours greedy, c={c}", (label, c), ("ours greedy", c),
-                    ("≥ 0.5" if label == f"ours {LONG}" else "≥ 0.9") if c == 64 else "")
+        add(f"split greedy / ours greedy, c={c}", ("split greedy", c), ("ours greedy", c), "")
     for c in concurrency:
         add(f"ours / mlx_lm.server greedy tok/s, c={c}", ("ours greedy", c), ("mlx_lm greedy", c),
             {64: "≥ 2", 8: "≈ 3"}.get(c, ""))
@@ -325,6 +341,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=16, help="max_tokens of the warm-up runs")
     p.add_argument("--mlx-lm", action="store_true", help="also mlx_lm.server, greedy, alternated with ours")
     p.add_argument("--server-args", default="", help="more flags for mlx-trio serve")
+    p.add_argument("--split-args", default="",
+                   help="also a second mlx-trio serve with these flags too (e.g. '--api-server-count 1'), "
+                        "its loads alternated with ours' as 'split'")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request read timeout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ log = logging.getLogger("mlx_trio.cli")
 # How often "still loading" is logged while the model loads (a first default-model
 # start converts a GGUF, which takes a while on a small machine).
 LOAD_PROGRESS_EVERY_S = 5.0
+# How long `serve --api-server-count N` waits for its front processes to reach the engine link.
+FRONTS_READY_S = 60.0
 # docs/design.md §8.4: bounds how long the Trio thread waits for the GIL held by the lease thread.
 SWITCH_INTERVAL_S = 0.001
 
@@ -155,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--step-watchdog", type=positive_float, default=_ENGINE.step_watchdog_s.default,
         help="seconds one GPU job may run before the lease thread counts as hung and is replaced, and the "
              "engine restarts under its requests (default: %(default)s)")
+    arg("--api-server-count", type=non_negative_int, default=0,
+        help="front processes that serve HTTP, each over a local socket to this engine process (vLLM's flag): "
+             "their HTTP work then no longer shares the engine's GIL; 0 serves HTTP in this process "
+             "(default: %(default)s)")
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
@@ -231,7 +238,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           strict_max_tokens=args.strict_max_tokens, keep_billing_header=args.keep_billing_header,
                           responses_store_bytes=args.responses_store_bytes, write_timeout_s=args.write_timeout,
                           body_timeout_s=args.body_timeout,
-                          enable_lora_admin=args.enable_lora_admin)
+                          enable_lora_admin=args.enable_lora_admin, api_server_count=args.api_server_count)
     return engine, server
 
 
@@ -269,6 +276,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
     from mlx_trio.api import Engine  # noqa: PLC0415
     from mlx_trio.http.server.http_server import HttpServer  # noqa: PLC0415
 
+    if server_config.api_server_count > 0:
+        await _serve_from_fronts(engine_config, server_config, task_status=task_status)
+        return
     server = HttpServer(server_config)
     engine = Engine(engine_config, extra_children=[server.child_spec])
     server.attach(engine)
@@ -287,6 +297,38 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
             print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
                   f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
         task_status.started(server)
+
+
+async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerConfig, *,
+                             task_status: trio.TaskStatus[Any]) -> None:
+    """`serve` with HTTP in `--api-server-count` front processes (mlx_trio/link/): `started(pool)`."""
+    from mlx_trio.api import Engine  # noqa: PLC0415
+    from mlx_trio.link.front_pool import FrontPool, link_socket_path  # noqa: PLC0415
+    from mlx_trio.link.link_server import LinkServer  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="mlx-trio-link-") as workdir:
+        link = LinkServer(None, link_socket_path(Path(workdir)))
+        pool = FrontPool(server_config, link.path, Path(workdir))
+        engine = Engine(engine_config, extra_children=[link.child_spec, pool.child_spec])
+        link.attach(engine)
+        pool.engine = engine
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                await _wait_ready_with_progress(engine)
+            except ModelLoadError:
+                nursery.cancel_scope.cancel()
+                raise
+            profiling.watch_counters(engine.actors.counters)
+            with trio.move_on_after(FRONTS_READY_S):
+                while link.fronts < server_config.api_server_count:
+                    await trio.sleep(0.05)
+            if link.fronts < server_config.api_server_count:
+                log.warning("only %d of %d front processes reached the engine within %.0f s", link.fronts,
+                            server_config.api_server_count, FRONTS_READY_S)
+            print(f"mlx-trio: serving {engine.model_id} at {pool.url}/v1 from {server_config.api_server_count} "
+                  f"front process(es) (status page: {pool.url}/status, health: {pool.url}/health)", flush=True)
+            task_status.started(pool)
 
 
 async def _wait_ready_with_progress(engine: Engine) -> None:

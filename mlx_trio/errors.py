@@ -10,7 +10,23 @@ from __future__ import annotations
 
 
 class MlxTrioError(Exception):
-    """Base of every error raised on purpose by mlx-trio."""
+    """Base of every error raised on purpose by mlx-trio.
+
+    Picklable whatever a subclass's `__init__` takes (pickle's default calls
+    `cls(*args)`, which fails for `InvalidParameter(field, message)`): the engine
+    link (mlx_trio/link/) carries them between processes.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type[MlxTrioError], args: tuple[object, ...], state: dict[str, object]) -> MlxTrioError:
+    """An `MlxTrioError` of `cls` with `args` and attributes `state`, without calling its `__init__`."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class RequestError(MlxTrioError, ValueError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -255,6 +256,26 @@ def test_supervision_and_http_never_import_engine(path: Path) -> None:
 def test_the_front_imports_no_mlx_and_no_engine(path: Path) -> None:
     """The scale-out front outlives the ranks in a process that holds no MLX state (mlx_trio/front/)."""
     assert not {n for n in _imported_modules(path) if _top(n) in {"mlx", "mlx_lm"} or n.startswith("mlx_trio.engine")}
+
+
+# The front processes' side of the engine link: they run the HTTP stack and hold no MLX and no engine.
+LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "front_process.py", "front_pool.py")
+
+
+@pytest.mark.parametrize("path", [p for p in _files("link") if p.name in LINK_FRONT_SIDE],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_link_front_side_imports_no_mlx_no_engine_no_api(path: Path) -> None:
+    """A front process (mlx_trio/link/) serves HTTP over the link: no MLX, no engine/, no actors, no api.py."""
+    assert not {n for n in _imported_modules(path)
+                if _top(n) in {"mlx", "mlx_lm"} or n.startswith(("mlx_trio.engine", "mlx_trio.actors", "mlx_trio.api"))}
+
+
+def test_a_front_process_loads_no_mlx() -> None:
+    """Importing what a front process runs pulls no MLX in (the engine's output format may, once unpickled)."""
+    code = ("import sys, mlx_trio.link.front_process; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("path", _files("profiling"), ids=lambda p: str(p.relative_to(PACKAGE)))

@@ -79,3 +79,7 @@ class ServerConfig:
     body_timeout_s: float = attrs.field(default=DEFAULT_BODY_TIMEOUT_S, validator=attrs.validators.gt(0.0))
     # Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora-admin; 404 otherwise).
     enable_lora_admin: bool = False
+    # Front processes serving HTTP (--api-server-count, mlx_trio/link/): 0 serves it in the engine's process.
+    api_server_count: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # A listening socket to serve instead of binding host:port (a front process's inherited one).
+    listen_fd: int | None = None

@@ -20,6 +20,7 @@ the handler-crash count belong to the `HttpServer`, so they survive the restart.
 from __future__ import annotations
 
 import logging
+import os
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -157,7 +158,12 @@ class HttpServer:
         config = self.config
         hyper = HypercornConfig()
         host = f"[{config.host}]" if ":" in config.host else config.host
-        hyper.bind = [f"{host}:{self._bound_port or config.port}"]
+        if config.listen_fd is not None:
+            # A duplicate each time: hypercorn closes the socket it served when it stops, and a
+            # restarted child must serve the inherited one again.
+            hyper.bind = [f"fd://{os.dup(config.listen_fd)}"]
+        else:
+            hyper.bind = [f"{host}:{self._bound_port or config.port}"]
         hyper.accesslog = None  # one line per completion comes from RequestLog instead
         hyper.errorlog = logging.getLogger("hypercorn.error")
         hyper.graceful_timeout = config.graceful_timeout_s

@@ -1,0 +1,15 @@
+"""The engine link: `mlx-trio serve --api-server-count N` serves HTTP from N front processes.
+
+The engine process (the lease, the actors, the sessions and `Engine.stream`)
+holds no HTTP; each front process runs the same quart-trio app on hypercorn
+against a `RemoteEngine` that reaches the engine over one local socket. A
+front's HTTP work (parsing, rendering, SSE writes: most of a streamed token's
+CPU outside the lease) then no longer shares the engine process's GIL with the
+lease thread (docs/architecture.md "Front processes").
+
+    wire.py            frames of pickled messages over a Trio stream
+    link_server.py     the engine process's side: a child of the engine's root
+    remote_engine.py   the front's side: the `EngineLike` the HTTP app serves
+    front_pool.py      the engine process's child that runs and restarts the fronts
+    front_process.py   a front process's main (`python -m mlx_trio.link.front_process`)
+"""

@@ -1,0 +1,142 @@
+"""`FrontPool`: the engine process's child that runs the front processes and keeps them running.
+
+It binds the public host:port itself (one listening socket every front
+accepts from: the kernel gives each connection to whichever front is free,
+and the port stays bound while a front restarts), then starts
+`--api-server-count` front processes (front_process.py). A front that
+exits unasked is started again (after `RESTART_DELAY_S`, counted in
+`restarts`); its own clients' connections are cut, nobody else's. `drain`
+asks every front to drain (SIGTERM) and waits for them; cancelling the pool
+stops them (SIGTERM, then SIGKILL past the grace).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from mlx_trio.http.server.config import ServerConfig
+from mlx_trio.http.server.drain import DrainReport
+from mlx_trio.supervision import ChildSpec
+
+log = logging.getLogger("mlx_trio.link")
+
+FRONTS_ACTOR_ID = "fronts"
+RESTART_DELAY_S = 0.2
+BACKLOG = 1024
+
+
+class FrontPool:
+    """`config.api_server_count` front processes serving the engine linked at `link_path`; state in `workdir`."""
+
+    def __init__(self, config: ServerConfig, link_path: str, workdir: Path) -> None:
+        self.config = config
+        self.link_path = link_path
+        self._workdir = workdir
+        self._socket: socket.socket | None = None
+        self._processes: dict[int, trio.Process] = {}
+        self._draining = False
+        self.port: int | None = None
+        self.restarts = 0
+        # The engine these fronts serve (`mlx-trio serve` flushes its persistence after a drain).
+        self.engine: object | None = None
+
+    @property
+    def child_spec(self) -> ChildSpec:
+        return ChildSpec(id=FRONTS_ACTOR_ID, start=self.run, kind="fronts",
+                         shutdown_s=self.config.graceful_timeout_s + 5.0)
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    def statistics(self) -> dict[str, object]:
+        return {"fronts": len(self._processes), "restarts": self.restarts,
+                "pids": sorted(p.pid for p in self._processes.values())}
+
+    def pids(self) -> list[int]:
+        return sorted(p.pid for p in self._processes.values())
+
+    async def run(self, *, task_status: trio.TaskStatus[FrontPool] = trio.TASK_STATUS_IGNORED) -> None:
+        sock = self._socket = self._socket or self._listen()
+        config_path = self._workdir / "server-config.pickle"
+        fields = {**attrs.asdict(self.config, recurse=False),
+                  "chat_template_args": dict(self.config.chat_template_args)}  # a MappingProxyType does not pickle
+        config_path.write_bytes(pickle.dumps(fields))
+        async with trio.open_nursery() as nursery:
+            for index in range(self.config.api_server_count):
+                nursery.start_soon(self._keep, index, sock.fileno(), config_path)
+            task_status.started(self)
+
+    def _listen(self) -> socket.socket:
+        host, port = self.config.host, self.config.port
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]
+        return sock
+
+    async def _keep(self, index: int, fd: int, config_path: Path) -> None:
+        """Run front `index`; start it again each time it exits unasked."""
+        command = [sys.executable, "-m", "mlx_trio.link.front_process", "--link", self.link_path,
+                   "--config", str(config_path), "--listen-fd", str(fd), "--index", str(index),
+                   "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+        while True:
+            process = await trio.lowlevel.open_process(command, pass_fds=(fd,))
+            self._processes[index] = process
+            try:
+                code = await process.wait()
+            finally:
+                if process.returncode is None:  # cancelled: the pool stops
+                    with trio.CancelScope(shield=True):
+                        await _stop(process, self.config.graceful_timeout_s)
+                self._processes.pop(index, None)
+            if self._draining:
+                return
+            self.restarts += 1
+            log.warning("front process %d (pid %d) exited with %s; starting it again", index, process.pid, code)
+            await trio.sleep(RESTART_DELAY_S)
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """SIGTERM every front (each drains its own requests), then wait for them to exit."""
+        timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        self._draining = True
+        start = time.monotonic()
+        processes = list(self._processes.values())
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(timeout_s + self.config.graceful_timeout_s + 2.0):
+            for process in processes:
+                await process.wait()
+        return DrainReport(in_flight_at_start=0, cut=0, elapsed_s=time.monotonic() - start)
+
+
+async def _stop(process: trio.Process, grace_s: float) -> None:
+    process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(grace_s + 2.0):
+        await process.wait()
+        return
+    process.kill()
+    await process.wait()
+
+
+def link_socket_path(workdir: Path) -> str:
+    """The engine link's socket in `workdir` (a private directory: the socket's only guard)."""
+    os.chmod(workdir, 0o700)
+    return str(workdir / "engine.sock")

@@ -1,0 +1,103 @@
+"""A front process: the HTTP app on hypercorn, serving the engine of its parent over the engine link.
+
+    python -m mlx_trio.link.front_process --link SOCKET --config FILE --listen-fd FD --index I
+
+Started only by `FrontPool` (front_pool.py), which passes the public
+listening socket as `FD` (every front accepts from the one socket the parent
+bound, so the port stays bound while a front restarts), the engine link's
+socket and the `ServerConfig` (its fields pickled in the pool's private directory).
+
+Its tree: `front-I` (one_for_one) over `engine-link` (`RemoteEngine.run`) and
+`http` (`HttpServer.run`, which a `kill-listener` fault restarts as in one
+process). SIGTERM drains: no new completions, running ones finish (up to
+`shutdown_timeout_s`), then the process exits 0; a second SIGTERM exits at
+once. The process also exits when its parent is gone (it has no engine left
+to serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from mlx_trio.http.server.config import ServerConfig
+from mlx_trio.http.server.http_server import HttpServer
+from mlx_trio.link.remote_engine import RemoteEngine
+from mlx_trio.supervision import Strategy, Supervisor
+
+log = logging.getLogger("mlx_trio.link")
+
+PARENT_CHECK_S = 0.5
+# How long a front waits for its first link before it starts serving 503s anyway (the engine loads meanwhile).
+FIRST_LINK_WAIT_S = 30.0
+
+
+async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
+    """Serve until SIGTERM (drain, then return) or until the parent process is gone."""
+    parent = os.getppid()
+    engine = RemoteEngine(link_path)
+    server = HttpServer(config, engine)
+    tree = Supervisor(f"front-{index}", [engine.child_spec, server.child_spec], strategy=Strategy.ONE_FOR_ONE,
+                      max_restarts=1_000_000, period_s=1.0)
+    engine.local_status = tree.status
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tree.run)
+            with trio.move_on_after(FIRST_LINK_WAIT_S):
+                await engine.connected.wait()
+            gc.freeze()  # as `mlx-trio serve` does: the collector stops scanning what lives as long as we do
+
+            async def orphaned() -> None:
+                while os.getppid() == parent:
+                    await trio.sleep(PARENT_CHECK_S)
+                log.error("front %d: the engine process is gone; exiting", index)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(orphaned)
+            async for _ in signals:
+                async with trio.open_nursery() as draining:
+                    async def second_signal() -> None:
+                        async for _ in signals:
+                            draining.cancel_scope.cancel()
+
+                    draining.start_soon(second_signal)
+                    report = await server.drain()
+                    log.info("front %d drained in %.1f s: %d request(s) were in flight, %d cut", index,
+                             report.elapsed_s, report.in_flight_at_start, report.cut)
+                    draining.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx_trio.link.front_process")
+    parser.add_argument("--link", required=True, help="the engine link's Unix socket")
+    parser.add_argument("--config", required=True, help="the pickled ServerConfig")
+    parser.add_argument("--listen-fd", type=int, required=True, help="the public listening socket (inherited)")
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s %(name)s[front {args.index}]: "
+                                                     "%(message)s")
+    with open(args.config, "rb") as f:
+        fields = pickle.load(f)
+    config = ServerConfig(**{**fields, "listen_fd": args.listen_fd})
+    # Ctrl-C in a terminal reaches the whole process group: the parent drains the fronts (SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trio.run(serve_front, config, args.link, args.index)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

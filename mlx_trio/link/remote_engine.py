@@ -1,0 +1,255 @@
+"""`RemoteEngine`: a front process's engine, the `EngineLike` the HTTP app serves, over the engine link.
+
+Every call and stream goes to the engine process (link_server.py says what
+each op does there); what the HTTP layer reads synchronously (health, model
+id, context length, output format, adapters) comes from the facts the
+engine pushes, and `status()` from a copy refreshed in the background while
+someone reads it (at most `STATUS_FRESH_S` old after the first read).
+
+When the link breaks (the engine process is gone or restarting), every
+call and stream in flight fails with `EngineDown` (a retryable 503: the
+client resends) and health says why until the link is back; `run` connects
+again. Holds no MLX and imports no engine code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from functools import partial
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Any
+
+import trio
+
+from mlx_trio.errors import EngineDown, EngineFailure
+from mlx_trio.events import GenerationEvent
+from mlx_trio.link.wire import FrameReader, LinkClosed, Message, Outbox, until_closed
+from mlx_trio.output_format import OutputFormat
+from mlx_trio.supervision import ChildSpec
+from mlx_trio.supervision.faults import ArmedFault, FaultKind, Faults
+
+log = logging.getLogger("mlx_trio.link")
+
+# The front's own HTTP child (its faults are armed here, not in the engine process).
+HTTP_ACTOR_ID = "http"
+STATUS_FRESH_S = 0.1
+RECONNECT_EVERY_S = 0.1
+
+
+class RemoteFaults(Faults):
+    """Faults for "http" are this front's own; any other actor's are armed in the engine process.
+
+    `armed()` lists this front's armed faults and the ones it sent on (those may have fired since).
+    """
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        super().__init__()
+        self._engine = engine
+        self._sent: list[ArmedFault] = []
+
+    def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
+        if actor == HTTP_ACTOR_ID:
+            return super().arm(actor, kind)
+        fault = Faults().arm(actor, kind)  # the same checks, here, so a bad kind is a 400 at once
+        self._engine.send_nowait(("arm", 0, (fault.actor, fault.kind.value)))
+        self._sent.append(fault)
+        return fault
+
+    def armed(self) -> list[ArmedFault]:
+        return [*super().armed(), *self._sent]
+
+
+class RemoteEngine:
+    """The engine of the process at the other end of the Unix socket `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.faults: Faults = RemoteFaults(self)
+        self._ids = itertools.count(1)
+        self._outbox: Outbox | None = None
+        self._waiting: dict[int, trio.MemorySendChannel[tuple[str, Any]]] = {}
+        self._facts: dict[str, Any] | None = None
+        self._down = "the engine link is not connected yet"
+        self._status: dict[str, Any] | None = None
+        self._status_at = -math.inf
+        self._status_wanted = trio.Event()
+        self.connected = trio.Event()  # set at the first connection (tests, the front's start)
+        # The front's own tree (its link and http children), shown beside the engine's in `status()`.
+        self.local_status: Callable[[], dict[str, Any]] | None = None
+
+    @property
+    def child_spec(self) -> ChildSpec:
+        return ChildSpec(id="engine-link", start=self.run, kind="link")
+
+    # -- the link ---------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[RemoteEngine] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect (again after each break) and route what arrives, until cancelled."""
+        task_status.started(self)
+        while True:
+            try:
+                stream = await trio.open_unix_socket(self.path)
+            except OSError as exc:
+                self._down = f"the engine process is not reachable ({exc.strerror or exc})"
+                await trio.sleep(RECONNECT_EVERY_S)
+                continue
+            try:
+                await self._serve(stream)
+            except LinkClosed as exc:
+                self._down = f"the engine link broke ({exc}); reconnecting"
+                log.warning("%s", self._down)
+            finally:
+                self._lost()
+                await stream.aclose()
+            await trio.sleep(RECONNECT_EVERY_S)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        """Route what arrives until the link breaks; raises that `LinkClosed`."""
+        outbox = Outbox()
+        reader = FrameReader(stream)
+
+        async def read() -> None:
+            while True:
+                for message in await reader.receive():
+                    self._route(message)
+
+        self._outbox = outbox
+        self.connected.set()
+        raise await until_closed(partial(outbox.run, stream), read, self._refresh_status)
+
+    def _route(self, message: Message) -> None:
+        op, mid, payload = message
+        if op == "facts":
+            self._facts = payload
+            return
+        waiter = self._waiting.get(mid)
+        if waiter is not None:  # else: a stream its caller left, or an arm nobody waits for
+            waiter.send_nowait((op, payload))
+
+    def _lost(self) -> None:
+        """The link is gone: everything waiting on it fails, retryably."""
+        self._outbox = None
+        self._facts = None
+        error = EngineDown(f"{self._down}; retry", retry_after_s=1.0)
+        for waiter in list(self._waiting.values()):
+            try:
+                waiter.send_nowait(("err", error))
+            except trio.WouldBlock:  # a call whose answer is already in
+                pass
+        self._waiting.clear()
+
+    def send_nowait(self, message: Message) -> None:
+        if self._outbox is None:
+            raise EngineDown(f"{self._down}; retry", retry_after_s=1.0)
+        self._outbox.put_nowait(message)
+
+    async def _call(self, op: str, payload: Any) -> Any:
+        mid = next(self._ids)
+        send, receive = trio.open_memory_channel[tuple[str, Any]](1)
+        self._waiting[mid] = send
+        try:
+            self.send_nowait((op, mid, payload))
+            kind, value = await receive.receive()
+        finally:
+            self._waiting.pop(mid, None)
+        if kind == "err":
+            raise value
+        return value
+
+    async def _refresh_status(self) -> None:
+        """Fetch the engine's status when someone read a copy older than `STATUS_FRESH_S`."""
+        while True:
+            self._status = await self._call("status", None)
+            self._status_at = trio.current_time()
+            await self._status_wanted.wait()
+            self._status_wanted = trio.Event()
+
+    # -- EngineLike -----------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        if self._facts is None:
+            return False, self._down
+        ok, reason = self._facts["health"]
+        return ok, reason
+
+    @property
+    def group_lost(self) -> str | None:
+        return self._facts["group_lost"] if self._facts is not None else None
+
+    def status(self) -> dict[str, Any]:
+        """The engine's status (at most `STATUS_FRESH_S` old after the first read), with this front's http node."""
+        if trio.current_time() - self._status_at > STATUS_FRESH_S:
+            self._status_wanted.set()
+        status = dict(self._status or {"tree": {"id": "root", "kind": "supervisor", "children": []},
+                                       "model": None, "counters": {}, "prompt_cache": {}, "ranks": []})
+        if self.local_status is not None:
+            tree = dict(status.get("tree") or {})
+            tree["children"] = [*tree.get("children", []), self.local_status()]
+            status["tree"] = tree
+        return status
+
+    def _fact(self, key: str) -> Any:
+        value = self._facts.get(key) if self._facts is not None else None
+        if value is None:
+            raise EngineFailure("the model is not loaded yet" if self._facts is not None else self._down)
+        return value
+
+    @property
+    def model_id(self) -> str:
+        return str(self._fact("model_id"))
+
+    @property
+    def output_format(self) -> OutputFormat:
+        return self._fact("output_format")
+
+    @property
+    def context_length(self) -> int | None:
+        self._fact("model_id")  # raises while the model loads, as the engine's does
+        assert self._facts is not None
+        return self._facts["context_length"]
+
+    def served_adapters(self) -> tuple[str, ...]:
+        return tuple(self._facts["adapters"]) if self._facts is not None else ()
+
+    def count_tokens(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     **kwargs: Any) -> int:
+        """Blocking, from a worker thread (as the HTTP layer calls it): the engine counts."""
+        return trio.from_thread.run(self._call, "count", (prompt, {"chat_template_kwargs": chat_template_kwargs,
+                                                                   **kwargs}))
+
+    async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> Any:
+        return await self._call("prepare", (prompt, kwargs))
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._call("load", (name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("unload", name)
+
+    async def stream(self, request: Any, *,
+                     replay: Sequence[Sequence[int]] = ()) -> AsyncGenerator[GenerationEvent, None]:
+        """The engine's `Engine.stream` of `request`; leaving early cancels it there (its KV is freed)."""
+        mid = next(self._ids)
+        send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
+        self._waiting[mid] = send
+        ended = False
+        try:
+            self.send_nowait(("stream", mid, (request, tuple(tuple(chunk) for chunk in replay))))
+            while True:
+                kind, value = await receive.receive()
+                if kind == "event":
+                    yield value
+                    continue
+                ended = True
+                if kind == "err":
+                    raise value
+                return
+        finally:
+            self._waiting.pop(mid, None)
+            if not ended and self._outbox is not None:
+                try:
+                    self._outbox.put_nowait(("cancel", mid, None))
+                except trio.WouldBlock:  # a full outbox: the engine cancels it when the link ends
+                    log.warning("could not send the cancel of stream %d", mid)

@@ -1,0 +1,197 @@
+"""The engine link on its own: frames, errors, and `RemoteEngine` against `LinkServer` over a real Unix socket.
+
+The engine behind the link is the HTTP tests' `FakeEngine` (no model), so
+each test says exactly what the front must see.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.http.fakes import FakeEngine
+
+from mlx_trio.errors import (ContextTooLong, EngineDown, EngineFailure, InvalidParameter, ModelNotFound,
+                             Overloaded)
+from mlx_trio.events import Finished, TextDelta
+from mlx_trio.link.link_server import LinkServer
+from mlx_trio.link.remote_engine import RemoteEngine
+from mlx_trio.link.wire import FrameReader, LinkClosed, frame
+
+
+class _Chunks(trio.abc.ReceiveStream):
+    """A stream that hands out `data` in the given chunk sizes."""
+
+    def __init__(self, data: bytes, sizes: list[int]) -> None:
+        self._data, self._sizes = data, sizes
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        n = self._sizes.pop(0) if self._sizes else len(self._data)
+        out, self._data = self._data[:n], self._data[n:]
+        return out
+
+    async def aclose(self) -> None:
+        pass
+
+
+@given(st.lists(st.tuples(st.sampled_from(["event", "ok"]), st.integers(0, 2**31), st.text(max_size=50)),
+                min_size=1, max_size=5),
+       st.lists(st.integers(1, 7), max_size=40))
+def test_frames_survive_any_split_of_the_byte_stream(messages: list[tuple[str, int, str]], sizes: list[int]) -> None:
+    """Two frames sent back to back come out whole and in order, however the reads cut the bytes."""
+    async def main() -> None:
+        reader = FrameReader(_Chunks(frame(messages) + frame(messages[::-1]), sizes))
+        assert await reader.receive() == messages
+        assert await reader.receive() == messages[::-1]
+        with pytest.raises(LinkClosed):
+            await reader.receive()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("error", [InvalidParameter("temperature", "must be >= 0"),
+                                   ContextTooLong("prompt is too long: 9 tokens > 8 maximum", field="prompt"),
+                                   ModelNotFound("nope", ("base", "lora-a")), Overloaded("queue full", 2.5),
+                                   EngineDown("restarting", 3.0)])
+def test_errors_cross_the_link_as_themselves(error: Exception) -> None:
+    """Type, message and every attribute (the field an HTTP error names, Retry-After) survive pickling."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert str(back) == str(error) and back.args == error.args
+    assert back.__dict__ == error.__dict__
+
+
+@asynccontextmanager
+async def linked(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[tuple[RemoteEngine, LinkServer, Any]]:
+    """A `LinkServer` serving `engine` and a connected `RemoteEngine`; yields both and the server's scope."""
+    server = LinkServer(engine, str(tmp_path / "engine.sock"))  # type: ignore[arg-type]
+    remote = RemoteEngine(server.path)
+    async with trio.open_nursery() as nursery:
+        server_scope = trio.CancelScope()
+        server.ended = trio.Event()  # type: ignore[attr-defined]
+
+        async def serve() -> None:
+            with server_scope:
+                await server.run()
+            server.ended.set()  # type: ignore[attr-defined]
+
+        nursery.start_soon(serve)
+        await nursery.start(remote.run)
+        with trio.fail_after(5):
+            await remote.connected.wait()
+            while remote.health() != engine.health():
+                await trio.sleep(0.01)
+        yield remote, server, server_scope
+        nursery.cancel_scope.cancel()
+
+
+async def _direct(engine: FakeEngine, prompt: str, **kwargs: Any) -> list[Any]:
+    return [event async for event in engine.stream(engine.prepare(prompt, **kwargs))]
+
+
+async def test_a_stream_through_the_link_is_the_engine_stream(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, _, _):
+        request = await remote.prepare_off_loop("a b c", max_tokens=5)
+        events = [event async for event in remote.stream(request)]
+    assert events == await _direct(FakeEngine(), "a b c", max_tokens=5)
+    assert isinstance(events[-1], Finished) and sum(isinstance(e, TextDelta) for e in events) == 5
+
+
+async def test_the_engine_error_of_a_call_is_raised_in_the_front(tmp_path: Path) -> None:
+    engine = FakeEngine(context_length=4)
+    async with linked(tmp_path, engine) as (remote, _, _):
+        with pytest.raises(InvalidParameter) as bad:
+            await remote.prepare_off_loop("hi", temperature=-1.0)
+        assert bad.value.field == "temperature"
+        with pytest.raises(ContextTooLong):
+            await remote.prepare_off_loop("one two three four five six")
+        # The link serves on after an error.
+        assert await trio.to_thread.run_sync(lambda: remote.count_tokens("a b c")) == engine.count_tokens("a b c")
+
+
+async def test_leaving_a_stream_early_cancels_it_in_the_engine(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    engine.token_delay_s = 0.01
+    async with linked(tmp_path, engine) as (remote, server, _):
+        events = remote.stream(await remote.prepare_off_loop("x", max_tokens=1000))
+        got = 0
+        async for event in events:
+            got += isinstance(event, TextDelta)
+            if got == 3:
+                break
+        await events.aclose()
+        with trio.fail_after(5):
+            while engine.closed_streams < 1 or server.streams:
+                await trio.sleep(0.01)
+        assert engine.active == 0
+
+
+async def test_a_broken_link_fails_what_is_in_flight_retryably_and_comes_back(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    engine.token_delay_s = 0.01
+    async with linked(tmp_path, engine) as (remote, server, server_scope):
+        stream = remote.stream(await remote.prepare_off_loop("x", max_tokens=1000))
+        await stream.__anext__()  # the stream runs in the engine
+        server_scope.cancel()  # the engine's side goes away
+        with pytest.raises(EngineDown):
+            with trio.fail_after(5):
+                async for _ in stream:
+                    pass
+        assert remote.health()[0] is False
+        with pytest.raises(EngineDown):
+            await remote.prepare_off_loop("x")
+        await server.ended.wait()  # as a supervisor restarts it: after the old incarnation is gone
+        # A new engine side on the same socket: the front reconnects by itself.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(LinkServer(engine, server.path).run)  # type: ignore[arg-type]
+            with trio.fail_after(5):
+                while not remote.health()[0]:
+                    await trio.sleep(0.01)
+            request = await remote.prepare_off_loop("y", max_tokens=2)
+            assert [e async for e in remote.stream(request)] == await _direct(FakeEngine(), "y", max_tokens=2)
+            nursery.cancel_scope.cancel()
+
+
+async def test_facts_and_status_follow_the_engine(tmp_path: Path) -> None:
+    engine = FakeEngine(loaded=False)
+    async with linked(tmp_path, engine) as (remote, _, _):
+        assert remote.health() == (False, "loading model")
+        with pytest.raises(EngineFailure):
+            remote.model_id  # noqa: B018
+        engine.loaded = True
+        with trio.fail_after(5):
+            while not remote.health()[0]:
+                await trio.sleep(0.01)
+        assert remote.model_id == engine.model_id and remote.context_length == engine.context_length
+        assert remote.output_format == engine.output_format and remote.served_adapters() == ()
+        remote.local_status = lambda: {"id": "front-0", "kind": "supervisor", "children": [{"id": "http"}]}
+        remote.status()
+        with trio.fail_after(5):
+            while remote.status()["counters"].get("kv_bytes") is None:
+                await trio.sleep(0.01)
+        status = remote.status()
+        assert status["model"] == "fake"
+        assert [c["id"] for c in status["tree"]["children"]] == ["front-0"]
+
+
+async def test_faults_of_engine_actors_are_armed_in_the_engine_and_http_ones_here(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, _, _):
+        remote.faults.arm("decode-step", "raise")
+        remote.faults.arm("http", "raise")
+        with trio.fail_after(5):
+            while not engine.faults.armed():
+                await trio.sleep(0.01)
+        assert [(f.actor, f.kind.value) for f in engine.faults.armed()] == [("decode-step", "raise")]
+        assert remote.faults.take("http", remote.faults.armed()[0].kind)
+        with pytest.raises(ValueError):
+            remote.faults.arm("decode-step", "no-such-kind")

@@ -1,0 +1,142 @@
+"""`serve --api-server-count 2` on the tiny Llama: the HTTP stack in two front processes, the engine here.
+
+The same goldens as the in-process server (tests/http/test_live.py), through the
+link; disconnects free KV in the engine; a front killed outright is started
+again while the other serves on; an engine fault armed through a front is
+resumed from as in one process; bad input is the same 400.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, assert_openai_error, tiny_engine_config
+from tests.http.test_live import CONCURRENT_CASES
+
+from mlx_trio.http import ServerConfig
+from tests.goldens import golden
+
+FRONTS = 2
+
+
+@pytest.fixture(scope="module")
+def split_server() -> Iterator[ServerThread]:
+    config = ServerConfig(port=0, api_server_count=FRONTS, enable_fault_injection=True)
+    with ServerThread(tiny_engine_config(), config) as server:
+        yield server
+
+
+@pytest.fixture()
+def http(split_server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=split_server.url, timeout=CLIENT_TIMEOUT_S) as client:
+        yield client
+
+
+def _stream_case(url: str, case: dict[str, Any], start: threading.Barrier | None = None) -> tuple[str, str | None]:
+    chat = isinstance(case["prompt"], list)
+    body = {**case["params"], "stream": True, "temperature": case["params"].get("temperature", 0.0),
+            **({"messages": case["prompt"]} if chat else {"prompt": case["prompt_ids"]})}
+    text, finish = "", None
+    # A client of its own each: its own connection, so the kernel may hand it to either front.
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+        if start is not None:
+            start.wait()
+        with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                        finish = choice.get("finish_reason") or finish
+    return text, finish
+
+
+def _pool(server: ServerThread) -> Any:
+    return server.server
+
+
+def test_eight_concurrent_streams_through_the_fronts_are_their_goldens(split_server: ServerThread) -> None:
+    cases = [golden("llama", name) for name in CONCURRENT_CASES]
+    start = threading.Barrier(len(cases))
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _stream_case(split_server.url, case, start), cases))
+    assert results == [(case["text"], case["finish_reason"]) for case in cases]
+
+
+def test_status_shows_the_engine_tree_with_the_front_and_the_pool(http: httpx.Client) -> None:
+    tree = http.get("/v1/status").json()["tree"]
+    ids = [child["id"] for child in tree["children"]]
+    assert ids[:4] == ["engine", "sessions", "link", "fronts"]
+    assert ids[4].startswith("front-")  # the answering front's own tree: its link and http children
+    assert [c["id"] for c in tree["children"][4]["children"]] == ["engine-link", "http"]
+    fronts = tree["children"][3]
+    assert fronts["stats"]["fronts"] == FRONTS
+
+
+def test_a_disconnect_frees_the_row_and_its_kv_in_the_engine(http: httpx.Client) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert [line for line in itertools.islice(lines, 12) if line.startswith("data: {")]
+    deadline = time.monotonic() + 15
+    while True:
+        batch = http.get("/stats").json()["batch"]
+        if (batch["active_rows"], batch["kv_bytes"]) == (0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (batch["active_rows"], batch["kv_bytes"]) == (0, 0)
+
+
+def test_bad_input_is_the_same_400_naming_the_field(http: httpx.Client) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "temperature": -1})
+    assert_openai_error(response, 400, param="temperature")
+
+
+def test_an_engine_fault_armed_through_a_front_is_resumed_from(split_server: ServerThread,
+                                                                http: httpx.Client) -> None:
+    case = golden("llama", "greedy_raw")
+    armed = http.post("/v1/admin/faults", json={"actor": "decode-step", "kind": "raise"})
+    assert armed.status_code == 200, armed.text
+    assert _stream_case(split_server.url, case) == (case["text"], case["finish_reason"])
+    deadline = time.monotonic() + 5  # the front's copy of the engine's status is refreshed as it is read
+    while _find(http.get("/v1/status").json()["tree"], "decode-step")["restarts"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _find(http.get("/v1/status").json()["tree"], "decode-step")["restarts"] >= 1
+
+
+def test_a_killed_front_is_started_again_and_the_other_serves_on(split_server: ServerThread,
+                                                                 http: httpx.Client) -> None:
+    pool = _pool(split_server)
+    before, restarts = pool.pids(), pool.restarts
+    assert len(before) == FRONTS
+    os.kill(before[0], signal.SIGKILL)
+    case = golden("llama", "greedy_chat")
+    # Every request is answered meanwhile (by the other front, or by the new one), each its golden.
+    for _ in range(6):
+        assert _stream_case(split_server.url, case) == (case["text"], case["finish_reason"])
+    deadline = time.monotonic() + 30
+    while (len(pool.pids()) < FRONTS or pool.restarts == restarts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = pool.pids()
+    assert pool.restarts == restarts + 1 and len(after) == FRONTS and before[0] not in after
+
+
+def _find(node: dict[str, Any], actor: str) -> dict[str, Any]:
+    if node.get("id") == actor:
+        return node
+    for child in node.get("children", []):
+        found = _find(child, actor)
+        if found:
+            return found
+    return {}
