@@ -34,6 +34,16 @@ the median excess of a shape's first visit over its second (`PLAN_SAMPLES`
 recent ones); with neither, it is left out. Shapes whose plans were built
 ahead (actors/plan_warmup.py) are known from the start (`know`).
 
+**Shared cohort jobs** (actors/prefill.py: short prompts right-padded into
+one batch under prefill-only cuDNN) have a fit of their own, `CohortCost`:
+seconds against padded tokens (rows x the longest uncached prompt). A
+chunk's fit cannot stand in for it: its samples are chunks of one prompt,
+each paying a job's fixed cost, so a fit over a burst's lone short prompts
+(all about one size) reads that fixed cost as a cost per token and
+overstates a padded batch several times (H200, 1B shape, ~46-token prompts:
+~0.5 ms a token fitted, against ~7 ms a job plus well under 1 ms a row
+measured for shared cohorts; benchmarks/cohort_shapes.py).
+
 Plain Python: the measurements are taken by `timed` on the lease thread.
 """
 
@@ -67,6 +77,10 @@ FIRST_VISIT_TOLERANCE = 1.5
 SEEN_SHAPES = 4096
 # The plan cost is the median of this many recent (first visit - second visit) differences.
 PLAN_SAMPLES = 8
+
+# Recent shared cohort jobs `CohortCost` fits: fewer than chunks (a job holds many requests), and few
+# enough to follow a machine that warms up.
+COHORT_WINDOW = 32
 
 Sample = tuple[float, float, float, float]  # the three terms' factors (1, n, n·(c + n/2)) and the seconds
 
@@ -258,3 +272,50 @@ class ChunkSizer:
         """The fitted costs (seconds per job, per token, per token pair); zeros before any measurement."""
         a, b, k = self._fit or (0.0, 0.0, 0.0)
         return {"per_chunk_s": a, "per_token_s": b, "per_token_pair_s": k}
+
+
+class CohortCost:
+    """The fitted cost of one shared cohort job: `a + b·padded`, padded = rows x the longest uncached prompt.
+
+    A fixed cost a job (the lease round trip, the rows' caches, token 0's
+    batched step) and a cost per padded token, by least squares with neither
+    below zero over the last `COHORT_WINDOW` jobs of two rows or more. No
+    attention term: the prompts that share forwards are short (at most
+    `COHORT_CUDNN_MAX_CONTEXT`, engine/batch/cohort_prefill.py), and each row
+    attends over its own prompt only. `predict` is None until two padded
+    sizes were measured: one size cannot tell the fixed cost from the cost
+    per token, and reading it as either would mis-size every cohort after.
+    """
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[Sample] = collections.deque(maxlen=COHORT_WINDOW)
+        self._fitted: tuple[float, float, float] | None = None
+        self._stale = False
+
+    def record(self, padded: int, seconds: float) -> bool:
+        """A shared cohort job of `padded` tokens took `seconds`; returns whether it was kept."""
+        if padded <= 0 or seconds <= 0:
+            return False
+        self._samples.append((1.0, float(padded), 0.0, seconds))
+        self._stale = True
+        return True
+
+    @property
+    def _fit(self) -> tuple[float, float, float] | None:
+        if self._stale:
+            separable = len({sample[1] for sample in self._samples}) > 1
+            self._fitted = fit_nonnegative(self._samples) if separable else None
+            self._stale = False
+        return self._fitted
+
+    def predict(self, padded: int) -> float | None:
+        """The fitted seconds of a shared cohort job of `padded` tokens; None before two padded sizes were seen."""
+        if self._fit is None:
+            return None
+        a, b, _ = self._fit
+        return a + b * padded
+
+    def coefficients(self) -> dict[str, float]:
+        """The fitted costs (seconds per job, per padded token); zeros before a fit."""
+        a, b, _ = self._fit or (0.0, 0.0, 0.0)
+        return {"per_job_s": a, "per_padded_token_s": b}

@@ -14,7 +14,8 @@ over `AGING_CHUNKS` times in a row runs before it, so a short prompt never
 waits for a long one and the long one still progresses. Each row joins the
 batch as soon as its own prefill ends. Short prompts that wait together
 prefill as a cohort: one right-padded batch
-(engine/batch/cohort_prefill.py) in one lease job bounded like one chunk.
+(engine/batch/cohort_prefill.py) in one lease job bounded like one chunk
+(under prefill-only cuDNN, by the fitted cost of such jobs: `_shared_cohort_fits`).
 The last prompt token is fed as an L=1 step that samples token 0 on the
 row's own caches (mlx-lm's convention), in the last chunk's lease job
 unless a snapshot is due in between; a row that is already finished at
@@ -39,7 +40,7 @@ from functools import partial
 import attrs
 import trio
 
-from mlx_trio.actors.chunk_sizer import ChunkSizer, timed
+from mlx_trio.actors.chunk_sizer import ChunkSizer, CohortCost, timed
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
@@ -135,6 +136,8 @@ class PrefillActor:
         self._concurrency = config.prompt_concurrency
         # Kept across requests (not across restarts: a restart re-measures in a chunk or two).
         self.sizer = ChunkSizer(config.prefill_chunk_ms / 1000, prefill_step_size)
+        # What a shared cohort job costs (`_shared_cohort_fits`): a fit of its own, from such jobs only.
+        self.cohort_cost = CohortCost()
         # At most --batch requests are admitted at once, so this never fills.
         self.inbox_send, self._inbox = trio.open_memory_channel[Generate](config.batch)
         # Requests taken from the inbox and not started (FIFO), the prompts prefilling
@@ -360,7 +363,7 @@ class PrefillActor:
         (`_timed_cohort`), each row counts by its predicted prefill time instead
         and the cohort fills `--prefill-chunk-ms`; a cohort that shares its forwards
         there (`_shares_forwards`) counts its padded tokens, rows x the longest
-        uncached prompt, against the tokens budget. Takes nothing from the backlog;
+        uncached prompt (`_shared_cohort_fits`). Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
         busy = self._busy
@@ -391,7 +394,7 @@ class PrefillActor:
                 if shared:
                     # Right-padded to the longest: the forwards cost rows x that length.
                     weight = (len(hits) + 1) * max(longest, uncached) - used
-                    fits = self._shared_cohort_fits(used + weight, budget, busy)
+                    fits = self._shared_cohort_fits(len(hits) + 1, used + weight)
                 else:
                     weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
                     fits = used + weight <= budget
@@ -419,19 +422,24 @@ class PrefillActor:
         return (prefill_only_cudnn() and not (layout.window or layout.fixed_bytes)
                 and not self._model.kv_scheme.quantized and shares_forwards(self._model.model))
 
-    def _shared_cohort_fits(self, padded: int, budget: int, busy: bool) -> bool:
-        """Whether a cohort sharing its forwards under prefill-only cuDNN may hold `padded` tokens (rows x longest).
+    def _shared_cohort_fits(self, rows: int, padded: int) -> bool:
+        """Whether `rows` requests sharing their forwards under prefill-only cuDNN may go in one job of `padded`
+        tokens (rows x the longest uncached prompt).
 
-        While busy, once a chunk was measured: its predicted time, as one
-        chunk of that many tokens (which overstates the attention: each row
-        attends over its own prompt only), within `--prefill-chunk-ms`, and at
-        most `COHORT_JOB_CHUNKS` forwards' worth of tokens (engine/batch/
-        cohort_prefill.py `forward_groups`). Otherwise the tokens budget.
+        At most `COHORT_JOB_CHUNKS` forwards' worth of tokens (engine/batch/
+        cohort_prefill.py `forward_groups`) always; and once shared cohort
+        jobs of two padded sizes were measured (`CohortCost`), a predicted
+        job time within `--prefill-chunk-ms`. Never the chunk sizer's
+        prediction: fitted on lone prompts, it counts a job's fixed cost as a
+        cost per token and overstates a padded batch several times (H200, ~46-
+        token prompts at c=64: 2.3 rows a job instead of 16). One row is not a
+        shared job (it prefills alone, bounded as a chunk by `_cohort`), so it
+        always fits.
         """
-        predicted = self.sizer.predict(padded, 0) if busy else None
-        if predicted is None:
-            return padded <= budget
-        return predicted <= self.sizer.target_s and padded <= COHORT_JOB_CHUNKS * COHORT_CUDNN_MAX_TOKENS
+        if padded > COHORT_JOB_CHUNKS * COHORT_CUDNN_MAX_TOKENS:
+            return False
+        predicted = self.cohort_cost.predict(padded)
+        return rows == 1 or predicted is None or predicted <= self.sizer.target_s
 
     @property
     def _timed_cohort(self) -> bool:
@@ -490,6 +498,11 @@ class PrefillActor:
                 # cohort is not a measure of one prompt's chunk.
                 self.sizer.record(made[0].fed - made[0].cached_tokens, made[0].cached_tokens, seconds,
                                   made[0].last_chunk_shape)
+            elif len(made) > 1 and self._shares_forwards(cohort[0][0]):
+                # The padded tokens the job's forwards fed: its rows x the longest they had left
+                # (from where each row really started: a hit off the grid steps back).
+                self.cohort_cost.record(len(made) * max(row.num_prompt_tokens - 1 - row.cached_tokens
+                                                        for row in made), seconds)
             for (cmd, hit), outcome in zip(cohort, outcomes, strict=True):
                 self._cohort_requests.remove(cmd)
                 if isinstance(outcome, Exception):

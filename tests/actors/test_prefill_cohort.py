@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+from mlx_trio.actors.chunk_sizer import ChunkSizer, CohortCost
 from mlx_trio.actors.gpu_lease import GpuLease, open_gpu_lease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import DecodeEvent, Generate, JoinRow, TokensDecoded
@@ -144,30 +145,115 @@ async def test_under_prefill_only_cudnn_a_cohort_takes_rows_until_their_predicte
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
 
 
-async def test_under_prefill_only_cudnn_a_cohort_that_shares_its_forwards_is_bounded_by_its_padded_tokens_time(
-        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where short prompts share their forwards (a routed model, no switch), the rows' own 20 ms prefills do not
-    bound the cohort: the predicted time of its padded tokens (rows x the longest) does. At 10 ms a forward
-    whatever its size all 8 fit the 50 ms target in one job; at 0.625 ms a token (8 x ~11 padded tokens: 55 ms) they
-    take two."""
-    from mlx_trio.actors.chunk_sizer import ChunkSizer
+class _FixedCohortCost(CohortCost):
+    """A shared cohort fit fixed by the test: the jobs the test runs are not fitted (this CPU's times would move it)."""
 
-    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
-    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
-    assert actor._shares_forwards(_request(0)[0])
-    assert (jobs, actor.statistics().cohort_rows) == (1, 8)
-    for join in joins:
-        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+    def __init__(self, *jobs: tuple[int, float]) -> None:
+        super().__init__()
+        for padded, seconds in jobs:
+            super().record(padded, seconds)
 
+    def record(self, padded: int, seconds: float) -> bool:
+        return False
+
+
+def _alone(model: object, prompt: tuple[int, ...]) -> tuple[int, int]:
+    """The prompt prefilled alone (lease thread): its token 0 and the greedy token after it."""
+    from mlx_trio.engine.batch.solo_row import SoloRow
+
+    row = SoloRow(model, "alone", prompt, SamplingParams(max_tokens=8))
+    while row.prefill_remaining:
+        row.prefill_chunk()
+    token0 = row.first_token()
+    return token0, _next_token(model, row)
+
+
+def _next_token(model: object, row: object) -> int:
+    """The greedy token after the row's token 0, on its own caches (lease thread)."""
+    import mlx.core as mx
+
+    return int(mx.argmax(model(mx.array([[row.token0]]), cache=row.caches)[0, -1]).item())  # type: ignore[operator,attr-defined]
+
+
+async def _shared_burst(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, cohort_cost: CohortCost | None,
+                        n: int = 8) -> tuple[PrefillActor, list[int]]:
+    """`n` short prompts at once under prefill-only cuDNN, sharing their forwards, rows decoding, a 50 ms target
+    and a chunk sizer fitted to 1 ms a token (lone prompts' fixed cost read as a cost per token): the actor and
+    the cohorts' sizes in rows, in order. Each row's token 0 and next token are checked against its prompt
+    prefilled alone."""
     actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
     actor.sizer = ChunkSizer(0.05, 64)
-    actor.sizer.record(32, 0, 0.020)
-    actor.sizer.record(64, 0, 0.040)
-    joins, jobs = await _prefill_all(actor, lease, join_recv, 8)
-    assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(8)]
-    assert (jobs, actor.statistics().cohort_rows) == (2, 8)
-    for join in joins:
+    actor.sizer.record(32, 0, 0.032)
+    actor.sizer.record(64, 0, 0.064)
+    if cohort_cost is not None:
+        actor.cohort_cost = cohort_cost
+    sizes: list[int] = []
+    prefill_cohort = actor._prefill_cohort
+
+    async def counted(cohort: list) -> None:  # type: ignore[type-arg]
+        sizes.append(len(cohort))
+        await prefill_cohort(cohort)
+
+    actor._prefill_cohort = counted  # type: ignore[method-assign]
+    joins, jobs = await _prefill_all(actor, lease, join_recv, n)
+    assert actor._shares_forwards(_request(0)[0])
+    assert [join.request.request_id for join in joins] == [f"r{i}" for i in range(n)]
+    assert (jobs, actor.statistics().cohort_rows) == (len(sizes), n)
+    model = actor._model.model
+    for i, join in enumerate(joins):
+        together = (join.token0, await lease.run(_next_token, model, join.row))
+        assert together == await lease.run(_alone, model, _request(i)[0].prompt_ids)
         lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+    return actor, sizes
+
+
+async def test_under_prefill_only_cudnn_a_shared_cohort_is_not_sized_by_the_chunk_sizer(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any shared cohort job was measured, a cohort sharing its forwards is bounded only by its padded tokens
+    (two forwards' worth): the chunk sizer's 1 ms a token would predict 88 ms for 8 x 11 padded tokens against the
+    50 ms target, but all 8 go in one job; that job is the cohort fit's first sample (its padded tokens as run), and
+    the chunk sizer's samples are untouched."""
+    actor, sizes = await _shared_burst(lease, monkeypatch, None)
+    assert actor.sizer.predict(88, 0) == pytest.approx(0.088)
+    assert sizes == [8]
+    assert [(padded, seconds > 0) for _, padded, _, seconds in actor.cohort_cost._samples] == [(88.0, True)]
+    assert actor.cohort_cost.predict(88) is None  # one padded size: no fit yet
+    assert len(actor.sizer._samples) == 2
+
+
+async def test_under_prefill_only_cudnn_a_burst_goes_in_few_large_cohorts_when_shared_jobs_are_cheap(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared jobs measured at ~10 ms plus 30 us a padded token (22 tokens: 10 ms, 88: 12 ms): the 8 prompts go in
+    one job, though the chunk sizer's fit says 88 ms for it."""
+    cost = _FixedCohortCost((22, 0.010), (88, 0.012))
+    _, sizes = await _shared_burst(lease, monkeypatch, cost)
+    assert cost.predict(88) == pytest.approx(0.012)
+    assert sizes == [8]
+
+
+async def test_under_prefill_only_cudnn_a_burst_goes_in_smaller_cohorts_when_shared_jobs_are_dear(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared jobs measured at 1.5 ms a padded token and nothing fixed: 3 rows of 11 tokens (49.5 ms) fit the 50 ms
+    target, 4 (66 ms) do not, so 8 prompts take jobs of 3, 3 and 2."""
+    cost = _FixedCohortCost((22, 0.033), (44, 0.066))
+    _, sizes = await _shared_burst(lease, monkeypatch, cost)
+    assert (cost.predict(33), cost.predict(44)) == (pytest.approx(0.0495), pytest.approx(0.066))
+    assert sizes == [3, 3, 2]
+
+
+async def test_a_shared_cohort_never_holds_more_than_two_forwards_of_padded_tokens(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static bound holds with or without a fit; one row always fits (it prefills alone, bounded as a chunk)."""
+    from mlx_trio.actors.prefill import COHORT_JOB_CHUNKS
+    from mlx_trio.engine.batch.cohort_prefill import COHORT_CUDNN_MAX_TOKENS
+
+    actor, _ = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
+    bound = COHORT_JOB_CHUNKS * COHORT_CUDNN_MAX_TOKENS
+    assert [actor._shared_cohort_fits(8, padded) for padded in (bound, bound + 1)] == [True, False]
+    actor.cohort_cost = _FixedCohortCost((100, 0.001), (200, 0.001))  # a fixed 1 ms whatever the size
+    assert [actor._shared_cohort_fits(8, padded) for padded in (bound, bound + 1)] == [True, False]
+    actor.cohort_cost = _FixedCohortCost((10, 0.060), (20, 0.060))  # a fixed 60 ms: over the 50 ms target
+    assert [actor._shared_cohort_fits(rows, 40) for rows in (1, 2)] == [True, False]
 
 
 async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_prefills_chunk_by_chunk(
@@ -185,8 +271,6 @@ async def test_under_prefill_only_cudnn_a_row_predicted_over_the_target_alone_pr
 
 
 def test_a_whole_prefill_is_predicted_as_its_chunks_and_token_0s_step() -> None:
-    from mlx_trio.actors.chunk_sizer import ChunkSizer
-
     sizer = ChunkSizer(target_s=0.05, max_tokens=512)
     assert sizer.predict_prefill(100, 0, 64) is None
     for n, c in ((64, 0), (128, 256), (256, 1024), (32, 64)):
