@@ -158,10 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--step-watchdog", type=positive_float, default=_ENGINE.step_watchdog_s.default,
         help="seconds one GPU job may run before the lease thread counts as hung and is replaced, and the "
              "engine restarts under its requests (default: %(default)s)")
-    arg("--api-server-count", type=non_negative_int, default=0,
+    arg("--api-server-count", type=non_negative_int, default=1,
         help="front processes that serve HTTP, each over a local socket to this engine process (vLLM's flag): "
-             "their HTTP work then no longer shares the engine's GIL; 0 serves HTTP in this process "
-             "(default: %(default)s)")
+             "their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process. With more "
+             "than 1, each front keeps its own /v1/responses store and HTTP metrics (default: %(default)s)")
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
@@ -306,6 +306,11 @@ async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerC
     from mlx_trio.link.front_pool import FrontPool, link_socket_path  # noqa: PLC0415
     from mlx_trio.link.link_server import LinkServer  # noqa: PLC0415
 
+    if server_config.api_server_count > 1 and server_config.responses_store_bytes:
+        log.warning("--api-server-count %d: each front process keeps its own /v1/responses store, so a "
+                    "previous_response_id made on another front is not found (404); clients that resend the "
+                    "whole input (Codex CLI: store false) are not affected. Use --api-server-count 1 to share one.",
+                    server_config.api_server_count)
     with tempfile.TemporaryDirectory(prefix="mlx-trio-link-") as workdir:
         link = LinkServer(None, link_socket_path(Path(workdir)))
         pool = FrontPool(server_config, link.path, Path(workdir))
@@ -428,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if refused is not None:
                 print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
                 return 2
-            return _serve_main(engine_config, server_config)
+            # Rank 0 serves its front (mlx_trio/front/) in its own process, as it always has.
+            return _serve_main(engine_config, attrs.evolve(server_config, api_server_count=0))
     return _serve_main(engine_config, server_config)
 
 

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -37,6 +38,7 @@ import trio
 
 from mlx_trio.api import Engine
 from mlx_trio.errors import EngineFailure, MlxTrioError
+from mlx_trio.profiling import request_phase
 from mlx_trio.link.wire import FrameReader, LinkClosed, Outbox, until_closed
 from mlx_trio.supervision import ChildSpec
 
@@ -141,7 +143,7 @@ class _FrontSession:
                 scope.cancel()
         elif op == "prepare":
             prompt, kwargs = payload
-            self._call(mid, partial(engine.prepare_off_loop, prompt, **kwargs))
+            self._call(mid, partial(_prepare, engine, prompt, kwargs))
         elif op == "count":
             prompt, kwargs = payload
             self._call(mid, partial(trio.to_thread.run_sync, partial(engine.count_tokens, prompt, **kwargs)))
@@ -213,6 +215,18 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
     return {"health": engine.health(), "group_lost": engine.group_lost, "model_id": model_id,
             "context_length": context_length, "output_format": output_format,
             "adapters": engine.served_adapters()}
+
+
+async def _prepare(engine: Engine, prompt: Any, kwargs: dict[str, Any]) -> Any:
+    """`Engine.prepare_off_loop`; under MLX_TRIO_PROFILE the request's timeline starts here, as it reached
+    this process (the front's HTTP parsing before it is the front's, not the engine's)."""
+    arrived = time.perf_counter()
+    request = await engine.prepare_off_loop(prompt, **kwargs)
+    request_id = getattr(request, "request_id", None)
+    if request_id is not None:
+        request_phase(request_id, "arrived", arrived)
+        request_phase(request_id, "prepared")
+    return request
 
 
 def _now(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
