@@ -46,8 +46,6 @@ log = logging.getLogger("mlx_trio.cli")
 # How often "still loading" is logged while the model loads (a first default-model
 # start converts a GGUF, which takes a while on a small machine).
 LOAD_PROGRESS_EVERY_S = 5.0
-# How long `serve --api-server-count N` waits for its front processes to reach the engine link.
-FRONTS_READY_S = 60.0
 # docs/design.md §8.4: bounds how long the Trio thread waits for the GIL held by the lease thread.
 SWITCH_INTERVAL_S = 0.001
 
@@ -267,18 +265,19 @@ def check_port(host: str, port: int) -> None:
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
                 task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED) -> None:
-    """Run the engine with the HTTP server as its child until cancelled.
+    """Run the engine with the HTTP server as its child until cancelled (with `api_server_count` > 0: the
+    launcher of the engine's process and the front processes, mlx_trio/link/launcher.py).
 
     `started(server)` once the model is loaded and the server listens. Raises
     `ModelLoadError` if the model cannot be loaded (after stopping the tree).
     """
+    if server_config.api_server_count > 0:  # the engine and HTTP in processes of their own; none here
+        await _serve_from_fronts(engine_config, server_config, task_status=task_status)
+        return
     # Here, not at the top: these load MLX, mlx-lm and quart (seconds), which `main` checks the port before.
     from mlx_trio.api import Engine  # noqa: PLC0415
     from mlx_trio.http.server.http_server import HttpServer  # noqa: PLC0415
 
-    if server_config.api_server_count > 0:
-        await _serve_from_fronts(engine_config, server_config, task_status=task_status)
-        return
     server = HttpServer(server_config)
     engine = Engine(engine_config, extra_children=[server.child_spec])
     server.attach(engine)
@@ -301,10 +300,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
 
 async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerConfig, *,
                              task_status: trio.TaskStatus[Any]) -> None:
-    """`serve` with HTTP in `--api-server-count` front processes (mlx_trio/link/): `started(pool)`."""
-    from mlx_trio.api import Engine  # noqa: PLC0415
-    from mlx_trio.link.front_pool import FrontPool, link_socket_path  # noqa: PLC0415
-    from mlx_trio.link.link_server import LinkServer  # noqa: PLC0415
+    """`serve` as a launcher (mlx_trio/link/launcher.py): the engine in a process of its own, HTTP in
+    `--api-server-count` front processes; `started(launcher)` once the model is ready."""
+    from mlx_trio.link.launcher import Launcher  # noqa: PLC0415
 
     if server_config.api_server_count > 1 and server_config.responses_store_bytes:
         log.warning("--api-server-count %d: each front process keeps its own /v1/responses store, so a "
@@ -312,28 +310,7 @@ async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerC
                     "whole input (Codex CLI: store false) are not affected. Use --api-server-count 1 to share one.",
                     server_config.api_server_count)
     with tempfile.TemporaryDirectory(prefix="mlx-trio-link-") as workdir:
-        link = LinkServer(None, link_socket_path(Path(workdir)))
-        pool = FrontPool(server_config, link.path, Path(workdir))
-        engine = Engine(engine_config, extra_children=[link.child_spec, pool.child_spec])
-        link.attach(engine)
-        pool.engine = engine
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run)
-            try:
-                await _wait_ready_with_progress(engine)
-            except ModelLoadError:
-                nursery.cancel_scope.cancel()
-                raise
-            profiling.watch_counters(engine.actors.counters)
-            with trio.move_on_after(FRONTS_READY_S):
-                while link.fronts < server_config.api_server_count:
-                    await trio.sleep(0.05)
-            if link.fronts < server_config.api_server_count:
-                log.warning("only %d of %d front processes reached the engine within %.0f s", link.fronts,
-                            server_config.api_server_count, FRONTS_READY_S)
-            print(f"mlx-trio: serving {engine.model_id} at {pool.url}/v1 from {server_config.api_server_count} "
-                  f"front process(es) (status page: {pool.url}/status, health: {pool.url}/health)", flush=True)
-            task_status.started(pool)
+        await Launcher(engine_config, server_config, Path(workdir)).run(task_status=task_status)
 
 
 async def _wait_ready_with_progress(engine: Engine) -> None:

@@ -259,7 +259,7 @@ def test_the_front_imports_no_mlx_and_no_engine(path: Path) -> None:
 
 
 # The front processes' side of the engine link: they run the HTTP stack and hold no MLX and no engine.
-LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "front_process.py", "front_pool.py")
+LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "front_process.py", "front_pool.py", "launcher.py")
 
 
 @pytest.mark.parametrize("path", [p for p in _files("link") if p.name in LINK_FRONT_SIDE],
@@ -270,9 +270,9 @@ def test_the_link_front_side_imports_no_mlx_no_engine_no_api(path: Path) -> None
                 if _top(n) in {"mlx", "mlx_lm"} or n.startswith(("mlx_trio.engine", "mlx_trio.actors", "mlx_trio.api"))}
 
 
-def test_a_front_process_loads_no_mlx() -> None:
-    """Importing what a front process runs pulls no MLX in (the engine's output format may, once unpickled)."""
-    code = ("import sys, mlx_trio.link.front_process; "
+def test_a_front_process_and_the_launcher_load_no_mlx() -> None:
+    """Importing what a front process or the launcher runs pulls no MLX in (the engine's output format may, once unpickled)."""
+    code = ("import sys, mlx_trio.link.front_process, mlx_trio.link.launcher; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"

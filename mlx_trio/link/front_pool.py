@@ -105,7 +105,7 @@ class FrontPool:
             finally:
                 if process.returncode is None:  # cancelled: the pool stops
                     with trio.CancelScope(shield=True):
-                        await _stop(process, self.config.graceful_timeout_s)
+                        await stop_process(process, self.config.graceful_timeout_s + 2.0)
                 self._processes.pop(index, None)
             if self._draining:
                 return
@@ -127,9 +127,10 @@ class FrontPool:
         return DrainReport(in_flight_at_start=0, cut=0, elapsed_s=time.monotonic() - start)
 
 
-async def _stop(process: trio.Process, grace_s: float) -> None:
+async def stop_process(process: trio.Process, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace_s`."""
     process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(grace_s + 2.0):
+    with trio.move_on_after(grace_s):
         await process.wait()
         return
     process.kill()

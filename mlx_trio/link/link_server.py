@@ -5,7 +5,7 @@ It listens on a Unix socket and serves each front process that connects
 
     prepare  (prompt, kwargs)      -> ok Request | err MlxTrioError   (`Engine.prepare_off_loop`)
     count    (prompt, kwargs)      -> ok int | err                    (`Engine.count_tokens`, a worker thread)
-    status   None                  -> ok dict                         (`Engine.status`)
+    status   None                  -> ok dict                         (`Engine.status`, its faults)
     load     (name, path)          -> ok None | err                   (`Engine.load_adapter`)
     unload   name                  -> ok None | err                   (`Engine.unload_adapter`)
     arm      (actor, kind)         -> ok ArmedFault | err             (`Engine.faults.arm`)
@@ -146,9 +146,10 @@ class _FrontSession:
             self._call(mid, partial(_prepare, engine, prompt, kwargs))
         elif op == "count":
             prompt, kwargs = payload
-            self._call(mid, partial(trio.to_thread.run_sync, partial(engine.count_tokens, prompt, **kwargs)))
+            self._call(mid, partial(_when_ready, engine, partial(trio.to_thread.run_sync,
+                                                                 partial(engine.count_tokens, prompt, **kwargs))))
         elif op == "status":
-            self._call(mid, _now(engine.status))
+            self._call(mid, _now(partial(_status, engine)))
         elif op == "load":
             self._call(mid, partial(engine.load_adapter, *payload))
         elif op == "unload":
@@ -178,6 +179,7 @@ class _FrontSession:
         try:
             with scope:
                 try:
+                    await _wait_ready(self._engine)
                     # `replay` only when there is one, as the HTTP layer calls it (engines without it serve on).
                     events = self._engine.stream(request, replay=replay) if replay else self._engine.stream(request)
                     try:
@@ -221,12 +223,32 @@ async def _prepare(engine: Engine, prompt: Any, kwargs: dict[str, Any]) -> Any:
     """`Engine.prepare_off_loop`; under MLX_TRIO_PROFILE the request's timeline starts here, as it reached
     this process (the front's HTTP parsing before it is the front's, not the engine's)."""
     arrived = time.perf_counter()
+    await _wait_ready(engine)
     request = await engine.prepare_off_loop(prompt, **kwargs)
     request_id = getattr(request, "request_id", None)
     if request_id is not None:
         request_phase(request_id, "arrived", arrived)
         request_phase(request_id, "prepared")
     return request
+
+
+def _status(engine: Engine) -> dict[str, Any]:
+    """`Engine.status`, and the engine's armed and fired faults (a front lists them with its own)."""
+    faults = engine.faults
+    return {**engine.status(), "faults": {"armed": faults.armed(), "fired": list(faults.fired)}}
+
+
+async def _wait_ready(engine: Engine) -> None:
+    """Until the model is loaded (a restarted engine's process links before that: its fronts' resumed streams
+    and resent calls wait here, not fail); `ModelLoadError` if it never will be."""
+    wait_ready = getattr(engine, "wait_ready", None)  # test fakes are always ready
+    if wait_ready is not None:
+        await wait_ready()
+
+
+async def _when_ready(engine: Engine, fn: Callable[[], Awaitable[Any]]) -> Any:
+    await _wait_ready(engine)
+    return await fn()
 
 
 def _now(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:

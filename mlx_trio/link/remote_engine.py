@@ -6,10 +6,16 @@ id, context length, output format, adapters) comes from the facts the
 engine pushes, and `status()` from a copy refreshed in the background while
 someone reads it (at most `STATUS_FRESH_S` old after the first read).
 
-When the link breaks (the engine process is gone or restarting), every
-call and stream in flight fails with `EngineDown` (a retryable 503: the
-client resends) and health says why until the link is back; `run` connects
-again. Holds no MLX and imports no engine code.
+When the link breaks (the engine's process died and the launcher starts it
+again), `run` connects again, health says why meanwhile, and nothing in
+flight is lost: a stream waits for the new engine (up to `RESUME_WAIT_S`)
+and goes on there from the tokens its caller already has (`Engine.stream`'s
+`replay`, whose replayed chunks are not shown twice), so its caller sees one
+uninterrupted stream; `prepare`, `count` and `status` are sent again. After
+`MAX_RESUMES` breaks in a row with no new token, or no engine within the
+wait, the stream fails with `EngineDown` (a retryable 503). Adapter loads and
+fault arming are not sent again (they fail with `EngineDown`). Holds no MLX and
+imports no engine code.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from functools import partial
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from mlx_trio.errors import EngineDown, EngineFailure
-from mlx_trio.events import GenerationEvent
+from mlx_trio.events import GenerationEvent, TextDelta
 from mlx_trio.link.wire import FrameReader, LinkClosed, Message, Outbox, until_closed
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.supervision import ChildSpec
@@ -36,29 +43,51 @@ log = logging.getLogger("mlx_trio.link")
 HTTP_ACTOR_ID = "http"
 STATUS_FRESH_S = 0.1
 RECONNECT_EVERY_S = 0.1
+# How long a stream or call waits for the engine's process to be back (a model reload takes a while).
+RESUME_WAIT_S = 300.0
+# Link breaks in a row that bring a stream no new token before it fails.
+MAX_RESUMES = 3
+# Calls that are safe to send again after a break (they change nothing in the engine).
+IDEMPOTENT = frozenset({"prepare", "count", "status"})
 
 
 class RemoteFaults(Faults):
     """Faults for "http" are this front's own; any other actor's are armed in the engine process.
 
-    `armed()` lists this front's armed faults and the ones it sent on (those may have fired since).
+    `arm` sends those on without waiting (`RemoteEngine.arm_fault` waits until the engine has it).
+    `armed()` and `fired` are this front's and the engine's (as of the last status the front has: a
+    caller that needs them now awaits `RemoteEngine.refresh_status` first).
     """
 
     def __init__(self, engine: RemoteEngine) -> None:
         super().__init__()
         self._engine = engine
-        self._sent: list[ArmedFault] = []
+
+    @property  # type: ignore[override]
+    def fired(self) -> list[ArmedFault]:
+        return [*self._fired_here, *self._engine.engine_faults("fired")]
+
+    @fired.setter
+    def fired(self, value: list[ArmedFault]) -> None:
+        self._fired_here = value  # `Faults.take` appends to the list this returns: ours
+
+    def take(self, actor: str, kind: FaultKind) -> bool:
+        for fault in super().armed():
+            if fault.kind is kind and (fault.actor == actor):
+                self._armed.remove(fault)
+                self._fired_here.append(fault)
+                return True
+        return False
 
     def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
         if actor == HTTP_ACTOR_ID:
             return super().arm(actor, kind)
         fault = Faults().arm(actor, kind)  # the same checks, here, so a bad kind is a 400 at once
         self._engine.send_nowait(("arm", 0, (fault.actor, fault.kind.value)))
-        self._sent.append(fault)
         return fault
 
     def armed(self) -> list[ArmedFault]:
-        return [*super().armed(), *self._sent]
+        return [*super().armed(), *self._engine.engine_faults("armed")]
 
 
 class RemoteEngine:
@@ -75,7 +104,9 @@ class RemoteEngine:
         self._status: dict[str, Any] | None = None
         self._status_at = -math.inf
         self._status_wanted = trio.Event()
+        self._engine_faults: dict[str, list[ArmedFault]] = {}
         self.connected = trio.Event()  # set at the first connection (tests, the front's start)
+        self._up = trio.Event()  # set while connected; a new one after each break
         # The front's own tree (its link and http children), shown beside the engine's in `status()`.
         self.local_status: Callable[[], dict[str, Any]] | None = None
 
@@ -117,6 +148,7 @@ class RemoteEngine:
 
         self._outbox = outbox
         self.connected.set()
+        self._up.set()
         raise await until_closed(partial(outbox.run, stream), read, self._refresh_status)
 
     def _route(self, message: Message) -> None:
@@ -129,16 +161,24 @@ class RemoteEngine:
             waiter.send_nowait((op, payload))
 
     def _lost(self) -> None:
-        """The link is gone: everything waiting on it fails, retryably."""
+        """The link is gone: everything waiting on it hears so ("lost"), and resumes or fails."""
         self._outbox = None
         self._facts = None
-        error = EngineDown(f"{self._down}; retry", retry_after_s=1.0)
+        if self._up.is_set():
+            self._up = trio.Event()
         for waiter in list(self._waiting.values()):
             try:
-                waiter.send_nowait(("err", error))
+                waiter.send_nowait(("lost", None))
             except trio.WouldBlock:  # a call whose answer is already in
                 pass
         self._waiting.clear()
+
+    async def _link_up(self) -> None:
+        """Return once connected; `EngineDown` if the link is not back within `RESUME_WAIT_S`."""
+        with trio.move_on_after(RESUME_WAIT_S):
+            await self._up.wait()
+            return
+        raise EngineDown(f"{self._down}; retry", retry_after_s=1.0)
 
     def send_nowait(self, message: Message) -> None:
         if self._outbox is None:
@@ -146,25 +186,42 @@ class RemoteEngine:
         self._outbox.put_nowait(message)
 
     async def _call(self, op: str, payload: Any) -> Any:
-        mid = next(self._ids)
-        send, receive = trio.open_memory_channel[tuple[str, Any]](1)
-        self._waiting[mid] = send
-        try:
-            self.send_nowait((op, mid, payload))
-            kind, value = await receive.receive()
-        finally:
-            self._waiting.pop(mid, None)
-        if kind == "err":
-            raise value
-        return value
+        """One call's answer; sent again after a break when `op` is `IDEMPOTENT`."""
+        while True:
+            if op in IDEMPOTENT:
+                await self._link_up()
+            mid = next(self._ids)
+            send, receive = trio.open_memory_channel[tuple[str, Any]](1)
+            self._waiting[mid] = send
+            try:
+                self.send_nowait((op, mid, payload))
+                kind, value = await receive.receive()
+            finally:
+                self._waiting.pop(mid, None)
+            if kind == "lost" and op in IDEMPOTENT:
+                continue
+            if kind == "lost":
+                raise EngineDown(f"the engine link broke during {op!r}; retry", retry_after_s=1.0)
+            if kind == "err":
+                raise value
+            return value
 
     async def _refresh_status(self) -> None:
         """Fetch the engine's status when someone read a copy older than `STATUS_FRESH_S`."""
         while True:
-            self._status = await self._call("status", None)
-            self._status_at = trio.current_time()
+            await self.refresh_status()
             await self._status_wanted.wait()
             self._status_wanted = trio.Event()
+
+    async def refresh_status(self) -> None:
+        """Fetch the engine's status (and faults) now."""
+        status = await self._call("status", None)
+        self._engine_faults = status.pop("faults", {})
+        self._status, self._status_at = status, trio.current_time()
+
+    def engine_faults(self, which: str) -> list[ArmedFault]:
+        """The engine's "armed" or "fired" faults, as of the last status."""
+        return list(self._engine_faults.get(which, ()))
 
     # -- EngineLike -----------------------------------------------------------------
 
@@ -179,14 +236,17 @@ class RemoteEngine:
         return self._facts["group_lost"] if self._facts is not None else None
 
     def status(self) -> dict[str, Any]:
-        """The engine's status (at most `STATUS_FRESH_S` old after the first read), with this front's http node."""
+        """The engine's status (at most `STATUS_FRESH_S` old after the first read), with this front's children
+        (`engine-link`, `http`, each marked with its front's id) after the engine's root children."""
         if trio.current_time() - self._status_at > STATUS_FRESH_S:
             self._status_wanted.set()
         status = dict(self._status or {"tree": {"id": "root", "kind": "supervisor", "children": []},
                                        "model": None, "counters": {}, "prompt_cache": {}, "ranks": []})
-        if self.local_status is not None:
+        if self.local_status is not None:  # this front's children (its http, as in one process) beside the engine's
             tree = dict(status.get("tree") or {})
-            tree["children"] = [*tree.get("children", []), self.local_status()]
+            front = self.local_status()
+            tree["children"] = [*tree.get("children", []),
+                                *({**child, "front": front.get("id")} for child in front.get("children", []))]
             status["tree"] = tree
         return status
 
@@ -222,6 +282,14 @@ class RemoteEngine:
     async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> Any:
         return await self._call("prepare", (prompt, kwargs))
 
+    async def arm_fault(self, actor: str, kind: FaultKind | str) -> ArmedFault:
+        """Arm a fault and return once it is armed where it fires (here for "http", else in the engine)."""
+        if actor == HTTP_ACTOR_ID:
+            return self.faults.arm(actor, kind)
+        fault = Faults().arm(actor, kind)  # the same checks, here
+        armed: ArmedFault = await self._call("arm", (fault.actor, fault.kind.value))
+        return armed
+
     async def load_adapter(self, name: str, path: str) -> None:
         await self._call("load", (name, path))
 
@@ -230,26 +298,50 @@ class RemoteEngine:
 
     async def stream(self, request: Any, *,
                      replay: Sequence[Sequence[int]] = ()) -> AsyncGenerator[GenerationEvent, None]:
-        """The engine's `Engine.stream` of `request`; leaving early cancels it there (its KV is freed)."""
-        mid = next(self._ids)
-        send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
-        self._waiting[mid] = send
-        ended = False
-        try:
-            self.send_nowait(("stream", mid, (request, tuple(tuple(chunk) for chunk in replay))))
-            while True:
-                kind, value = await receive.receive()
-                if kind == "event":
-                    yield value
-                    continue
-                ended = True
-                if kind == "err":
-                    raise value
-                return
-        finally:
-            self._waiting.pop(mid, None)
-            if not ended and self._outbox is not None:
-                try:
-                    self._outbox.put_nowait(("cancel", mid, None))
-                except trio.WouldBlock:  # a full outbox: the engine cancels it when the link ends
-                    log.warning("could not send the cancel of stream %d", mid)
+        """The engine's `Engine.stream` of `request`, resumed across engine restarts; leaving early cancels it
+        there (its KV is freed)."""
+        chunks = [tuple(chunk) for chunk in replay]  # every chunk the caller has had (or was given to replay)
+        attempt = stalled = 0
+        while True:
+            await self._link_up()
+            mid = next(self._ids)
+            send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
+            self._waiting[mid] = send
+            # A resumed attempt under an id of its own: the new engine numbers its requests from 1 again.
+            sent = request if attempt == 0 else attrs.evolve(request, request_id=f"{request.request_id}.r{attempt}")
+            had = replayed = len(chunks)  # the engine first yields one TextDelta for each replayed chunk
+            ended = False
+            try:
+                self.send_nowait(("stream", mid, (sent, tuple(chunks))))
+                while True:
+                    kind, value = await receive.receive()
+                    if kind == "event":
+                        if isinstance(value, TextDelta):
+                            if replayed:
+                                replayed -= 1
+                                if attempt > 0:
+                                    continue  # the caller has it from an earlier attempt
+                            elif value.token_ids:
+                                chunks.append(tuple(value.token_ids))
+                        yield value
+                        continue
+                    if kind == "lost":
+                        break
+                    ended = True
+                    if kind == "err":
+                        raise value
+                    return
+            finally:
+                self._waiting.pop(mid, None)
+                if not ended and self._outbox is not None:
+                    try:
+                        self._outbox.put_nowait(("cancel", mid, None))
+                    except trio.WouldBlock:  # a full outbox: the engine cancels it when the link ends
+                        log.warning("could not send the cancel of stream %d", mid)
+            stalled = 0 if len(chunks) > had else stalled + 1
+            if stalled > MAX_RESUMES:
+                raise EngineDown(f"request {request.request_id}: the engine's process was lost {stalled} times "
+                                 "in a row with no new token; retry", retry_after_s=1.0)
+            attempt += 1
+            log.warning("request %s: the engine link broke; resuming after %d chunk(s)", request.request_id,
+                        len(chunks))

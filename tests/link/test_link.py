@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from hypothesis import given
@@ -20,7 +21,7 @@ from tests.http.fakes import FakeEngine
 
 from mlx_trio.errors import (ContextTooLong, EngineDown, EngineFailure, InvalidParameter, ModelNotFound,
                              Overloaded)
-from mlx_trio.events import Finished, TextDelta
+from mlx_trio.events import Finished, TextDelta, Usage
 from mlx_trio.link.link_server import LinkServer
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.link.wire import FrameReader, LinkClosed, frame
@@ -135,30 +136,90 @@ async def test_leaving_a_stream_early_cancels_it_in_the_engine(tmp_path: Path) -
         assert engine.active == 0
 
 
-async def test_a_broken_link_fails_what_is_in_flight_retryably_and_comes_back(tmp_path: Path) -> None:
-    engine = FakeEngine()
-    engine.token_delay_s = 0.01
+@attrs.frozen
+class _Request:
+    request_id: str
+    tokens: int
+
+
+class ReplayingEngine(FakeEngine):
+    """Streams token i as "w{i} "; `replay` (chunks of ids) comes first, one TextDelta a chunk, as `Engine.stream`
+    gives it, and the stream goes on after it. Records the request ids it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_delay_s = 0.01
+        self.ids: list[str] = []
+
+    async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> _Request:  # type: ignore[override]
+        return _Request(f"req-{len(self.ids) + 1}", kwargs.get("max_tokens", 8))
+
+    async def stream(self, request: _Request, replay: Any = ()) -> Any:  # type: ignore[override]
+        self.ids.append(request.request_id)
+        for chunk in replay:
+            yield TextDelta("".join(f"w{i} " for i in chunk), tuple(chunk))
+        for i in range(sum(len(c) for c in replay), request.tokens):
+            await trio.sleep(self.token_delay_s)
+            yield TextDelta(f"w{i} ", (i,))
+        yield Finished("length", Usage(1, request.tokens))
+
+
+async def test_a_stream_resumes_on_the_next_engine_when_the_link_breaks(tmp_path: Path) -> None:
+    """The caller sees one stream, each token once; the resumed attempt has an id of its own."""
+    engine = ReplayingEngine()
     async with linked(tmp_path, engine) as (remote, server, server_scope):
-        stream = remote.stream(await remote.prepare_off_loop("x", max_tokens=1000))
-        await stream.__anext__()  # the stream runs in the engine
-        server_scope.cancel()  # the engine's side goes away
-        with pytest.raises(EngineDown):
-            with trio.fail_after(5):
-                async for _ in stream:
-                    pass
-        assert remote.health()[0] is False
-        with pytest.raises(EngineDown):
-            await remote.prepare_off_loop("x")
-        await server.ended.wait()  # as a supervisor restarts it: after the old incarnation is gone
-        # A new engine side on the same socket: the front reconnects by itself.
+        request = await remote.prepare_off_loop("x", max_tokens=12)
+        seen: list[Any] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(LinkServer(engine, server.path).run)  # type: ignore[arg-type]
+            async def consume() -> None:
+                async for event in remote.stream(request):
+                    seen.append(event)
+
+            nursery.start_soon(consume)
             with trio.fail_after(5):
-                while not remote.health()[0]:
+                while len(seen) < 4:
+                    await trio.sleep(0.001)
+            server_scope.cancel()  # the engine's side goes away mid-stream
+            await server.ended.wait()
+            with trio.fail_after(5):
+                while remote.health()[0]:
+                    await trio.sleep(0.001)
+            with pytest.raises(EngineDown):  # what changes the engine is not sent again
+                await remote.load_adapter("a", "/nowhere")
+            nursery.start_soon(LinkServer(engine, server.path).run)  # type: ignore[arg-type]
+            with trio.fail_after(10):
+                while not seen or not isinstance(seen[-1], Finished):
                     await trio.sleep(0.01)
-            request = await remote.prepare_off_loop("y", max_tokens=2)
-            assert [e async for e in remote.stream(request)] == await _direct(FakeEngine(), "y", max_tokens=2)
             nursery.cancel_scope.cancel()
+    texts = [e.text for e in seen if isinstance(e, TextDelta)]
+    assert "".join(texts) == "".join(f"w{i} " for i in range(12))
+    assert [i for e in seen if isinstance(e, TextDelta) for i in e.token_ids] == list(range(12))
+    assert engine.ids == ["req-1", "req-1.r1"]
+
+
+async def test_a_call_waits_for_the_engine_and_is_sent_again(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, server, server_scope):
+        server_scope.cancel()
+        await server.ended.wait()
+        with trio.fail_after(5):
+            while remote.health()[0]:
+                await trio.sleep(0.001)
+        async with trio.open_nursery() as nursery:
+            counted: list[int] = []
+
+            async def count() -> None:
+                counted.append(await trio.to_thread.run_sync(lambda: remote.count_tokens("a b c")))
+
+            nursery.start_soon(count)
+            await trio.sleep(0.2)
+            assert counted == []  # waits for an engine
+            nursery.start_soon(LinkServer(engine, server.path).run)  # type: ignore[arg-type]
+            with trio.fail_after(10):
+                while not counted:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert counted == [engine.count_tokens("a b c")]
 
 
 async def test_facts_and_status_follow_the_engine(tmp_path: Path) -> None:
@@ -180,7 +241,7 @@ async def test_facts_and_status_follow_the_engine(tmp_path: Path) -> None:
                 await trio.sleep(0.01)
         status = remote.status()
         assert status["model"] == "fake"
-        assert [c["id"] for c in status["tree"]["children"]] == ["front-0"]
+        assert status["tree"]["children"] == [{"id": "http", "front": "front-0"}]
 
 
 async def test_faults_of_engine_actors_are_armed_in_the_engine_and_http_ones_here(tmp_path: Path) -> None:

@@ -73,14 +73,16 @@ def test_eight_concurrent_streams_through_the_fronts_are_their_goldens(split_ser
     assert results == [(case["text"], case["finish_reason"]) for case in cases]
 
 
-def test_status_shows_the_engine_tree_with_the_front_and_the_pool(http: httpx.Client) -> None:
+def test_status_shows_the_engine_tree_with_the_answering_front(http: httpx.Client) -> None:
     tree = http.get("/v1/status").json()["tree"]
     ids = [child["id"] for child in tree["children"]]
-    assert ids[:4] == ["engine", "sessions", "link", "fronts"]
-    assert ids[4].startswith("front-")  # the answering front's own tree: its link and http children
-    assert [c["id"] for c in tree["children"][4]["children"]] == ["engine-link", "http"]
-    fronts = tree["children"][3]
-    assert fronts["stats"]["fronts"] == FRONTS
+    # The engine's children, then the answering front's own (its link and its http, as in one process).
+    assert ids == ["engine", "sessions", "link", "engine-link", "http"]
+    assert tree["children"][4]["front"].startswith("front-")
+    deadline = time.monotonic() + 5  # the front's copy of the engine's status is refreshed as it is read
+    while http.get("/v1/status").json()["tree"]["children"][2]["stats"]["fronts"] != FRONTS + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)  # every front, and the launcher's watch
 
 
 def test_a_disconnect_frees_the_row_and_its_kv_in_the_engine(http: httpx.Client) -> None:
@@ -117,7 +119,7 @@ def test_an_engine_fault_armed_through_a_front_is_resumed_from(split_server: Ser
 
 def test_a_killed_front_is_started_again_and_the_other_serves_on(split_server: ServerThread,
                                                                  http: httpx.Client) -> None:
-    pool = _pool(split_server)
+    pool = _pool(split_server).pool
     before, restarts = pool.pids(), pool.restarts
     assert len(before) == FRONTS
     os.kill(before[0], signal.SIGKILL)
@@ -130,6 +132,32 @@ def test_a_killed_front_is_started_again_and_the_other_serves_on(split_server: S
         time.sleep(0.05)
     after = pool.pids()
     assert pool.restarts == restarts + 1 and len(after) == FRONTS and before[0] not in after
+
+
+def test_a_killed_engine_process_is_started_again_and_its_streams_resume(split_server: ServerThread,
+                                                                         http: httpx.Client) -> None:
+    """SIGKILL the engine's process mid-stream: the client's stream goes on, to exactly the unbroken text."""
+    launcher = _pool(split_server)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+
+    def texts(kill_after: int | None) -> str:
+        text, chunks = "", 0
+        with httpx.Client(base_url=split_server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        text += "".join(c.get("text") or "" for c in json.loads(line.removeprefix("data: "))["choices"])
+                        chunks += 1
+                        if chunks == kill_after:
+                            os.kill(launcher.engine_pid, signal.SIGKILL)
+        return text
+
+    unbroken = texts(None)
+    first_engine = launcher.engine_pid
+    assert texts(kill_after=20) == unbroken
+    assert launcher.engine_pid not in (None, first_engine) and launcher.keeper.generation == 2
+    assert http.get("/health").status_code == 200
 
 
 def _find(node: dict[str, Any], actor: str) -> dict[str, Any]:

@@ -75,6 +75,9 @@ def register_admin(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/admin/faults")
     async def list_faults() -> Response:
+        refresh = getattr(state.engine, "refresh_status", None)  # an engine in another process: its lists now
+        if refresh is not None:
+            await refresh()
         faults = state.engine.faults
         return json_response({"armed": [fault_object(f) for f in faults.armed()],
                               "fired": [fault_object(f) for f in faults.fired]})
@@ -99,7 +102,10 @@ def register_admin(app: Quart, state: AppState) -> None:
             why = f"turned off ({ssd.get('reason') or 'degraded'})" if ssd.get("enabled") else "off (no --prompt-cache-dir)"
             raise invalid_value("actor", f"a fault at {actor!r} would never fire: the SSD tier is {why}")
         try:
-            armed = state.engine.faults.arm(actor, kind)
+            # An engine in another process arms it there before we answer (`RemoteEngine.arm_fault`), so
+            # the client's next request, through whichever front, meets it.
+            arm_fault = getattr(state.engine, "arm_fault", None)
+            armed = await arm_fault(actor, kind) if arm_fault is not None else state.engine.faults.arm(actor, kind)
         except ValueError as exc:
             raise invalid_value("kind", str(exc)) from None
         log.warning("fault armed over HTTP: %s %s", armed.kind.value, armed.actor)

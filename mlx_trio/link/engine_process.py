@@ -1,0 +1,102 @@
+"""The engine's process under `mlx-trio serve --api-server-count N`: the engine and its link, no HTTP.
+
+    python -m mlx_trio.link.engine_process --link SOCKET --config FILE --error-file FILE
+
+Started only by the launcher (launcher.py), which starts it again when it
+dies: its fronts keep their clients' connections meanwhile and resume their
+streams on the new one (remote_engine.py). Its tree is the engine's own
+(api.py) with `link` (`LinkServer`) as its extra child. It writes nothing to
+stdout (the launcher's "serving" line is the one a caller reads); a model
+that cannot load is written to `--error-file` and exits 3. SIGTERM flushes
+the prompt cache's SSD tier (bounded) and exits 0; SIGINT is the
+launcher's to act on (a terminal's Ctrl-C reaches the whole group).
+MLX_TRIO_PROFILE profiles this process (SIGUSR1 marks, forwarded by the
+launcher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import pickle
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from mlx_trio import profiling
+from mlx_trio.api import Engine
+from mlx_trio.config import EngineConfig
+from mlx_trio.errors import ModelLoadError
+from mlx_trio.link.link_server import LinkServer
+
+log = logging.getLogger("mlx_trio.link")
+
+# docs/design.md §8.4, as `mlx-trio serve` sets it.
+SWITCH_INTERVAL_S = 0.001
+# How long SIGTERM lets the SSD tier finish what it was offered.
+FLUSH_LIMIT_S = 30.0
+MODEL_LOAD_EXIT = 3
+
+
+async def serve_engine(config: EngineConfig, link_path: str) -> None:
+    """Run the engine and its link until SIGTERM; raises `ModelLoadError` if the model cannot load."""
+    link = LinkServer(None, link_path)
+    engine = Engine(config, extra_children=[link.child_spec])
+    link.attach(engine)
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                await engine.wait_ready()
+            except ModelLoadError:
+                nursery.cancel_scope.cancel()
+                raise
+            profiling.watch_counters(engine.actors.counters)
+            gc.freeze()  # as `mlx-trio serve` does: what lives as long as the process is no longer scanned
+            log.info("engine ready: %s", engine.model_id)
+            async for _ in signals:
+                with trio.move_on_after(FLUSH_LIMIT_S):
+                    await engine.drain_persistence()
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx_trio.link.engine_process")
+    parser.add_argument("--link", required=True, help="the engine link's Unix socket")
+    parser.add_argument("--config", required=True, help="the pickled EngineConfig")
+    parser.add_argument("--error-file", required=True, help="where a model that cannot load is described")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config: EngineConfig = pickle.loads(Path(args.config).read_bytes())
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        with profiling.from_environment():
+            trio.run(serve_engine, config, args.link)
+    except BaseException as exc:  # noqa: BLE001  (the launcher reads what went wrong from the file)
+        load = _model_load_error(exc)
+        Path(args.error_file).write_text(str(load) if load is not None else f"{type(exc).__name__}: {exc}")
+        log.error("the engine stopped: %r", exc, exc_info=load is None)
+        return MODEL_LOAD_EXIT if load is not None else 1
+    return 0
+
+
+def _model_load_error(exc: BaseException) -> ModelLoadError | None:
+    if isinstance(exc, ModelLoadError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _model_load_error(inner)
+            if found is not None:
+                return found
+    return _model_load_error(exc.__cause__) if exc.__cause__ is not None else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
