@@ -10,7 +10,9 @@ starts the second one from DIR's package (cwd and PYTHONPATH), so "now" and
 a baseline run on the same box in the same run. Per round, each server gets
 `--requests` streamed chat completions, `--concurrency` at once, from this
 process (`mlx_trio.bench.runner`), in alternating order (A B, then B A).
-Around each run the server's `/proc/PID/stat` and `/proc/PID/task/*/stat`
+Around each run the `/proc/PID/stat` and `/proc/PID/task/*/stat` of every process of the server
+(with front processes, the default: the launcher, the engine's process and the fronts; the busiest
+process's threads are split as below, the others count as "other")
 are read: host CPU per streamed token = the process's CPU seconds over the
 run / the tokens its usage chunks report. Per thread too: the main thread
 (tid = pid) is the Trio thread; the busiest other thread is, on MLX's CPU
@@ -55,13 +57,21 @@ async def one_run(server: ManagedServer, args: argparse.Namespace, seed: int) ->
                                       output_tokens=args.output_tokens)
     workload = workloads.build("uniform", params, args.concurrency)
     assert server.pid is not None
-    tasks0, cpu0, t0 = thread_cpu.tasks(server.pid), thread_cpu.process_cpu_s(server.pid), time.perf_counter()
+    # Every process of the server (with front processes: the launcher, the engine's process and the fronts).
+    pids = thread_cpu.process_tree(server.pid)
+    cpu0, t0 = {p: thread_cpu.process_cpu_s(p) for p in pids}, time.perf_counter()
+    tasks0 = {p: thread_cpu.tasks(p) for p in pids}
     results = await run_workload(server.url, workload, RunOptions())
-    tasks1, cpu1, t1 = thread_cpu.tasks(server.pid), thread_cpu.process_cpu_s(server.pid), time.perf_counter()
-    if cpu0 is None or cpu1 is None:
-        raise SystemExit("host_per_token: needs Linux's /proc")
+    cpu1, t1 = {p: thread_cpu.process_cpu_s(p) for p in pids}, time.perf_counter()
+    tasks1 = {p: thread_cpu.tasks(p) for p in pids}
+    if None in cpu0.values() or None in cpu1.values():
+        raise SystemExit("host_per_token: needs Linux's /proc (and every server process alive through the run)")
+    used = {p: cpu1[p] - cpu0[p] for p in pids}  # type: ignore[operator]
     tokens = sum(r.completion_tokens or 0 for r in results if r.ok)
-    split = thread_split(server.pid, tasks0, tasks1)
+    busiest = max(pids, key=lambda p: used[p])  # the engine's process: its threads are split below
+    split = thread_split(busiest, tasks0[busiest], tasks1[busiest])
+    split["other"] += sum(used.values()) - used[busiest]  # the launcher and the fronts
+    cpu0, cpu1 = sum(cpu0.values()), sum(cpu1.values())  # type: ignore[arg-type]
     return {"server": server.name, "wall_s": t1 - t0, "tokens": tokens, "failures": sum(not r.ok for r in results),
             "cpu_s": cpu1 - cpu0, "us_per_token": 1e6 * (cpu1 - cpu0) / max(tokens, 1),
             **{f"{k}_us_per_token": 1e6 * v / max(tokens, 1) for k, v in split.items()},

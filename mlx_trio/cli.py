@@ -423,7 +423,10 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int
         return 1
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        with profiling.from_environment():  # MLX_TRIO_PROFILE=PATH: docs/benchmarks.md ("Server-side profile")
+        # MLX_TRIO_PROFILE=PATH: docs/benchmarks.md ("Server-side profile"); with front processes the engine's
+        # process profiles itself (mlx_trio/link/engine_process.py), and this one, the launcher, forwards the marks.
+        environ = os.environ if server_config.api_server_count == 0 else {}
+        with profiling.from_environment(environ):
             trio.run(serve_until_signalled, engine_config, server_config)
     except KeyboardInterrupt:
         log.info("stopped")

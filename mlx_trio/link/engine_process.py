@@ -9,7 +9,8 @@ streams on the new one (remote_engine.py). Its tree is the engine's own
 stdout (the launcher's "serving" line is the one a caller reads); a model
 that cannot load is written to `--error-file` and exits 3. SIGTERM flushes
 the prompt cache's SSD tier (bounded) and exits 0; SIGINT is the
-launcher's to act on (a terminal's Ctrl-C reaches the whole group).
+launcher's to act on (a terminal's Ctrl-C reaches the whole group). It exits
+when the launcher is gone (killed outright: nobody would restart or stop it).
 MLX_TRIO_PROFILE profiles this process (SIGUSR1 marks, forwarded by the
 launcher).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -40,15 +42,24 @@ SWITCH_INTERVAL_S = 0.001
 # How long SIGTERM lets the SSD tier finish what it was offered.
 FLUSH_LIMIT_S = 30.0
 MODEL_LOAD_EXIT = 3
+PARENT_CHECK_S = 0.5
 
 
 async def serve_engine(config: EngineConfig, link_path: str) -> None:
     """Run the engine and its link until SIGTERM; raises `ModelLoadError` if the model cannot load."""
+    parent = os.getppid()
     link = LinkServer(None, link_path)
     engine = Engine(config, extra_children=[link.child_spec])
     link.attach(engine)
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            async def orphaned() -> None:
+                while os.getppid() == parent:
+                    await trio.sleep(PARENT_CHECK_S)
+                log.error("the launcher is gone; the engine's process exits")
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(orphaned)
             await nursery.start(engine.run)
             try:
                 await engine.wait_ready()

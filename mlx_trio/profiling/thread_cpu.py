@@ -89,3 +89,22 @@ def top_threads(usage: Mapping[str, Mapping[str, float]], names: Iterable[str] =
     first = [(name, usage[name]["cpu_s"]) for name in names if name in usage]
     rest = sorted(((n, u["cpu_s"]) for n, u in usage.items() if n not in dict(first)), key=lambda x: -x[1])
     return first + rest
+
+
+def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """`pid` and every live descendant (`serve --api-server-count N`: the launcher, the engine's process, the
+    fronts), parents first; just `[pid]` without `/proc`."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.glob("[0-9]*"):
+        try:
+            text = (entry / "stat").read_text()
+            ppid = int(text[text.rindex(")") + 2:].split()[1])  # field 4, after the state
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop(0)
+        out.append(current)
+        todo.extend(sorted(children.get(current, [])))
+    return out
