@@ -1,6 +1,6 @@
 """The engine link: `mlx-trio serve --api-server-count N` serves HTTP from N front processes.
 
-The engine process (the lease, the actors, the sessions and `Engine.stream`)
+The engine's process (the lease, the actors, the sessions and `Engine.stream`)
 holds no HTTP; each front process runs the same quart-trio app on hypercorn
 against a `RemoteEngine` that reaches the engine over one local socket. A
 front's HTTP work (parsing, rendering, SSE writes: most of a streamed token's
@@ -10,6 +10,9 @@ lease thread (docs/architecture.md "Front processes").
     wire.py            frames of pickled messages over a Trio stream
     link_server.py     the engine process's side: a child of the engine's root
     remote_engine.py   the front's side: the `EngineLike` the HTTP app serves
-    front_pool.py      the engine process's child that runs and restarts the fronts
+    front_pool.py      the public socket and the front processes, restarted when they die
     front_process.py   a front process's main (`python -m mlx_trio.link.front_process`)
+    engine_process.py  the engine's process's main (`python -m mlx_trio.link.engine_process`)
+    launcher.py        `mlx-trio serve`'s own process: the engine's process and the pool, kept running
+    orphan.py          how those processes notice the launcher is gone
 """

@@ -34,6 +34,7 @@ from mlx_trio.api import Engine
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import ModelLoadError
 from mlx_trio.link.link_server import LinkServer
+from mlx_trio.link.orphan import until_orphaned
 
 log = logging.getLogger("mlx_trio.link")
 
@@ -42,7 +43,6 @@ SWITCH_INTERVAL_S = 0.001
 # How long SIGTERM lets the SSD tier finish what it was offered.
 FLUSH_LIMIT_S = 30.0
 MODEL_LOAD_EXIT = 3
-PARENT_CHECK_S = 0.5
 
 
 async def serve_engine(config: EngineConfig, link_path: str) -> None:
@@ -54,8 +54,7 @@ async def serve_engine(config: EngineConfig, link_path: str) -> None:
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             async def orphaned() -> None:
-                while os.getppid() == parent:
-                    await trio.sleep(PARENT_CHECK_S)
+                await until_orphaned(parent)
                 log.error("the launcher is gone; the engine's process exits")
                 nursery.cancel_scope.cancel()
 

@@ -1,4 +1,4 @@
-"""`FrontPool`: the engine process's child that runs the front processes and keeps them running.
+"""`FrontPool`: the launcher's part that runs the front processes and keeps them running.
 
 It binds the public host:port itself (one listening socket every front
 accepts from: the kernel gives each connection to whichever front is free,
@@ -26,11 +26,9 @@ import trio
 
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.drain import DrainReport
-from mlx_trio.supervision import ChildSpec
 
 log = logging.getLogger("mlx_trio.link")
 
-FRONTS_ACTOR_ID = "fronts"
 RESTART_DELAY_S = 0.2
 BACKLOG = 1024
 
@@ -51,19 +49,10 @@ class FrontPool:
         self.engine: object | None = None
 
     @property
-    def child_spec(self) -> ChildSpec:
-        return ChildSpec(id=FRONTS_ACTOR_ID, start=self.run, kind="fronts",
-                         shutdown_s=self.config.graceful_timeout_s + 5.0)
-
-    @property
     def url(self) -> str:
         host = self.config.host
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
-
-    def statistics(self) -> dict[str, object]:
-        return {"fronts": len(self._processes), "restarts": self.restarts,
-                "pids": sorted(p.pid for p in self._processes.values())}
 
     def pids(self) -> list[int]:
         return sorted(p.pid for p in self._processes.values())

@@ -30,12 +30,12 @@ import trio
 
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.http_server import HttpServer
+from mlx_trio.link.orphan import until_orphaned
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.supervision import Strategy, Supervisor
 
 log = logging.getLogger("mlx_trio.link")
 
-PARENT_CHECK_S = 0.5
 # How long a front waits for its first link before it starts serving 503s anyway (the engine loads meanwhile).
 FIRST_LINK_WAIT_S = 30.0
 
@@ -56,8 +56,7 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
             gc.freeze()  # as `mlx-trio serve` does: the collector stops scanning what lives as long as we do
 
             async def orphaned() -> None:
-                while os.getppid() == parent:
-                    await trio.sleep(PARENT_CHECK_S)
+                await until_orphaned(parent)
                 log.error("front %d: the engine process is gone; exiting", index)
                 nursery.cancel_scope.cancel()
 
