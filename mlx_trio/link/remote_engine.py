@@ -32,6 +32,7 @@ import trio
 
 from mlx_trio.errors import EngineDown, EngineFailure
 from mlx_trio.events import GenerationEvent, TextDelta
+from mlx_trio.link.remote_store import RemoteResponses
 from mlx_trio.link.wire import FrameReader, LinkClosed, Message, Outbox, until_closed
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.supervision import ChildSpec
@@ -109,6 +110,8 @@ class RemoteEngine:
         self._up = trio.Event()  # set while connected; a new one after each break
         # The front's own tree (its link and http children), shown beside the engine's in `status()`.
         self.local_status: Callable[[], dict[str, Any]] | None = None
+        # The /v1/responses store every front shares, in the engine's process (the endpoint looks for it).
+        self.responses_store = RemoteResponses(self._call)
 
     @property
     def child_spec(self) -> ChildSpec:
