@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
              "engine restarts under its requests (default: %(default)s)")
     arg("--api-server-count", type=non_negative_int, default=1,
         help="front processes that serve HTTP, each over a local socket to this engine process (vLLM's flag): "
-             "their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process. With more "
-             "than 1, each front keeps its own /v1/responses store and HTTP metrics (default: %(default)s)")
+             "their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process. The fronts "
+             "share one /v1/responses store (in the engine's process); with more than 1, each keeps its own "
+             "HTTP metrics (default: %(default)s)")
     arg("--write-timeout", type=positive_float, default=attrs.fields(ServerConfig).write_timeout_s.default,
         help="seconds a response may wait for a client that does not read before the stream is ended and "
              "its request freed (default: %(default)s)")
@@ -304,11 +305,6 @@ async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerC
     `--api-server-count` front processes; `started(launcher)` once the model is ready."""
     from mlx_trio.link.launcher import Launcher  # noqa: PLC0415
 
-    if server_config.api_server_count > 1 and server_config.responses_store_bytes:
-        log.warning("--api-server-count %d: each front process keeps its own /v1/responses store, so a "
-                    "previous_response_id made on another front is not found (404); clients that resend the "
-                    "whole input (Codex CLI: store false) are not affected. Use --api-server-count 1 to share one.",
-                    server_config.api_server_count)
     with tempfile.TemporaryDirectory(prefix="mlx-trio-link-") as workdir:
         await Launcher(engine_config, server_config, Path(workdir)).run(task_status=task_status)
 

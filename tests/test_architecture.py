@@ -259,7 +259,8 @@ def test_the_front_imports_no_mlx_and_no_engine(path: Path) -> None:
 
 
 # The front processes' side of the engine link: they run the HTTP stack and hold no MLX and no engine.
-LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "front_process.py", "front_pool.py", "launcher.py", "orphan.py")
+LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "remote_store.py", "front_process.py", "front_pool.py",
+                   "launcher.py", "orphan.py")
 
 
 @pytest.mark.parametrize("path", [p for p in _files("link") if p.name in LINK_FRONT_SIDE],

@@ -10,6 +10,7 @@ lease thread (docs/architecture.md "Front processes").
     wire.py            frames of pickled messages over a Trio stream
     link_server.py     the engine process's side: a child of the engine's root
     remote_engine.py   the front's side: the `EngineLike` the HTTP app serves
+    remote_store.py    the front's side of the /v1/responses store every front shares
     front_pool.py      the public socket and the front processes, restarted when they die
     front_process.py   a front process's main (`python -m mlx_trio.link.front_process`)
     engine_process.py  the engine's process's main (`python -m mlx_trio.link.engine_process`)

@@ -45,10 +45,12 @@ FLUSH_LIMIT_S = 30.0
 MODEL_LOAD_EXIT = 3
 
 
-async def serve_engine(config: EngineConfig, link_path: str) -> None:
-    """Run the engine and its link until SIGTERM; raises `ModelLoadError` if the model cannot load."""
+async def serve_engine(config: EngineConfig, link_path: str, responses_store_bytes: int) -> None:
+    """Run the engine and its link until SIGTERM; raises `ModelLoadError` if the model cannot load.
+
+    The link server also keeps the fronts' one /v1/responses store, of `responses_store_bytes`."""
     parent = os.getppid()
-    link = LinkServer(None, link_path)
+    link = LinkServer(None, link_path, responses_store_bytes=responses_store_bytes)
     engine = Engine(config, extra_children=[link.child_spec])
     link.attach(engine)
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
@@ -80,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--link", required=True, help="the engine link's Unix socket")
     parser.add_argument("--config", required=True, help="the pickled EngineConfig")
     parser.add_argument("--error-file", required=True, help="where a model that cannot load is described")
+    parser.add_argument("--responses-store-bytes", type=int, required=True, help="the fronts' /v1/responses store")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
@@ -88,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         with profiling.from_environment():
-            trio.run(serve_engine, config, args.link)
+            trio.run(serve_engine, config, args.link, args.responses_store_bytes)
     except BaseException as exc:  # noqa: BLE001  (the launcher reads what went wrong from the file)
         load = _model_load_error(exc)
         Path(args.error_file).write_text(str(load) if load is not None else f"{type(exc).__name__}: {exc}")

@@ -49,11 +49,12 @@ LOAD_PROGRESS_EVERY_S = 5.0
 class EngineKeeper:
     """The engine's process: started, watched, started again after a crash; `generation` counts the starts."""
 
-    def __init__(self, config: EngineConfig, link_path: str, workdir: Path) -> None:
+    def __init__(self, config: EngineConfig, link_path: str, workdir: Path, *, responses_store_bytes: int) -> None:
         self._config_path = workdir / "engine-config.pickle"
         self._config_path.write_bytes(pickle.dumps(config))
         self._error_path = workdir / "engine-error.txt"
         self._link_path = link_path
+        self._responses_store_bytes = responses_store_bytes  # the fronts' one /v1/responses store, kept there
         self.process: trio.Process | None = None
         self.generation = 0
         self.ready_once = False  # set by the launcher once the engine answered healthy
@@ -63,6 +64,7 @@ class EngineKeeper:
     async def run(self, *, task_status: trio.TaskStatus[EngineKeeper] = trio.TASK_STATUS_IGNORED) -> None:
         command = [sys.executable, "-m", "mlx_trio.link.engine_process", "--link", self._link_path,
                    "--config", str(self._config_path), "--error-file", str(self._error_path),
+                   "--responses-store-bytes", str(self._responses_store_bytes),
                    "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         started = False
         while True:
@@ -100,7 +102,8 @@ class Launcher:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, workdir: Path) -> None:
         self.config = server_config
         link_path = link_socket_path(workdir)
-        self.keeper = EngineKeeper(engine_config, link_path, workdir)
+        self.keeper = EngineKeeper(engine_config, link_path, workdir,
+                                   responses_store_bytes=server_config.responses_store_bytes)
         self.pool = FrontPool(server_config, link_path, workdir)
         self.watch = RemoteEngine(link_path)
         self.engine = None  # nothing to flush here: the engine's process flushes its own SSD tier

@@ -11,6 +11,9 @@ It listens on a Unix socket and serves each front process that connects
     arm      (actor, kind)         -> ok ArmedFault | err             (`Engine.faults.arm`)
     stream   (Request, replay)     -> event GenerationEvent* then end None | err MlxTrioError
     cancel   None                  (the stream of that id: its client left)
+    store_get     response id      -> ok StoredResponse | None        (the /v1/responses store, below)
+    store_put     StoredResponse   -> ok bool                         (answered once it is stored)
+    store_delete  response id      -> ok bool
 
 and what it pushes unasked: `facts` (id 0), the values the HTTP layer reads
 synchronously (health, model id, context length, output format, adapters,
@@ -21,6 +24,11 @@ sessions and their guarantees stay exactly those of the in-process server; a
 front that goes away cancels its streams (their rows leave the batch and free
 their KV, as a client's disconnect does). An error of one call or stream goes
 back to it alone; nothing a front sends can stop the link for another front.
+
+The server owns the one `/v1/responses` store of every front (a
+`ResponseStore` of `responses_store_bytes`; mlx_trio/link/remote_store.py the
+front's side): a response stored through one front is found through another.
+It lives as long as this object, across restarts of the link child.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ import trio
 
 from mlx_trio.api import Engine
 from mlx_trio.errors import EngineFailure, MlxTrioError
+from mlx_trio.http.responses.store import ResponseStore
+from mlx_trio.http.server.config import DEFAULT_RESPONSES_STORE_BYTES
 from mlx_trio.profiling import request_phase
 from mlx_trio.link.wire import FrameReader, LinkClosed, Outbox, until_closed
 from mlx_trio.supervision import ChildSpec
@@ -50,11 +60,14 @@ FACTS_EVERY_S = 0.05
 
 
 class LinkServer:
-    """Serves `engine` to the front processes on the Unix socket at `path` (created 0600)."""
+    """Serves `engine` to the front processes on the Unix socket at `path` (created 0600), and their
+    shared `/v1/responses` store of `responses_store_bytes` (`ServerConfig.responses_store_bytes`)."""
 
-    def __init__(self, engine: Engine | None, path: str) -> None:
+    def __init__(self, engine: Engine | None, path: str, *,
+                 responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES) -> None:
         self._engine = engine
         self.path = path
+        self.responses = ResponseStore(responses_store_bytes)
         self.fronts = 0  # connected now
         self.streams = 0  # running now, every front together
 
@@ -156,6 +169,12 @@ class _FrontSession:
             self._call(mid, partial(engine.unload_adapter, payload))
         elif op == "arm":
             self._call(mid, _now(partial(engine.faults.arm, *payload)))
+        elif op == "store_get":
+            self._call(mid, _now(partial(self._server.responses.get, payload)))
+        elif op == "store_put":
+            self._call(mid, _now(partial(self._server.responses.put, payload)))
+        elif op == "store_delete":
+            self._call(mid, _now(partial(self._server.responses.delete, payload)))
         else:
             self._call(mid, _now(partial(_unknown, op)))
 

@@ -11,7 +11,8 @@ again), `run` connects again, health says why meanwhile, and nothing in
 flight is lost: a stream waits for the new engine (up to `RESUME_WAIT_S`)
 and goes on there from the tokens its caller already has (`Engine.stream`'s
 `replay`, whose replayed chunks are not shown twice), so its caller sees one
-uninterrupted stream; `prepare`, `count` and `status` are sent again. After
+uninterrupted stream; `prepare`, `count`, `status` and the responses store's
+get and put are sent again. After
 `MAX_RESUMES` breaks in a row with no new token, or no engine within the
 wait, the stream fails with `EngineDown` (a retryable 503). Adapter loads and
 fault arming are not sent again (they fail with `EngineDown`). Holds no MLX and
@@ -32,6 +33,7 @@ import trio
 
 from mlx_trio.errors import EngineDown, EngineFailure
 from mlx_trio.events import GenerationEvent, TextDelta
+from mlx_trio.link.remote_store import RemoteResponses
 from mlx_trio.link.wire import FrameReader, LinkClosed, Message, Outbox, until_closed
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.supervision import ChildSpec
@@ -48,7 +50,7 @@ RESUME_WAIT_S = 300.0
 # Link breaks in a row that bring a stream no new token before it fails.
 MAX_RESUMES = 3
 # Calls that are safe to send again after a break (they change nothing in the engine).
-IDEMPOTENT = frozenset({"prepare", "count", "status"})
+IDEMPOTENT = frozenset({"prepare", "count", "status", "store_get", "store_put"})
 
 
 class RemoteFaults(Faults):
@@ -109,6 +111,8 @@ class RemoteEngine:
         self._up = trio.Event()  # set while connected; a new one after each break
         # The front's own tree (its link and http children), shown beside the engine's in `status()`.
         self.local_status: Callable[[], dict[str, Any]] | None = None
+        # The /v1/responses store every front shares, in the engine's process (the endpoint looks for it).
+        self.responses_store = RemoteResponses(self._call)
 
     @property
     def child_spec(self) -> ChildSpec:

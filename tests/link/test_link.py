@@ -22,6 +22,7 @@ from tests.http.fakes import FakeEngine
 from mlx_trio.errors import (ContextTooLong, EngineDown, EngineFailure, InvalidParameter, ModelNotFound,
                              Overloaded)
 from mlx_trio.events import Finished, TextDelta, Usage
+from mlx_trio.http.responses.store import StoredResponse
 from mlx_trio.link.link_server import LinkServer
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.link.wire import FrameReader, LinkClosed, frame
@@ -256,3 +257,63 @@ async def test_faults_of_engine_actors_are_armed_in_the_engine_and_http_ones_her
         assert remote.faults.take("http", remote.faults.armed()[0].kind)
         with pytest.raises(ValueError):
             remote.faults.arm("decode-step", "no-such-kind")
+
+
+def _stored(response_id: str, text: str) -> StoredResponse:
+    item = {"id": f"msg_{response_id}", "type": "message", "role": "user", "content": text}
+    return StoredResponse({"id": response_id, "object": "response", "output": []}, (item,), (item,))
+
+
+def test_a_stored_response_pickles_as_itself() -> None:
+    entry = _stored("resp_1", "héllo")
+    back = pickle.loads(pickle.dumps(entry))
+    assert back == entry and back.nbytes == entry.nbytes and type(back.input_items[0]) is dict
+
+
+async def test_fronts_share_the_engine_process_responses_store(tmp_path: Path) -> None:
+    """Stored through one front, read and deleted through another: the store is the link server's."""
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (first, server, _):
+        second = RemoteEngine(server.path)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(second.run)
+            with trio.fail_after(5):
+                await second.connected.wait()
+            entry = _stored("resp_a", "one")
+            assert await first.responses_store.put(entry) is True
+            # The put returned: the entry is in the engine's store already (no waiting for it).
+            assert server.responses.get("resp_a") == entry
+            assert await second.responses_store.get("resp_a") == entry
+            assert await second.responses_store.get("resp_none") is None
+            assert await second.responses_store.delete("resp_a") is True
+            assert await first.responses_store.get("resp_a") is None
+            assert await first.responses_store.delete("resp_a") is False
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_shared_store_evicts_as_the_local_one_does(tmp_path: Path) -> None:
+    """Sized by `responses_store_bytes`: the least recently used go first, and one too large is not kept."""
+    entries = [_stored(f"resp_{i}", "x" * 50) for i in range(3)]
+    size = entries[0].nbytes
+    server = LinkServer(FakeEngine(), str(tmp_path / "engine.sock"),  # type: ignore[arg-type]
+                        responses_store_bytes=2 * size)
+    remote = RemoteEngine(server.path)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run)
+        await nursery.start(remote.run)
+        with trio.fail_after(5):
+            await remote.connected.wait()
+        store = remote.responses_store
+        assert await store.put(entries[0]) and await store.put(entries[1])
+        assert await store.get("resp_0") == entries[0]  # now resp_1 is the least recently used
+        assert await store.put(entries[2])
+        assert [await store.get(f"resp_{i}") for i in range(3)] == [entries[0], None, entries[2]]
+        assert await store.put(_stored("resp_big", "x" * (3 * size))) is False
+        assert await store.get("resp_big") is None and len(server.responses) == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_store_fails_retryably_while_the_link_is_down(tmp_path: Path) -> None:
+    remote = RemoteEngine(str(tmp_path / "nobody.sock"))
+    with pytest.raises(EngineDown):
+        await remote.responses_store.get("resp_a")

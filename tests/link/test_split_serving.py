@@ -3,7 +3,8 @@
 The same goldens as the in-process server (tests/http/test_live.py), through the
 link; disconnects free KV in the engine; a front killed outright is started
 again while the other serves on; an engine fault armed through a front is
-resumed from as in one process; bad input is the same 400.
+resumed from as in one process; bad input is the same 400; a /v1/responses
+chain continues through either front (one store, in the engine's process).
 """
 
 from __future__ import annotations
@@ -168,3 +169,56 @@ def _find(node: dict[str, Any], actor: str) -> dict[str, Any]:
         if found:
             return found
     return {}
+
+
+def _fresh(url: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One request on a connection of its own: the kernel may hand it to either front."""
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+        return client.request(method, path, **kwargs)
+
+
+def _answering_front(url: str) -> str:
+    return _fresh(url, "GET", "/v1/status").json()["tree"]["children"][-1]["front"]  # its http child, last
+
+
+def test_a_response_chain_continues_through_either_front(split_server: ServerThread) -> None:
+    """One /v1/responses store for both fronts: every turn of a chain, each on a fresh connection, finds the
+    last (streamed turns too: the put is in before the stream's end), its GET and input_items read back through
+    any front, and the chained prompt is the explicit history's, token for token (the context carried)."""
+    url = split_server.url
+    fronts: set[str] = set()
+    for _ in range(100):  # the kernel spreads fresh connections over both fronts (else this test shows nothing)
+        fronts.add(_answering_front(url))
+        if len(fronts) == FRONTS:
+            break
+    assert len(fronts) == FRONTS
+    base = {"model": "m", "temperature": 0, "max_output_tokens": 4}
+    history: list[dict[str, Any]] = []
+    previous: str | None = None
+    for turn in range(8):
+        user = {"type": "message", "role": "user", "content": f"Turn {turn}: say more."}
+        body = {**base, "input": [user], **({"previous_response_id": previous} if previous else {})}
+        if turn % 2:
+            streamed = _fresh(url, "POST", "/v1/responses", json={**body, "stream": True})
+            assert streamed.status_code == 200, streamed.text
+            done = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+                    if line.startswith("data: ")][-1]
+            assert done["type"] in ("response.completed", "response.incomplete"), done
+            response = done["response"]
+        else:
+            answer = _fresh(url, "POST", "/v1/responses", json=body)
+            assert answer.status_code == 200, answer.text
+            response = answer.json()
+        explicit = _fresh(url, "POST", "/v1/responses", json={**base, "input": [*history, user], "store": False})
+        assert explicit.status_code == 200, explicit.text
+        assert response["usage"]["input_tokens"] == explicit.json()["usage"]["input_tokens"]
+        assert response["output"] == [] or response["output"][0]["content"] == explicit.json()["output"][0]["content"]
+        assert _fresh(url, "GET", f"/v1/responses/{response['id']}").json() == response
+        items = _fresh(url, "GET", f"/v1/responses/{response['id']}/input_items").json()["data"]
+        assert [item["content"] for item in items] == [[{"type": "input_text", "text": user["content"]}]]
+        history += [user, *response["output"]]
+        previous = response["id"]
+    deleted = _fresh(url, "DELETE", f"/v1/responses/{previous}")
+    assert deleted.status_code == 200
+    for _ in range(4):  # gone through every front
+        assert_openai_error(_fresh(url, "GET", f"/v1/responses/{previous}"), 404)

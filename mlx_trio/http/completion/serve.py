@@ -48,23 +48,37 @@ from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.http")
 
+# What a wire API awaits between an answer's end and its last frame (`serve_completion`'s `before_end`).
+BeforeEnd = Callable[[], Awaitable[None]]
 
-async def serve_completion(state: AppState, call: CompletionCall, renderer: Renderer) -> Response:
+
+async def _nothing() -> None:
+    pass
+
+
+async def serve_completion(state: AppState, call: CompletionCall, renderer: Renderer, *,
+                           before_end: BeforeEnd = _nothing) -> Response:
     """Serve one parsed request: SSE frames or one JSON object, in `renderer`'s shapes.
+
+    `before_end` is awaited once the answer is whole (after `renderer.finish` or `renderer.whole`) and
+    before its last frame or its body goes out: what it does (the Responses store's put) is done by
+    the time the client sees the end. If it fails, the stream ends with that error instead (a
+    non-streamed request is answered with it).
 
     A request of the scale-out front (`front_link.py`) that meets a lost group before its answer
     began gets `lost_response`: the front sends it again to the next generation.
     """
     link = await link_of(state, stream=call.stream)
     try:
-        return await _serve(state, call, renderer, link)
+        return await _serve(state, call, renderer, link, before_end)
     except Exception:
         if link.lost():
             return lost_response()
         raise
 
 
-async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link: Link) -> Response:
+async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link: Link,
+                 before_end: BeforeEnd) -> Response:
     if state.draining:
         raise draining()
     arrived = time.perf_counter()
@@ -90,7 +104,7 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
         first = await _first_event(events, next_event, request_log)
         frames = _stream(first, events, next_event, renderer, router, request_log, state.crashes,
                          logprobs=call.wants_logprobs, prompt_tokens=len(getattr(prepared, "prompt_ids", ())),
-                         link=link)
+                         link=link, before_end=before_end)
         response = Response(frames, status=200, headers={**SSE_HEADERS, **link.headers(renderer)},
                             mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
@@ -101,6 +115,7 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
     pieces.extend(router.finish())
     logprobs = [item for delta in deltas for item in delta.logprobs] if call.wants_logprobs else None
     body = renderer.whole(pieces, _counted(finished, router), router.num_tool_calls, logprobs)
+    await before_end()
     return Response(json.dumps(body, ensure_ascii=False), status=200, mimetype="application/json")
 
 
@@ -167,7 +182,8 @@ async def _first_event(events: AsyncIterator[GenerationEvent], next_event: NextE
 
 async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], next_event: NextEvent,
                   renderer: Renderer, router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *,
-                  logprobs: bool, prompt_tokens: int, link: Link = NO_LINK) -> AsyncIterator[bytes]:
+                  logprobs: bool, prompt_tokens: int, link: Link = NO_LINK,
+                  before_end: BeforeEnd = _nothing) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
 
     Each event's frames go out as one body chunk (one ASGI send, one socket
@@ -182,7 +198,8 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
     the request in the engine and frees its KV cache.
 
     `link` (the scale-out front's request: `front_link.py`) commits each chunk, holds back what a
-    resumed request replays, and ends a stream that lost its group with `: lost`.
+    resumed request replays, and ends a stream that lost its group with `: lost`. `before_end` is
+    awaited after the finish is rendered and before its frames are sent (`serve_completion`).
     """
     outcome = "cancelled"
     frames: list[bytes] = []  # not yet sent
@@ -205,6 +222,7 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
                 request_log.saw(item)
             outcome = item.finish_reason
             last = [*frames, *renderer.finish(router.finish(), _counted(item, router), router.num_tool_calls)]
+            await before_end()  # before the end goes out (a failure is the stream's error instead)
     except Exception as exc:  # noqa: BLE001  (trio.Cancelled is a BaseException and passes through)
         error = _stream_failure(exc, renderer.id)
         if error.code == INTERNAL_ERROR:

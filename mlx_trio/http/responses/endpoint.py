@@ -3,9 +3,14 @@
 `POST /v1/responses` parses the body into a `CompletionCall` (`requests.py`)
 and runs the shared completion path (`completion/serve.py`) with the
 Responses renderer (`render.py`). A finished response is kept in the
-`ResponseStore` when `store` is true (the default), for
-`previous_response_id` and the GET routes. The store belongs to one
-incarnation of the app: a restart of the HTTP child empties it.
+store when `store` is true (the default), for `previous_response_id` and
+the GET routes, before the client sees its end (`serve_completion`'s
+`before_end`): a client may send the next turn the instant the last ends.
+
+The store is the engine's `responses_store` when it has one (a front
+process's `RemoteEngine`: one store in the engine's process, shared by every
+front, mlx_trio/link/remote_store.py); else a `ResponseStore` of this
+incarnation of the app (a restart of the HTTP child empties it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 from quart import Quart, Response, request
@@ -25,35 +31,34 @@ from mlx_trio.http.responses.items import chat_messages, normalized_input, with_
 from mlx_trio.http.responses.objects import ResponseShape, usage_object
 from mlx_trio.http.responses.render import ResponsesRenderer
 from mlx_trio.http.responses.requests import ResponsesCall, parse_responses
-from mlx_trio.http.responses.store import ResponseStore, StoredResponse
+from mlx_trio.http.responses.store import LocalResponses, ResponseStore, Responses, StoredResponse
 from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import HttpError
 from mlx_trio.http.server.state import AppState
 
 
 def register_responses(app: Quart, state: AppState) -> None:
-    store = ResponseStore(state.config.responses_store_bytes)
+    store = responses_store(state)
 
     async def create() -> Response:
         body = decode_json_object(await request.get_data())
         parsed = parse_responses(body, template_defaults=state.config.chat_template_args,
-                                 previous=_previous(store, body.get("previous_response_id")))
+                                 previous=await _previous(store, body.get("previous_response_id")))
         events = ResponseEvents(ResponseShape(model=state.model_name(), echo=parsed.echo),
                                 custom_tools=parsed.tools.custom, namespaces=parsed.tools.namespaces)
-        renderer = ResponsesRenderer(events, forced_tool=parsed.tools.forced_name,
-                                     on_done=lambda done: _keep(store, parsed, done))
-        return await serve_completion(state, parsed.call, renderer)
+        renderer = ResponsesRenderer(events, forced_tool=parsed.tools.forced_name)
+        return await serve_completion(state, parsed.call, renderer, before_end=partial(_keep, store, parsed, events))
 
     async def retrieve(response_id: str) -> Response:
-        return _json(_stored(store, response_id).response)
+        return _json((await _stored(store, response_id)).response)
 
     async def delete(response_id: str) -> Response:
-        if not store.delete(response_id):
+        if not await store.delete(response_id):
             raise _not_found(response_id)
         return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(response_id: str) -> Response:
-        return _json(_input_items(_stored(store, response_id)))
+        return _json(_input_items(await _stored(store, response_id)))
 
     async def compact() -> Response:
         return _json(_compact(decode_json_object(await request.get_data())))
@@ -67,23 +72,30 @@ def register_responses(app: Quart, state: AppState) -> None:
                      methods=["GET"])
 
 
-def _previous(store: ResponseStore, previous_id: Any) -> StoredResponse | None:
+def responses_store(state: AppState) -> Responses:
+    """The engine's shared store (`responses_store`, which only a front process's engine has), else the app's own."""
+    shared: Responses | None = getattr(state.engine, "responses_store", None)
+    return shared if shared is not None else LocalResponses(ResponseStore(state.config.responses_store_bytes))
+
+
+async def _previous(store: Responses, previous_id: Any) -> StoredResponse | None:
     """The stored response `previous_response_id` names (a 404 when there is none); None without one."""
     if not isinstance(previous_id, str):
         return None  # absent, or a wrong type the parser names
-    found = store.get(previous_id)
+    found = await store.get(previous_id)
     if found is None:
         raise _not_found(previous_id, param="previous_response_id")
     return found
 
 
-def _keep(store: ResponseStore, parsed: ResponsesCall, events: ResponseEvents) -> None:
+async def _keep(store: Responses, parsed: ResponsesCall, events: ResponseEvents) -> None:
+    """Store the finished response (completed or incomplete: `serve_completion` awaits this only then)."""
     if parsed.store:
-        store.put(StoredResponse(events.response, parsed.input_items, (*parsed.context, *events.output)))
+        await store.put(StoredResponse(events.response, parsed.input_items, (*parsed.context, *events.output)))
 
 
-def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
-    found = store.get(response_id)
+async def _stored(store: Responses, response_id: str) -> StoredResponse:
+    found = await store.get(response_id)
     if found is None:
         raise _not_found(response_id)
     return found

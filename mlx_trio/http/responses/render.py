@@ -1,17 +1,17 @@
 """`ResponsesRenderer`: a Responses answer on the shared completion path (`completion/serve.py`), streamed or whole.
 
 It frames `ResponseEvents`' events as SSE (`event: <type>` and `data:`,
-no `[DONE]`: the stream ends with its terminal event), keeps the finished
-response (`on_done`, the store), and, when a custom tool with a grammar is
-forced, turns the whole answer into that tool's call: the grammar shaped
-all of it, so there is no call syntax for the router to find.
+no `[DONE]`: the stream ends with its terminal event) and, when a custom
+tool with a grammar is forced, turns the whole answer into that tool's
+call: the grammar shaped all of it, so there is no call syntax for the
+router to find.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from mlx_trio.events import Finished
@@ -23,17 +23,16 @@ from mlx_trio.logprobs import TokenLogprob
 
 
 class ResponsesRenderer:
-    """One response. `on_done(events)` runs once it has finished (completed or incomplete), before its last frame."""
+    """One response; once it has finished (completed or incomplete), `events.response` is the finished one
+    (the endpoint stores it before the last frame goes out: `serve_completion`'s `before_end`)."""
 
     kind = "responses"
     tool_call_prefix = "call_"
 
-    def __init__(self, events: ResponseEvents, *, forced_tool: str | None = None,
-                 on_done: Callable[[ResponseEvents], None] = lambda _: None) -> None:
+    def __init__(self, events: ResponseEvents, *, forced_tool: str | None = None) -> None:
         self._events = events
         self._forced_tool = forced_tool
         self._forced_input: list[str] = []
-        self._on_done = on_done
 
     @property
     def id(self) -> str:
@@ -57,9 +56,7 @@ class ResponsesRenderer:
         return typed_events(self._events.pieces(self._forced(pieces), logprobs=logprobs or ()))
 
     def finish(self, pieces: Sequence[Piece], finished: Finished, tool_calls: int) -> list[bytes]:
-        events = [*self._events.pieces(self._forced(pieces, last=True)), *self._events.finish(finished)]
-        self._on_done(self._events)
-        return typed_events(events)
+        return typed_events([*self._events.pieces(self._forced(pieces, last=True)), *self._events.finish(finished)])
 
     def error(self, error: ApiError) -> list[bytes]:
         return typed_events(self._events.fail(error))
@@ -69,9 +66,7 @@ class ResponsesRenderer:
 
     def whole(self, pieces: Sequence[Piece], finished: Finished, tool_calls: int,
               logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]:
-        response = self._events.whole(self._forced(pieces, last=True), finished, logprobs=logprobs or ())
-        self._on_done(self._events)
-        return response
+        return self._events.whole(self._forced(pieces, last=True), finished, logprobs=logprobs or ())
 
     def _forced(self, pieces: Sequence[Piece], *, last: bool = False) -> Sequence[Piece]:
         """With a forced custom tool, the text is held as its input and given as one call at the end."""

@@ -1,9 +1,14 @@
 """Stored responses: what `previous_response_id`, `GET /v1/responses/{id}` and `input_items` read back.
 
-A bounded in-RAM map, least recently used first out, sized by the JSON
-bytes of what it holds (`--responses-store-bytes`; 0 stores nothing). An
-entry larger than the whole budget is not kept. Everything runs on the Trio
-loop, so no lock is needed.
+`ResponseStore` is a bounded in-RAM map, least recently used first out,
+sized by the JSON bytes of what it holds (`--responses-store-bytes`; 0
+stores nothing). An entry larger than the whole budget is not kept.
+Everything runs on the Trio loop, so no lock is needed.
+
+The endpoint reads and writes through `Responses` (async): `LocalResponses`
+is the app's own `ResponseStore`; the front processes of `--api-server-count`
+share one kept in the engine's process instead (mlx_trio/link/remote_store.py),
+so a `previous_response_id` made through one front is found through another.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -78,3 +83,30 @@ class ResponseStore:
         self.nbytes -= found[1]
         return True
 
+
+
+class Responses(Protocol):
+    """Where the endpoint keeps finished responses. `put` returns only once the entry can be read back
+    by any later `get` of the same store (the endpoint sends a response's end after it)."""
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def put(self, entry: StoredResponse) -> bool: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+
+class LocalResponses:
+    """`Responses` over a `ResponseStore` of this process (the in-process server's, one per app)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+    async def put(self, entry: StoredResponse) -> bool:
+        return self.store.put(entry)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)

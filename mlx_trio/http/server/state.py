@@ -21,7 +21,12 @@ from mlx_trio.supervision.faults import Faults
 
 
 class EngineLike(Protocol):
-    """What the HTTP layer needs from `mlx_trio.api.Engine`."""
+    """What the HTTP layer needs from `mlx_trio.api.Engine`.
+
+    An engine may also have a `responses_store` (http/responses/store.py `Responses`): a front
+    process's `RemoteEngine` does (the one store in the engine's process, shared by every front);
+    the Responses endpoint uses it instead of a store of its own. `Engine` and the fakes have none.
+    """
 
     # Armed by tests and POST /v1/admin/faults; the HTTP child checks "http" at each request.
     faults: Faults

@@ -17,11 +17,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import trio
 from tests.http.fakes import FakeEngine, ScriptedEngine
 from tests.http.http_helpers import assert_openai_error, serve_fake, sse_events
 from tests.http.responses.sdk_checks import valid_events, valid_response
 
-from mlx_trio.errors import EngineFailure, Overloaded
+from mlx_trio.errors import EngineDown, EngineFailure, Overloaded
+from mlx_trio.http.responses.store import LocalResponses, ResponseStore, StoredResponse
 from mlx_trio.output_format import OutputFormat
 from mlx_trio.params import Constraint
 
@@ -165,6 +167,51 @@ async def test_a_zero_byte_store_keeps_nothing(tools_format: OutputFormat) -> No
     async with sdk(ScriptedEngine(tools_format, ["One."]), responses_store_bytes=0) as (client, http):
         response = await client.responses.create(model="m", input="Hi")
         assert_openai_error(await http.get(f"/v1/responses/{response.id}"), 404)
+
+
+class _SharedStore(LocalResponses):
+    """An engine's `responses_store`, as a front process's `RemoteEngine` has; `fail_puts` makes a put fail."""
+
+    def __init__(self) -> None:
+        super().__init__(ResponseStore(1 << 20))
+        self.fail_puts = False
+
+    async def put(self, entry: StoredResponse) -> bool:
+        await trio.lowlevel.checkpoint()
+        if self.fail_puts:
+            raise EngineDown("the engine link broke; retry", retry_after_s=1.0)
+        return await super().put(entry)
+
+
+async def test_an_engine_with_a_responses_store_is_served_from_it(tools_format: OutputFormat) -> None:
+    """Two apps on one engine that has a store (two fronts): a response made through one continues on the other."""
+    engine = ScriptedEngine(tools_format, ["One.", "Two."])
+    engine.responses_store = _SharedStore()  # type: ignore[attr-defined]
+    async with sdk(engine) as (client, _), sdk(engine) as (other, _):
+        first = await client.responses.create(model="m", input="Hi")
+        second = await other.responses.create(model="m", input="More", previous_response_id=first.id)
+        fetched = await client.responses.retrieve(second.id)
+    assert fetched.model_dump() == second.model_dump()
+    assert [m["content"] for m in engine.prepared[1][0]] == ["Hi", "One.", "More"]
+    assert set(engine.responses_store.store._entries) == {first.id, second.id}  # type: ignore[attr-defined]
+
+
+async def test_the_put_is_done_before_the_response_ends(tools_format: OutputFormat) -> None:
+    """The store's put is awaited before the last frame: a put that fails is the stream's error, not a
+    `response.completed` the client would continue from in vain (non-streamed: a 503)."""
+    engine = ScriptedEngine(tools_format, ["One.", "Two.", "Three."])
+    store = engine.responses_store = _SharedStore()  # type: ignore[attr-defined]
+    store.fail_puts = True
+    async with sdk(engine) as (_, http):
+        raw = await http.post("/v1/responses", json={"input": "hi", "stream": True})
+        whole = await http.post("/v1/responses", json={"input": "hi"})
+        unstored = await http.post("/v1/responses", json={"input": "hi", "store": False})
+    events = [json.loads(f.split("\ndata: ")[1]) for f in sse_events(raw.text) if not f.startswith(":")]
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2]["code"] == "engine_down"
+    assert "response.completed" not in [e["type"] for e in events]
+    assert_openai_error(whole, 503, code="engine_down")
+    assert unstored.status_code == 200 and unstored.json()["status"] == "completed"  # nothing to put
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [
