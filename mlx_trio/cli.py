@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one GPU job may run before the lease thread counts as hung and is replaced, and the "
              "engine restarts under its requests (default: %(default)s)")
     arg("--api-server-count", type=non_negative_int, default=1,
-        help="front processes that serve HTTP, each over a local socket to this engine process (vLLM's flag): "
+        help="front processes that serve HTTP, each over a local socket to the engine's own process (vLLM's flag): "
              "their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process. The fronts "
              "share one /v1/responses store (in the engine's process); with more than 1, each keeps its own "
              "HTTP metrics (default: %(default)s)")
