@@ -24,6 +24,7 @@ from mlx_trio.errors import (ContextTooLong, EngineDown, EngineFailure, InvalidP
 from mlx_trio.events import Finished, TextDelta, Usage
 from mlx_trio.http.responses.store import StoredResponse
 from mlx_trio.link.link_server import LinkServer
+from mlx_trio.link import remote_engine
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.link.wire import FrameReader, LinkClosed, frame
 
@@ -313,7 +314,16 @@ async def test_the_shared_store_evicts_as_the_local_one_does(tmp_path: Path) -> 
         nursery.cancel_scope.cancel()
 
 
-async def test_the_store_fails_retryably_while_the_link_is_down(tmp_path: Path) -> None:
+async def test_the_store_waits_for_the_link_then_fails_retryably(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Get and put wait for an engine (they are sent again after a break) up to the resume wait; delete does not."""
+    monkeypatch.setattr(remote_engine, "RESUME_WAIT_S", 0.3)
     remote = RemoteEngine(str(tmp_path / "nobody.sock"))
+    start = trio.current_time()
     with pytest.raises(EngineDown):
         await remote.responses_store.get("resp_a")
+    assert trio.current_time() - start >= 0.3
+    start = trio.current_time()
+    with pytest.raises(EngineDown):
+        await remote.responses_store.delete("resp_a")
+    assert trio.current_time() - start < 0.3
