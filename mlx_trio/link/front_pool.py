@@ -19,7 +19,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -45,8 +48,6 @@ class FrontPool:
         self._draining = False
         self.port: int | None = None
         self.restarts = 0
-        # The engine these fronts serve (`mlx-trio serve` flushes its persistence after a drain).
-        self.engine: object | None = None
 
     @property
     def url(self) -> str:
@@ -87,19 +88,16 @@ class FrontPool:
                    "--config", str(config_path), "--listen-fd", str(fd), "--index", str(index),
                    "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         while True:
-            process = await trio.lowlevel.open_process(command, pass_fds=(fd,))
-            self._processes[index] = process
             try:
-                code = await process.wait()
+                code = await run_process(command, grace_s=self.config.graceful_timeout_s + 2.0,
+                                         on_start=partial(self._processes.__setitem__, index), pass_fds=(fd,))
             finally:
-                if process.returncode is None:  # cancelled: the pool stops
-                    with trio.CancelScope(shield=True):
-                        await stop_process(process, self.config.graceful_timeout_s + 2.0)
-                self._processes.pop(index, None)
+                process = self._processes.pop(index, None)
             if self._draining:
                 return
             self.restarts += 1
-            log.warning("front process %d (pid %d) exited with %s; starting it again", index, process.pid, code)
+            log.warning("front process %d (pid %s) exited with %s; starting it again", index,
+                        process.pid if process is not None else "?", code)
             await trio.sleep(RESTART_DELAY_S)
 
     async def drain(self, timeout_s: float | None = None) -> DrainReport:
@@ -114,6 +112,20 @@ class FrontPool:
             for process in processes:
                 await process.wait()
         return DrainReport(in_flight_at_start=0, cut=0, elapsed_s=time.monotonic() - start)
+
+
+async def run_process(command: list[str], *, grace_s: float, on_start: Callable[[trio.Process], object],
+                      **options: Any) -> int:
+    """Start `command` (`options` as `trio.lowlevel.open_process` takes them), hand the process to `on_start`,
+    and return its exit status; cancelled, it stops the process first (`stop_process`)."""
+    process = await trio.lowlevel.open_process(command, **options)
+    on_start(process)
+    try:
+        return await process.wait()
+    finally:
+        if process.returncode is None:
+            with trio.CancelScope(shield=True):
+                await stop_process(process, grace_s)
 
 
 async def stop_process(process: trio.Process, grace_s: float) -> None:

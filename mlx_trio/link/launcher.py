@@ -35,7 +35,7 @@ from mlx_trio.config import EngineConfig
 from mlx_trio.errors import ModelLoadError
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.drain import DrainReport
-from mlx_trio.link.front_pool import FrontPool, link_socket_path, stop_process
+from mlx_trio.link.front_pool import FrontPool, link_socket_path, run_process, stop_process
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.profiling import MARK_SIGNAL
 
@@ -66,20 +66,17 @@ class EngineKeeper:
                    "--config", str(self._config_path), "--error-file", str(self._error_path),
                    "--responses-store-bytes", str(self._responses_store_bytes),
                    "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
-        started = False
+        def started(process: trio.Process) -> None:
+            self.process = process
+            self.generation += 1
+            if self.generation == 1:
+                task_status.started(self)
+
         while True:
             self._error_path.unlink(missing_ok=True)
-            process = self.process = await trio.lowlevel.open_process(command)
-            self.generation += 1
-            if not started:
-                task_status.started(self)
-                started = True
-            try:
-                code = await process.wait()
-            finally:
-                if process.returncode is None:
-                    with trio.CancelScope(shield=True):
-                        await stop_process(process, STOP_GRACE_S)
+            code = await run_process(command, grace_s=STOP_GRACE_S, on_start=started)
+            process = self.process
+            assert process is not None
             if self.stopping:
                 return
             why = self._error_path.read_text() if self._error_path.exists() else f"exit status {code}"

@@ -65,21 +65,9 @@ class RemoteFaults(Faults):
         super().__init__()
         self._engine = engine
 
-    @property  # type: ignore[override]
+    @property
     def fired(self) -> list[ArmedFault]:
-        return [*self._fired_here, *self._engine.engine_faults("fired")]
-
-    @fired.setter
-    def fired(self, value: list[ArmedFault]) -> None:
-        self._fired_here = value  # `Faults.take` appends to the list this returns: ours
-
-    def take(self, actor: str, kind: FaultKind) -> bool:
-        for fault in super().armed():
-            if fault.kind is kind and (fault.actor == actor):
-                self._armed.remove(fault)
-                self._fired_here.append(fault)
-                return True
-        return False
+        return [*super().fired, *self._engine.engine_faults("fired")]
 
     def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
         if actor == HTTP_ACTOR_ID:

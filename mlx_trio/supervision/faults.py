@@ -46,7 +46,7 @@ class Faults:
 
     def __init__(self) -> None:
         self._armed: list[ArmedFault] = []
-        self.fired: list[ArmedFault] = []
+        self._fired: list[ArmedFault] = []
 
     def arm(self, actor: str, kind: FaultKind | str) -> ArmedFault:
         """Arm a one-shot fault; `ValueError` for a kind that can never fire at `actor` (see `FIRES_ONLY_AT`)."""
@@ -60,12 +60,17 @@ class Faults:
     def armed(self) -> list[ArmedFault]:
         return list(self._armed)
 
+    @property
+    def fired(self) -> list[ArmedFault]:
+        """The faults that fired, oldest first."""
+        return self._fired
+
     def take(self, actor: str, kind: FaultKind) -> bool:
         """Consume a fault of `kind` armed for `actor` (or for any session); True if there was one."""
         for fault in self._armed:
             if fault.kind is kind and _matches(fault.actor, actor):
                 self._armed.remove(fault)
-                self.fired.append(fault)
+                self._fired.append(fault)
                 return True
         return False
 
