@@ -435,7 +435,7 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int
 
 
 def _describe(exc: BaseException, config: ServerConfig) -> str:
-    leaves = list(_leaves(exc))
+    leaves = list(error_leaves(exc))
     # Most specific first: a supervisor's "gave up" wraps the error that made it give up.
     for leaf in leaves:
         if isinstance(leaf, ModelLoadError):
@@ -453,15 +453,16 @@ def _cannot_listen(config: ServerConfig, error: OSError) -> str:
     return f"cannot listen on {config.host}:{config.port}: {error.strerror or error}"
 
 
-def _leaves(exc: BaseException) -> Any:
+def error_leaves(exc: BaseException) -> Any:
+    """Every error inside `exc`: the leaves of its exception groups, each followed by its causes."""
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            yield from _leaves(inner)
+            yield from error_leaves(inner)
     else:
         # Supervisors wrap a child's failure; its cause is the useful part.
         yield exc
         if exc.__cause__ is not None:
-            yield from _leaves(exc.__cause__)
+            yield from error_leaves(exc.__cause__)
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import trio
 
 from mlx_trio import profiling
 from mlx_trio.api import Engine
+from mlx_trio.cli import error_leaves
 from mlx_trio.config import EngineConfig
 from mlx_trio.errors import ModelLoadError
 from mlx_trio.link.link_server import LinkServer
@@ -101,14 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _model_load_error(exc: BaseException) -> ModelLoadError | None:
-    if isinstance(exc, ModelLoadError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _model_load_error(inner)
-            if found is not None:
-                return found
-    return _model_load_error(exc.__cause__) if exc.__cause__ is not None else None
+    return next((leaf for leaf in error_leaves(exc) if isinstance(leaf, ModelLoadError)), None)
 
 
 if __name__ == "__main__":
