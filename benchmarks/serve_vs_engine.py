@@ -97,7 +97,7 @@ def loads(args: argparse.Namespace) -> list[Load]:
 
 def ours_targets(args: argparse.Namespace) -> list[str]:
     """Our servers: "ours" (`--server-args`), and "split" (the same plus `--split-args`) when that is given."""
-    return ["ours", "split"] if args.split_args else ["ours"]
+    return ["ours", "split"] if args.split_args or args.split_env else ["ours"]
 
 
 def params_for(load: Load, args: argparse.Namespace, concurrency: int, seed: int) -> workloads.WorkloadParams:
@@ -138,10 +138,14 @@ async def measure(load: Load, concurrency: int, round_index: int, seed: int, eng
                       "failures": int(out["min_row_tokens"] < args.output_tokens),
                       "engine": {k: v for k, v in out.items() if k not in ("dec_start", "dec_end")}}
     server = servers[load.target]
+    # The clients run on this process's Trio thread: if its CPU nears the run's wall, the client is the limit.
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
     (record,) = await run_matrix([server], "uniform", params_for(load, args, concurrency, seed), [concurrency], 1,
                                  RunOptions(read_timeout_s=args.timeout_s))
+    client_cpu_frac = (time.thread_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
     s = metrics.summarize(load.label, concurrency, [record.results])
-    return run | {"tok_s": s.output_tok_s, "ttft_p50_s": s.ttft_p50_s, "ttft_p95_s": s.ttft_p95_s,
+    return run | {"tok_s": s.output_tok_s, "client_cpu_frac": client_cpu_frac,
+                  "content_chunks": sum(r.content_chunks for r in record.results), "ttft_p50_s": s.ttft_p50_s, "ttft_p95_s": s.ttft_p95_s,
                   "failures": s.num_failed, "gpu_busy": record.gpu_busy_percent, "server_died": record.server_died,
                   "prompt_tokens_mean": s.prompt_tokens / s.num_ok if s.num_ok else None,
                   "summary": attrs.asdict(s), "requests": [_request(r) for r in record.results]}
@@ -185,10 +189,11 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
     """Open the engine, start the servers, warm up, then the rounds; each run appended to `runs` as it ends."""
     servers["ours"] = ManagedServer("ours", "ours", model, workdir / "ours.log",
                                     extra_args=("--batch", str(args.batch), *args.server_args.split()))
-    if args.split_args:
+    if args.split_args or args.split_env:
         servers["split"] = ManagedServer("split", "ours", model, workdir / "split.log",
                                          extra_args=("--batch", str(args.batch), *args.server_args.split(),
-                                                     *args.split_args.split()))
+                                                     *args.split_args.split()),
+                                         env=dict(item.split("=", 1) for item in args.split_env))
     if args.mlx_lm:
         servers["mlx_lm"] = ManagedServer("mlx_lm", "mlx_lm", model, workdir / "mlx_lm.log",
                                           extra_args=("--decode-concurrency", str(args.batch)))
@@ -220,8 +225,10 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
 def print_run(run: dict[str, Any]) -> None:
     ttft = f", TTFT p50 {_f(run.get('ttft_p50_s'), 1e3)} ms" if run.get("ttft_p50_s") is not None else ""
     busy = f", GPU busy {run['gpu_busy']:.0f} %" if run.get("gpu_busy") is not None else ""
+    client = (f", client CPU {100 * run['client_cpu_frac']:.0f} % of wall, {run['content_chunks']} chunks"
+              if run.get("client_cpu_frac") is not None else "")
     print(f"  round {run['round'] + 1} c={run['c']} {run['label']}: {_f(run['tok_s'])} tok/s{ttft}, "
-          f"{run['failures']} failed{busy}", flush=True)
+          f"{run['failures']} failed{busy}{client}", flush=True)
 
 
 def groups(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -344,6 +351,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-args", default="",
                    help="also a second mlx-trio serve with these flags too (e.g. '--api-server-count 1'), "
                         "its loads alternated with ours' as 'split'")
+    p.add_argument("--split-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable of the second server only (e.g. a kill switch); repeatable")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request read timeout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
