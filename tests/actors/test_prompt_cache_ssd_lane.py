@@ -179,15 +179,20 @@ async def test_an_entry_that_passes_its_checksum_but_does_not_fit_is_dropped(tmp
     """An SSD entry with a valid checksum but the wrong head_dim, dtype or layer count: two requests sharing
     its prefix both complete with the uncached tokens, the file is removed and counted (issue #21 point 6)."""
     cold = await _first_run(LLAMA, tmp_path)
-    # The first run may store a boundary snapshot besides the finish-time entry (timing on a loaded box):
-    # keep the largest, so exactly one entry serves the prefix.
-    *others, path = sorted(tmp_path.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_size)
-    for other in others:
-        other.unlink()
-    with safe_open(path, framework="numpy") as f:
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        prompt = engine.prepare(CHAT).prompt_ids
+    # The first run may store a finish-time entry (prompt + answer, no prefix of the prompt) besides its
+    # boundary snapshot (timing on a loaded box): keep the longest entry that serves the prompt, and only it.
+    with safe_open(next(tmp_path.glob(f"*{SUFFIX}")), framework="numpy") as f:
         identity = CacheIdentity.from_metadata(f.metadata())
     store = CacheFileStore(tmp_path, max_bytes=2**30, identity=identity)
-    (info,) = store.scan()
+    stored = store.scan()
+    info = store.longest_prefix(prompt, max_len=len(prompt) - 1)
+    assert info is not None
+    for other in stored:
+        if other.key != info.key:
+            store.remove(other.key)
+    path = info.path
     bad = _reshaped(store.read(info.key), how)
     store.remove(info.key)
     assert store.write(bad).path == path  # same tokens, same name; a checksum over the unfit arrays
