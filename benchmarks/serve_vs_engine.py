@@ -5,6 +5,8 @@ Usage:
     python benchmarks/serve_vs_engine.py --model /tmp/mlx-trio-gpu-models/llama-1b   # the H200 (gpu.sh PARTS=options)
     python benchmarks/serve_vs_engine.py --model DIR --kinds greedy --concurrency 8,64   # the 8B point: 64 rows vs 8
     python benchmarks/serve_vs_engine.py --model DIR --mlx-lm --json out.json            # and mlx_lm.server
+    python benchmarks/serve_vs_engine.py --model DIR --split-src /tmp/base   # A/B: a second server of another commit
+                                          # (git archive BASE mlx_trio | tar -x -C /tmp/base; its package runs there)
 
 Issue #20's "Done when" compares ratios measured on one machine instance, and
 the H200s differ by ±30 % between calls, so every number of a ratio comes
@@ -96,8 +98,9 @@ def loads(args: argparse.Namespace) -> list[Load]:
 
 
 def ours_targets(args: argparse.Namespace) -> list[str]:
-    """Our servers: "ours" (`--server-args`), and "split" (the same plus `--split-args`) when that is given."""
-    return ["ours", "split"] if args.split_args or args.split_env else ["ours"]
+    """Our servers: "ours" (`--server-args`), and "split" (the same plus `--split-args`, `--split-env`, or run from
+    `--split-src`'s checkout) when one of those is given."""
+    return ["ours", "split"] if _splits(args) else ["ours"]
 
 
 def params_for(load: Load, args: argparse.Namespace, concurrency: int, seed: int) -> workloads.WorkloadParams:
@@ -184,16 +187,22 @@ async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> None:
     print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
 
 
+def _splits(args: argparse.Namespace) -> bool:
+    """Whether a second server of ours runs beside the first (other flags, environment or checkout)."""
+    return bool(args.split_args or args.split_env or args.split_src)
+
+
 async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: dict[str, ManagedServer],
                 runs: list[dict[str, Any]]) -> None:
     """Open the engine, start the servers, warm up, then the rounds; each run appended to `runs` as it ends."""
     servers["ours"] = ManagedServer("ours", "ours", model, workdir / "ours.log",
                                     extra_args=("--batch", str(args.batch), *args.server_args.split()))
-    if args.split_args or args.split_env:
+    if _splits(args):
         servers["split"] = ManagedServer("split", "ours", model, workdir / "split.log",
                                          extra_args=("--batch", str(args.batch), *args.server_args.split(),
                                                      *args.split_args.split()),
-                                         env=dict(item.split("=", 1) for item in args.split_env))
+                                         env=dict(item.split("=", 1) for item in args.split_env),
+                                         cwd=args.split_src)
     if args.mlx_lm:
         servers["mlx_lm"] = ManagedServer("mlx_lm", "mlx_lm", model, workdir / "mlx_lm.log",
                                           extra_args=("--decode-concurrency", str(args.batch)))
@@ -353,6 +362,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "its loads alternated with ours' as 'split'")
     p.add_argument("--split-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable of the second server only (e.g. a kill switch); repeatable")
+    p.add_argument("--split-src", default=None, metavar="DIR",
+                   help="the second server runs another checkout's mlx_trio (DIR holds its package): an A/B of two commits")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request read timeout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
