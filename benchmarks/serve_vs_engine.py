@@ -319,8 +319,38 @@ def _pooled_ttft_p50(rs: Sequence[dict[str, Any]]) -> float | None:
     return metrics.percentile([r["ttft_s"] for run in rs for r in run["requests"] if r["ok"] and r["ttft_s"]], 50)
 
 
+def wall_rows(runs: Sequence[dict[str, Any]]) -> list[tuple[str, int, float, float | None, float | None]]:
+    """Where a server's wall goes, per (load, c): (label, c, the share of its requests' time spent waiting for
+    their first text, their decode tok/s per row (median), that over the engine's per-row rate at B=c).
+
+    The Done-when ratio (aggregate tok/s over the engine's decode-window tok/s) is about (1 - waiting share)
+    x that last ratio: in a closed loop of equal requests every wave of c arrives at once and waits for its
+    first tokens with nothing decoding, a cost the engine's decode window does not count.
+    """
+    g = groups(runs)
+    rows = []
+    for (label, c), rs in sorted(g.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if label == "engine":
+            continue
+        done = [r for run in rs for r in run.get("requests", [])
+                if r["ok"] and r["ttft_s"] is not None and r["end_s"] > r["start_s"] + r["ttft_s"]]
+        if not done:
+            continue
+        waiting = sum(r["ttft_s"] for r in done) / sum(r["end_s"] - r["start_s"] for r in done)
+        per_row = statistics.median(r["completion_tokens"] / (r["end_s"] - r["start_s"] - r["ttft_s"]) for r in done)
+        engine = median_tok_s(g[("engine", c)]) if ("engine", c) in g else None
+        rows.append((label, c, waiting, per_row, metrics.ratio(per_row, engine / c if engine else None)))
+    return rows
+
+
 def report(runs: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
     table(runs)
+    walls = wall_rows(runs)
+    if walls:
+        print("\n| load | c | waiting for first text, share of request time | decode tok/s a row (median) "
+              "| / the engine's a row |\n|---|---:|---:|---:|---:|")
+        for label, c, waiting, per_row, vs_engine in walls:
+            print(f"| {label} | {c} | {_f(waiting, 1, 2)} | {_f(per_row, 1, 1)} | {_f(vs_engine, 1, 2)} |")
     rows = ratio_rows(runs, args.concurrency)
     if rows:
         print("\n| ratio | median | per round | Done-when |\n|---|---:|---|---|")
