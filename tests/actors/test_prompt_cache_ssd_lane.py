@@ -35,19 +35,21 @@ async def _run(engine, prompt=CHAT) -> tuple[tuple[int, ...], Finished]:
     raise AssertionError("no Finished event")
 
 
-async def _first_run(spec, directory: Path) -> tuple[int, ...]:
+async def _first_run(spec, directory: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The first server's greedy tokens for CHAT and CHAT's prompt ids, its SSD entries written."""
     async with open_engine(str(tiny_model(spec)), batch=4, prompt_cache_dir=directory) as engine:
+        prompt = engine.prepare(CHAT).prompt_ids
         ids, finished = await _run(engine)
         assert finished.usage.cached_tokens == 0
         await engine.drain_persistence()
         ssd = engine.status()["prompt_cache"]["ssd"]
     assert ssd["enabled"] and ssd["writes"] >= 1 and not ssd["degraded"]
-    return ids
+    return ids, prompt
 
 
 @pytest.mark.parametrize("spec", [LLAMA, LLAMA_SWA], ids=["full", "rotating"])
 async def test_a_restarted_server_serves_the_first_request_from_the_ssd_entry(tmp_path: Path, spec) -> None:
-    cold = await _first_run(spec, tmp_path)
+    cold, _ = await _first_run(spec, tmp_path)
     async with open_engine(str(tiny_model(spec)), batch=4, prompt_cache_dir=tmp_path) as engine:
         ids, finished = await _run(engine)
         stats = engine.status()["prompt_cache"]
@@ -57,7 +59,7 @@ async def test_a_restarted_server_serves_the_first_request_from_the_ssd_entry(tm
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign-model"])
 async def test_damaged_entry_files_are_skipped_and_removed(tmp_path: Path, damage: str) -> None:
-    cold = await _first_run(LLAMA, tmp_path)
+    cold, _ = await _first_run(LLAMA, tmp_path)
     files = sorted(tmp_path.rglob("*.safetensors"))
     assert files
     damaged = {}
@@ -108,7 +110,7 @@ async def _scanned(engine) -> None:
 async def test_a_fifo_in_the_directory_is_never_opened_and_blocks_nothing(tmp_path: Path, caplog) -> None:
     """A FIFO under an entry's name at start (and one swapped in for an indexed file later) is skipped
     with a warning and left alone; requests complete exactly and health stays ok (issue #21 point 5)."""
-    cold = await _first_run(LLAMA, tmp_path)
+    cold, _ = await _first_run(LLAMA, tmp_path)
     (entry_file,) = tmp_path.glob("*.safetensors")
     planted = tmp_path / f"{'0' * 32}{SUFFIX}"
     os.mkfifo(planted)
@@ -133,7 +135,7 @@ async def test_a_hung_disk_turns_the_ssd_tier_off_and_requests_run_on_exactly(tm
     """A read that blocks past --prompt-cache-io-timeout (stall-io: its worker thread waits, as on a hung
     disk) is abandoned: the request runs uncached with its exact tokens, health stays ok while it hangs,
     the tier is off with its reason in the status and the next requests use RAM only (issue #21 point 5)."""
-    cold = await _first_run(LLAMA, tmp_path)
+    cold, _ = await _first_run(LLAMA, tmp_path)
     async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_dir=tmp_path,
                            prompt_cache_io_timeout_s=0.5) as engine:
         await _scanned(engine)
@@ -178,9 +180,7 @@ def _reshaped(entry: HostEntry, how: str) -> HostEntry:
 async def test_an_entry_that_passes_its_checksum_but_does_not_fit_is_dropped(tmp_path: Path, how: str) -> None:
     """An SSD entry with a valid checksum but the wrong head_dim, dtype or layer count: two requests sharing
     its prefix both complete with the uncached tokens, the file is removed and counted (issue #21 point 6)."""
-    cold = await _first_run(LLAMA, tmp_path)
-    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
-        prompt = engine.prepare(CHAT).prompt_ids
+    cold, prompt = await _first_run(LLAMA, tmp_path)
     # The first run may store a finish-time entry (prompt + answer, no prefix of the prompt) besides its
     # boundary snapshot (timing on a loaded box): keep the longest entry that serves the prompt, and only it.
     with safe_open(next(tmp_path.glob(f"*{SUFFIX}")), framework="numpy") as f:
