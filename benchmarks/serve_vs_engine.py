@@ -58,13 +58,11 @@ from mlx_trio import open_engine
 from mlx_trio.bench import gpu_busy, metrics, workloads
 from mlx_trio.bench.orchestrate import until_sigterm
 from mlx_trio.bench.runner import RunOptions, run_matrix, run_workload, warmup
-from mlx_trio.bench.servers import ManagedServer
+from mlx_trio.bench.servers import ManagedServer, plans_settled
 from mlx_trio.testing.shaped_models import resolve_model
 
 from batch_throughput import SERVE_SWITCH_INTERVAL_S, engine_run, pick_prompts
 
-# How long the measurements wait for our server's idle-time cuDNN plans (`plans_settled`).
-PLANS_LIMIT_S = 240.0
 
 ENGINE_PROMPT_TOKENS = 32
 LONG = "long"  # the long-prompt load's kind label (its rows carry a logit_bias)
@@ -169,22 +167,6 @@ async def warm(engine: Any, servers: dict[str, ManagedServer], args: argparse.Na
         for c in sorted(set(args.concurrency), reverse=True):
             params = attrs.evolve(params_for(load, args, c, 10**6), num_requests=c, output_tokens=args.warmup_tokens)
             await run_workload(url, workloads.build("uniform", params, c), RunOptions(read_timeout_s=args.timeout_s))
-
-
-async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> None:
-    """Wait while our server still plans cuDNN shapes in idle time (`cudnn_plans_pending` in /v1/status).
-
-    Each idle-time plan is a lease job on the shared GPU: planned during another load's runs (the
-    engine's, mlx_lm.server's), it would slow that one and flatter our ratios.
-    """
-    start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        while time.perf_counter() - start < limit_s:
-            counters = (await client.get(f"{url}/v1/status")).json().get("counters", {})
-            if not counters.get("cudnn_plans_pending"):
-                return
-            await trio.sleep(1.0)
-    print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
 
 
 def _splits(args: argparse.Namespace) -> bool:

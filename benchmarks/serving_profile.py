@@ -35,7 +35,7 @@ import trio
 
 from mlx_trio.bench import metrics, workloads
 from mlx_trio.bench.runner import RunOptions, run_matrix, run_workload, warmup
-from mlx_trio.bench.servers import ManagedServer
+from mlx_trio.bench.servers import ManagedServer, plans_settled
 from mlx_trio.profiling import MARK_SIGNAL, PROFILE_ENV
 from mlx_trio.profiling.recorder import LEASE_THREAD, TRIO_THREAD
 from mlx_trio.testing.shaped_models import resolve_model
@@ -86,6 +86,7 @@ async def profile_one(model: str, workload: str, concurrency: int, args: argpars
                                                       rate_per_s=None, max_prompt_words=params.min_prompt_words,
                                                       output_tokens=8, max_output_tokens=8), concurrency)
         await run_workload(server.url, warm, options)
+        await plans_settled(server.url)  # idle-time cuDNN plans are lease jobs: not inside the measured window
         await mark(server, path, 1)
         (record,) = await run_matrix([server], workload, params, [concurrency], 1, options)
         await mark(server, path, 2)
@@ -115,6 +116,58 @@ def table(runs: list[dict[str, Any]]) -> None:
               f"{_f(w['lease_busy_fraction'], 100, 1)} | {_f(s['gpu_busy_percent'], 1, 1)} | {costs} |")
 
 
+# Arrivals this far apart start a new burst (`bursts`).
+BURST_GAP_MS = 20.0
+
+
+def bursts(window: dict[str, Any], shown: int = 4) -> None:
+    """Per burst of arrivals (a closed loop's waves): when its rows reached prefill, token 0 and first text, and
+    the lease's jobs from its first arrival to its last token 0 (name x count, ms; then the sequence, runs of
+    one name folded), so a wave's wait for its first tokens reads as the jobs it waited behind."""
+    trace = window.get("timeline")
+    if not trace or not trace["requests"]:
+        return
+    rows = sorted((p for p in trace["requests"].values() if "arrived" in p), key=lambda p: p["arrived"])
+    groups: list[list[dict[str, float]]] = []
+    for p in rows:
+        if groups and p["arrived"] - groups[-1][-1]["arrived"] <= BURST_GAP_MS:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    print(f"bursts: {len(groups)} (arrivals > {BURST_GAP_MS:.0f} ms apart start one); the first {shown} after the first:")
+    for group in groups[1:1 + shown]:
+        t0 = group[0]["arrived"]
+
+        def spread(phase: str) -> str:
+            at = sorted(p[phase] - t0 for p in group if phase in p)
+            return f"{len(at)} in {at[0]:.0f}..{at[-1]:.0f}" if at else "none"
+
+        cohorts: dict[float, int] = {}
+        for p in group:
+            if "prefill" in p:
+                cohorts[round(p["prefill"] - t0, 1)] = cohorts.get(round(p["prefill"] - t0, 1), 0) + 1
+        end = max((p.get("token0", t0) for p in group), default=t0)
+        jobs = [j for j in trace["jobs"] if t0 <= j[1] <= end]
+        by: dict[str, list[float]] = {}
+        for name, _, ms in jobs:
+            by.setdefault(name, []).append(ms)
+        folded: list[str] = []
+        for name, start, ms in jobs:
+            label = f"{name}@{start - t0:.0f}:{ms:.1f}"
+            if folded and folded[-1].split("@")[0] == name and name.startswith("_steps"):
+                continue
+            folded.append(label)
+        print(f"  burst at {t0:.0f} ms, {len(group)} rows: arrived {spread('arrived')}, prepared {spread('prepared')}, "
+              f"prefill {spread('prefill')}, token0 {spread('token0')}, first text {spread('first_text')} (ms)")
+        print("    prefill starts (ms: rows): " + ", ".join(f"{at:.0f}: {n}" for at, n in sorted(cohorts.items())))
+        print("    jobs to the last token 0: " + "; ".join(f"{name} x{len(ms)} {sum(ms):.1f} ms (max {max(ms):.1f})"
+                                                        for name, ms in sorted(by.items(), key=lambda kv: -sum(kv[1]))))
+        print("    sequence: " + " ".join(folded[:60]) + (" ..." if len(folded) > 60 else ""))
+        parts = [f"{name}@{start - t0:.0f}:{ms:.1f}" for name, start, ms in trace.get("spans", []) if t0 <= start <= end]
+        if parts:
+            print("    job parts: " + " ".join(parts[:80]) + (" ..." if len(parts) > 80 else ""))
+
+
 def details(run: dict[str, Any]) -> None:
     """The measured window's counts, thread CPU, top jobs and top sampled functions of the lease and Trio threads."""
     w = run["window"]
@@ -132,6 +185,7 @@ def details(run: dict[str, Any]) -> None:
     if phases:  # where the first token waits (mlx_trio/profiling/requests.py)
         print("to first text, ms p50 / p95 / max: " + "; ".join(
             f"{step} {v['p50_ms']:.0f} / {v['p95_ms']:.0f} / {v['max_ms']:.0f}" for step, v in phases.items()))
+    bursts(w)
     for thread in (LEASE_THREAD, TRIO_THREAD):
         sampled = w["samples"].get(thread)
         if not sampled or not sampled["samples"]:

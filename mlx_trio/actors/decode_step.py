@@ -34,6 +34,7 @@ from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.errors import ActorCrashed
 from mlx_trio.events import FinishReason
+from mlx_trio.engine.spans import span
 
 log = logging.getLogger("mlx_trio.decode_step")
 
@@ -120,6 +121,11 @@ class DecodeStepActor:
     def decoding(self) -> bool:
         """Whether rows are in the batch (decoding, or finished and about to leave)."""
         return bool(self._rows)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the batch (decoding, or finished and about to leave)."""
+        return len(self._rows)
 
     def in_flight(self) -> list[Generate]:
         """Requests holding a row here (running or waiting to join)."""
@@ -385,12 +391,16 @@ def _membership(batch: DecodeBatch, leaving: list[str], puts: list[tuple[str, tu
     The flushed tokens are in the batch order from before the job. A module
     function over the batch, as `_steps_then` (scale-out runs it on every rank).
     """
-    decoded = batch.flush_decoded()
-    entries = [batch.cache_entry(rid, tokens) for rid, tokens in puts]
+    with span("membership.flush"):
+        decoded = batch.flush_decoded()
+    with span(f"membership.entries x{len(puts)}"):
+        entries = [batch.cache_entry(rid, tokens) for rid, tokens in puts]
     if leaving:
-        batch.leave(leaving)
+        with span(f"membership.leave x{len(leaving)} of {len(batch.request_ids)}"):
+            batch.leave(leaving)
     if joiners:
-        batch.join_many(joiners)
+        with span(f"membership.join x{len(joiners)} to {len(batch.request_ids)}"):
+            batch.join_many(joiners)
     return decoded, entries
 
 

@@ -25,6 +25,7 @@ import outcome
 import trio
 
 from mlx_trio import profiling
+from mlx_trio.engine import spans
 from mlx_trio.errors import LeaseClosed
 from mlx_trio.supervision.faults import FaultKind, Faults, InjectedFault
 
@@ -178,6 +179,8 @@ class GpuLease:
         # A profiler's seam (benchmarks/stall_profile.py, MLX_TRIO_PROFILE): when set, every job
         # appends (name, start, end) here, in time.perf_counter() seconds.
         self.job_log: list[tuple[str, float, float]] | None = profiling.shared_job_log()
+        if self.job_log is not None:
+            spans.log_to(profiling.shared_span_log())  # parts of jobs, where the engine marks them
 
     async def run(self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
         """Run ``fn(*args)`` on the lease thread, after every job submitted before it.

@@ -117,6 +117,11 @@ class Lane:
         """Whether rows decode now (their steps stall for each prefill chunk)."""
         return self.decode_step is not None and self.decode_step.decoding
 
+    @property
+    def decoding_rows(self) -> int:
+        """How many rows are in the decode batch now (0 when none)."""
+        return self.decode_step.num_rows if self.decode_step is not None else 0
+
     def end_request(self, request: Generate, ended: GenerationEnded | None = None, *,
                     row: object | None = None) -> None:
         """The one way a request ends, whichever actor holds it; idempotent, never raises, never waits.

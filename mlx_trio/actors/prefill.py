@@ -363,11 +363,14 @@ class PrefillActor:
         (`_timed_cohort`), each row counts by its predicted prefill time instead
         and the cohort fills `--prefill-chunk-ms`; a cohort that shares its forwards
         there (`_shares_forwards`) counts its padded tokens, rows x the longest
-        uncached prompt (`_shared_cohort_fits`). Takes nothing from the backlog;
+        uncached prompt (`_shared_cohort_fits`). While more rows wait than decode, each
+        of those budgets is that many times larger (`_wave_scale`). Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
         """
         busy = self._busy
-        budget = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
+        scale = self._wave_scale()
+        chunk = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
+        budget = chunk * scale if busy else chunk
         hits: list[CacheHit | None] = []
         used = 0.0
         longest = 0  # a shared cohort's longest uncached prompt: its forwards' padded length
@@ -387,16 +390,16 @@ class PrefillActor:
                 # Its whole prefill and token 0 as the sizer predicts them; a first row over the
                 # target alone is not short (it prefills chunk by chunk).
                 weight = self._alone_seconds(uncached, cached)
-                fits = used + weight <= self.sizer.target_s
+                fits = used + weight <= self.sizer.target_s * scale
             else:
                 if uncached > (self._chunk_tokens(cached) if busy else self._prefill_step_size):
                     break  # not short: it prefills alone, chunk by chunk
                 if shared:
                     # Right-padded to the longest: the forwards cost rows x that length.
                     weight = (len(hits) + 1) * max(longest, uncached) - used
-                    fits = self._shared_cohort_fits(len(hits) + 1, used + weight)
+                    fits = self._shared_cohort_fits(len(hits) + 1, used + weight, scale)
                 else:
-                    weight = cohort_weight(uncached, len(cmd.prompt_ids), budget) if busy else uncached
+                    weight = cohort_weight(uncached, len(cmd.prompt_ids), chunk) if busy else uncached
                     fits = used + weight <= budget
             if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
@@ -422,7 +425,23 @@ class PrefillActor:
         return (prefill_only_cudnn() and not (layout.window or layout.fixed_bytes)
                 and not self._model.kv_scheme.quantized and shares_forwards(self._model.model))
 
-    def _shared_cohort_fits(self, rows: int, padded: int) -> bool:
+    def _wave_scale(self) -> float:
+        """How many times `--prefill-chunk-ms` (or its tokens) a cohort job may take now: waiting rows per decoding row.
+
+        The target bounds the decode stall of running rows; it costs every
+        waiting row its first token. When a wave arrives at once (a closed
+        loop's next turns: 63 prompts behind one decoding row), cutting it
+        into target-sized jobs kept all but a few waiting 0.2-0.3 s, behind
+        jobs whose fixed costs repeat and step links between them (H200, 1B
+        shape, c=64: 3-4 cohort jobs a wave; docs/benchmarks.md, eighteenth
+        pass), to spare a row or two a longer gap. So the budget grows with
+        the rows that wait against those that decode (1 while they are
+        fewer); the job's forwards stay bounded (`_shared_cohort_fits`).
+        """
+        waiting = len(self._jobs) + len(self._backlog) + self._inbox.statistics().current_buffer_used
+        return max(1.0, waiting / max(self._lane.decoding_rows, 1))
+
+    def _shared_cohort_fits(self, rows: int, padded: int, scale: float = 1.0) -> bool:
         """Whether `rows` requests sharing their forwards under prefill-only cuDNN may go in one job of `padded`
         tokens (rows x the longest uncached prompt).
 
@@ -439,7 +458,7 @@ class PrefillActor:
         if padded > COHORT_JOB_CHUNKS * COHORT_CUDNN_MAX_TOKENS:
             return False
         predicted = self.cohort_cost.predict(padded)
-        return rows == 1 or predicted is None or predicted <= self.sizer.target_s
+        return rows == 1 or predicted is None or predicted <= self.sizer.target_s * scale
 
     @property
     def _timed_cohort(self) -> bool:

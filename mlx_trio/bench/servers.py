@@ -198,3 +198,23 @@ def normalize_url(url: str) -> str:
     """`http://host:port[/v1][/]` → `http://host:port` (the client appends /v1/...)."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+# How long a benchmark waits for our server's idle-time cuDNN plans (`plans_settled`).
+PLANS_LIMIT_S = 240.0
+
+
+async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> None:
+    """Wait while our server still plans cuDNN shapes in idle time (`cudnn_plans_pending` in /v1/status).
+
+    Each idle-time plan is a lease job on the shared GPU: planned during another load's runs (the
+    engine's, mlx_lm.server's), it would slow that one and flatter our ratios.
+    """
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while time.perf_counter() - start < limit_s:
+            counters = (await client.get(f"{url}/v1/status")).json().get("counters", {})
+            if not counters.get("cudnn_plans_pending"):
+                return
+            await trio.sleep(1.0)
+    print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)

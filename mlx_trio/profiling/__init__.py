@@ -39,6 +39,11 @@ def request_phase(request_id: str, phase: str, at: float | None = None) -> None:
         _active.requests.note(request_id, phase, at)
 
 
+def shared_span_log() -> list[tuple[str, float, float]] | None:
+    """Where parts of lease jobs go (engine/spans.py, set by the lease): the running profile's list, or None."""
+    return _active.span_log if _active is not None else None
+
+
 def watch_counters(counters: Callable[[], Mapping[str, Any]]) -> None:
     """Give the running profile the engine's counters (`EngineActors.counters`); no-op without one."""
     if _active is not None:
@@ -73,4 +78,4 @@ def from_environment(environ: Mapping[str, str] = os.environ) -> Iterator[Profil
             signal.signal(MARK_SIGNAL, previous)
 
 
-__all__ = ["MARK_SIGNAL", "PROFILE_ENV", "Profiler", "from_environment", "shared_job_log", "watch_counters"]
+__all__ = ["MARK_SIGNAL", "PROFILE_ENV", "Profiler", "from_environment", "shared_job_log", "shared_span_log", "watch_counters"]

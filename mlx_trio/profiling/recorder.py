@@ -34,6 +34,8 @@ TRIO_THREAD = "MainThread"
 # engine counter key (`EngineActors.counters`) -> the window's name for it.
 COUNTERS = {"decode_steps": "steps", "decoded_tokens": "tokens", "submitted_rows": "requests"}
 TOP_FUNCTIONS = 30  # per thread and kind; the report skips the frames on every sample
+# A window keeps at most this many of its jobs one by one (`timeline`): a minute of a serving load's jobs.
+TIMELINE_JOBS = 50_000
 
 
 class _Window:
@@ -48,6 +50,8 @@ class _Window:
         self.jobs = JobStats(self.start)
         self.stacks: dict[str, StackCounts] = {}
         self.requests: dict[str, dict[str, float]] = {}
+        self.timeline: list[tuple[str, float, float]] = []  # the first `TIMELINE_JOBS` jobs, as logged
+        self.spans: list[tuple[str, float, float]] = []  # parts of those jobs (`mlx_trio.profiling.span`)
 
 
 class Profiler:
@@ -63,6 +67,7 @@ class Profiler:
         self.path = path
         self.interval_s = interval_s
         self.job_log: list[tuple[str, float, float]] = []
+        self.span_log: list[tuple[str, float, float]] = []  # `mlx_trio.profiling.span`: parts of jobs
         self.requests = RequestTimeline()  # the serve path's request phases (`mlx_trio.profiling.request_phase`)
         self.counters: Callable[[], Mapping[str, Any]] | None = None
         self.windows: list[dict[str, Any]] = []
@@ -118,7 +123,12 @@ class Profiler:
         n = len(self.job_log)
         if n:
             window.jobs.add(self.job_log[:n])
+            window.timeline.extend(self.job_log[:max(0, min(n, TIMELINE_JOBS - len(window.timeline)))])
             del self.job_log[:n]  # one list operation under the GIL: appends land before or after it
+        n = len(self.span_log)
+        if n:
+            window.spans.extend(self.span_log[:max(0, min(n, TIMELINE_JOBS - len(window.spans)))])
+            del self.span_log[:n]
 
     def _counters(self) -> dict[str, float]:
         try:
@@ -169,7 +179,22 @@ def close_window(window: _Window, counters_end: Mapping[str, float], started_at:
         "jobs": window.jobs.summary(),
         "requests": summary(window.requests),
         "samples": {name: counts.top(TOP_FUNCTIONS) for name, counts in sorted(window.stacks.items())},
+        "timeline": timeline(window),
     }
+
+
+def timeline(window: _Window) -> dict[str, Any]:
+    """The window's jobs one by one ([name, start ms, ms], the first `TIMELINE_JOBS`), their parts (`spans`, the
+    same) and each request's phases (ms), from the window's start: what the lease ran while a burst waited for
+    its first tokens."""
+    origin = window.start
+
+    def listed(entries: list[tuple[str, float, float]]) -> list[list[Any]]:
+        return [[name, round(1e3 * (start - origin), 3), round(1e3 * (end - start), 3)] for name, start, end in entries]
+
+    return {"jobs": listed(window.timeline), "spans": listed(window.spans),
+            "requests": {rid: {phase: round(1e3 * (at - origin), 3) for phase, at in phases.items()}
+                         for rid, phases in window.requests.items()}}
 
 
 def per_unit_us(threads: Mapping[str, Mapping[str, float]], counts: Mapping[str, float]) -> dict[str, dict[str, Any]]:

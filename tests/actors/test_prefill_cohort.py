@@ -25,18 +25,22 @@ from tests.actors.lane_fakes import RecordingAdmission
 
 
 class _DecodeStep:
-    """Rows decoding (or not), none of them in flight for prefill's sake."""
+    """Rows decoding (or not), none of them in flight for prefill's sake; `rows` of them (default: a full batch
+    of 8, so a burst of at most 8 never outnumbers them)."""
 
-    def __init__(self, decoding: bool) -> None:
+    def __init__(self, decoding: bool, rows: int | None = None) -> None:
         self.decoding = decoding
+        self.num_rows = (rows if rows is not None else 8) if decoding else 0
 
     def in_flight(self) -> list[Generate]:
         return []
 
 
-def _lane(lease: GpuLease, model: LoadedModel, *, decoding: bool = False, **config: object) -> Lane:
+def _lane(lease: GpuLease, model: LoadedModel, *, decoding: bool = False, decoding_rows: int | None = None,
+          **config: object) -> Lane:
     lane = Lane(EngineConfig(batch=8, **config), Faults())  # type: ignore[arg-type]
-    lane.lease, lane.admission, lane.decode_step = lease, RecordingAdmission(), _DecodeStep(decoding)  # type: ignore[assignment]
+    lane.lease, lane.admission = lease, RecordingAdmission()  # type: ignore[assignment]
+    lane.decode_step = _DecodeStep(decoding, decoding_rows)  # type: ignore[assignment]
     lane.settle_model(model)
     return lane
 
@@ -113,7 +117,8 @@ def test_a_cohort_row_weighs_its_tokens_times_the_chunks_its_context_spans() -> 
 
 
 async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, forward_s: float, *,
-                       in_sequence: bool = True) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
+                       in_sequence: bool = True, decoding_rows: int | None = None,
+                       ) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
     """A prefill actor as under prefill-only cuDNN, rows decoding, a 50 ms target, its sizer fitted to a fixed
     `forward_s` a forward; `in_sequence`: cohorts prefill row after row (MLX_TRIO_COHORTS_IN_SEQUENCE)."""
     from mlx_trio.actors import prefill as prefill_module
@@ -123,8 +128,8 @@ async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, forward
         monkeypatch.setenv("MLX_TRIO_COHORTS_IN_SEQUENCE", "1")
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
-    actor = PrefillActor(_lane(lease, model, decoding=True, prefill_step_size=64, prefill_chunk_ms=50), lease,
-                         join=join_send)
+    actor = PrefillActor(_lane(lease, model, decoding=True, decoding_rows=decoding_rows, prefill_step_size=64,
+                               prefill_chunk_ms=50), lease, join=join_send)
     actor.sizer.record(32, 0, forward_s)
     actor.sizer.record(64, 0, forward_s)
     return actor, join_recv
@@ -176,12 +181,13 @@ def _next_token(model: object, row: object) -> int:
 
 
 async def _shared_burst(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, cohort_cost: CohortCost | None,
-                        n: int = 8) -> tuple[PrefillActor, list[int]]:
+                        n: int = 8, decoding_rows: int | None = None) -> tuple[PrefillActor, list[int]]:
     """`n` short prompts at once under prefill-only cuDNN, sharing their forwards, rows decoding, a 50 ms target
     and a chunk sizer fitted to 1 ms a token (lone prompts' fixed cost read as a cost per token): the actor and
     the cohorts' sizes in rows, in order. Each row's token 0 and next token are checked against its prompt
     prefilled alone."""
-    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False)
+    actor, join_recv = await _cudnn_actor(lease, monkeypatch, forward_s=0.010, in_sequence=False,
+                                          decoding_rows=decoding_rows)
     actor.sizer = ChunkSizer(0.05, 64)
     actor.sizer.record(32, 0, 0.032)
     actor.sizer.record(64, 0, 0.064)
@@ -239,6 +245,15 @@ async def test_under_prefill_only_cudnn_a_burst_goes_in_smaller_cohorts_when_sha
     _, sizes = await _shared_burst(lease, monkeypatch, cost)
     assert (cost.predict(33), cost.predict(44)) == (pytest.approx(0.0495), pytest.approx(0.066))
     assert sizes == [3, 3, 2]
+
+
+async def test_a_wave_that_outnumbers_the_decoding_rows_goes_in_one_cohort(
+        lease: GpuLease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dear shared jobs of the test above (3 rows fit the 50 ms target), but 8 prompts wait behind 1 decoding
+    row (a closed loop's next wave): the budget is 8 targets, and the 8 take one job (132 ms predicted)."""
+    cost = _FixedCohortCost((22, 0.033), (44, 0.066))
+    _, sizes = await _shared_burst(lease, monkeypatch, cost, decoding_rows=1)
+    assert sizes == [8]
 
 
 async def test_a_shared_cohort_never_holds_more_than_two_forwards_of_padded_tokens(

@@ -41,8 +41,10 @@ from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
+from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.switches import switched_on
+from mlx_trio.engine.spans import span
 
 # Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`), the
 # most rows and padded tokens (rows x the longest) one forward takes, the prompt columns one forward feeds
@@ -72,11 +74,12 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
     (their caches dropped); the other rows go on.
     """
     outcomes: list[SoloRow | Exception] = []
-    for make in makers:
-        try:
-            outcomes.append(make())
-        except Exception as exc:
-            outcomes.append(exc)
+    with span(f"cohort.make x{len(makers)}"):
+        for make in makers:
+            try:
+                outcomes.append(make())
+            except Exception as exc:
+                outcomes.append(exc)
     made = [row for row in outcomes if isinstance(row, SoloRow)]
     together = made if can_prefill_together(made, model) else []
     for group in forward_groups(together):
@@ -226,7 +229,8 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
     lengths = [row.prefill_remaining for row in rows]
     batch, longest = cohort_shape(len(rows), max(lengths)) if decode_layout.is_active() else (len(rows), max(lengths))
     spare = batch - len(rows)  # empty rows that only round the batch up to its bucket
-    caches = _merge([*(row.caches for row in rows), *([KVCache() for _ in rows[0].caches] for _ in range(spare))])
+    with span(f"cohort.merge {len(rows)}/{batch}x{longest}"):
+        caches = _merge([*(row.caches for row in rows), *([KVCache() for _ in rows[0].caches] for _ in range(spare))])
     uses = [*(row.adapter for row in rows), *([None] * spare)]
     lengths += [0] * spare  # batch order: the rows, then the empty ones
     with rows_selected(uses).applied():  # each row with its own adapter
@@ -237,19 +241,42 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
                 layer.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
             step = COHORT_CUDNN_COLUMNS if decode_layout.is_active() else rows[0].prefill_step_size
             for start in range(0, longest, step):
-                model(inputs[:, start : start + step], cache=caches)
-                mx.eval([c.state for c in caches])
+                with span(f"cohort.forward {batch}x{min(step, longest - start)}"):
+                    model(inputs[:, start : start + step], cache=caches)
+                    mx.eval([c.state for c in caches])
             for layer in caches:
                 layer.finalize()
-        lasts = [row.last_input() for row in rows]
-        decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
-        logits = model(mx.stack([*lasts, *(_right_padded(None, 1) for _ in range(spare))]), cache=caches)[:, -1, :]
-    arrays = [a for i, row in enumerate(rows) for a in row.draw_token0(logits[i : i + 1], lasts[i])]
-    mx.eval(arrays, [c.state for c in caches])
-    _hand_back(rows, caches, range(len(rows)))
-    for row in rows:
-        row.read_token0()
-    mx.clear_cache()
+        with span(f"cohort.token0 {batch}"):
+            lasts = [row.last_input() for row in rows]
+            decode_layout.keep_vector_decode(caches)  # token 0 is an L=1 step: the vector kernel (engine/kv/decode_layout.py)
+            logits = model(mx.stack([*lasts, *(_right_padded(None, 1) for _ in range(spare))]), cache=caches)[:, -1, :]
+    with span(f"cohort.sample+eval {len(rows)}"):
+        # Plain greedy rows take one argmax over the batch (each row's own argmax: the same token), not a
+        # sampler graph each (~1 ms of the lease thread a row on an H200; docs/benchmarks.md, eighteenth pass).
+        greedy = [i for i, row in enumerate(rows) if row.sampler.is_plain_greedy]
+        sampled = set(range(len(rows))) - set(greedy)
+        arrays = [a for i in sorted(sampled) for a in rows[i].draw_token0(logits[i : i + 1], lasts[i])]
+        picked = _argmax_rows(logits, greedy)
+        mx.eval(arrays, picked, [c.state for c in caches])
+    with span(f"cohort.hand_back {len(rows)}"):
+        _hand_back(rows, caches, range(len(rows)))
+        tokens = dict(zip(greedy, picked.tolist())) if picked is not None else {}
+        for i, row in enumerate(rows):
+            if i in tokens:
+                row.accept_token0(tokens[i])
+            else:
+                row.read_token0()
+    with span("cohort.clear_cache"):
+        mx.clear_cache()
+
+
+def _argmax_rows(logits: mx.array, rows: Sequence[int]) -> mx.array | None:
+    """The argmax of each of `rows` of `logits` `[B, V]` (lazy), in that order; None for no rows."""
+    if not rows:
+        return None
+    if list(rows) == list(range(len(rows))):
+        return mx.argmax(logits[: len(rows)], axis=-1)
+    return mx.argmax(logits[mx.array(list(rows))], axis=-1)
 
 
 def cohort_shape(rows: int, longest: int) -> tuple[int, int]:
@@ -286,9 +313,12 @@ def _merge(caches: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:
-    """Copy each row's KV (batch row `indices[k]` for `rows[k]`) into its own caches.
+    """Copy each row's KV (batch row `indices[k]` for `rows[k]`) into its own caches (lazy slices), and note
+    where it sits in `caches` (`SoloRow.block`): rows that join the decode batch together copy out of the cohort's
+    cache once a layer instead (engine/kv/row_blocks.py), and their own slices are never evaluated.
 
     In place: the row's prefill holds the list.
     """
     for row, i in zip(rows, indices, strict=True):
         row.caches[:] = [layer.extract(i) for layer in caches]
+        row.block = RowBlock(caches, i)

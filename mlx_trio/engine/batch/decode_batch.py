@@ -67,12 +67,13 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_trio.engine.batch import compiled_step
 from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, rows_selected
 from mlx_trio.engine.adapters.resident import AdapterUse
-from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_rollback, row_slots
+from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_blocks, row_rollback, row_slots
+from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.model.decode_forward import DecodeForward
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
@@ -82,6 +83,7 @@ from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
 from mlx_trio.engine.speculative import verify
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.logprobs import SampledLogprobs
+from mlx_trio.engine.spans import span
 
 # mlx-lm's generate_step frees the allocator's cache every 256 tokens; so do we.
 _CLEAR_CACHE_EVERY = 256
@@ -248,11 +250,20 @@ class DecodeBatch:
         graph); with row slots the joiners are written into free slots (the
         running rows' KV is not copied unless a re-layout is due); otherwise
         every layer takes all the joiners in one merge or extend, so the
-        running rows' KV is copied once per settle, not once per joiner. Requires `is_flushed`. Raises TypeError if a layer cannot batch
-        (the batch is unchanged then); the caller keeps such models serial.
+        running rows' KV is copied once per settle, not once per joiner. Rows
+        that a cohort handed back from one cache (`SoloRow.block`) are copied
+        out of it once a layer, into slots or after the running rows
+        (engine/kv/row_blocks.py); rows of several cohorts join run by run.
+        Requires `is_flushed`. Raises TypeError if a layer cannot batch (the
+        batch is unchanged then); the caller keeps such models serial.
         """
         if self._unread:
             raise RuntimeError("join_many() needs a flushed batch")
+        runs = _block_runs(joiners)
+        if len(runs) > 1:  # rows of several cohorts' forwards: each run joins from its own block
+            for run in runs:
+                self.join_many(run)
+            return
         rows = [row for row, _ in joiners]
         ids = [row.request_id for row in rows]
         if any(not row.caches or row.token0 is None for row in rows):
@@ -262,17 +273,23 @@ class DecodeBatch:
         if not rows:
             return
         self._convert_for_join(rows)
+        block = self._block_of(rows)
         copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
         if self._rows and not self._solo and self._slots_usable(rows):
-            copied = self._join_slots(rows)
+            with span(f"join.slots x{len(rows)} block={block is not None}"):
+                copied = self._join_slots(rows, block)
         elif not self._rows and len(rows) == 1:
             self._caches = rows[0].caches  # adopt: the lone row keeps its serial graph
             self._solo = True
             self._num_slots = 1
+        elif block is not None:
+            with span(f"join.block x{len(rows)}"):
+                self._join_block(*block)
         else:
             if not all(batch_caches.can_batch(row.caches) for row in rows):
                 raise TypeError("this model's caches cannot batch")
-            self._compact()
+            with span("join.compact"):
+                self._compact()
             if self._rows:
                 running, news, solo = self._caches, rows, self._solo
             else:  # several rows into an empty batch: the first plays the running (solo) row
@@ -295,15 +312,18 @@ class DecodeBatch:
             self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._fed_steps))
             self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
+            row.block = None
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
         self._settle_conversion()
         # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
         # the device now, or the allocator's cache holds one stale copy per join. A join into free
         # slots replaced none: the allocator keeps its cache for the next steps.
-        mx.eval(self._caches_state())
+        with span(f"join.eval copied={copied}"):
+            mx.eval(self._caches_state())
         if copied:
-            mx.clear_cache()
+            with span("join.clear_cache"):
+                mx.clear_cache()
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
@@ -311,8 +331,39 @@ class DecodeBatch:
                 and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
                 and row_slots.supports_slots(self._caches) and row_slots.can_fill([row.caches for row in joiners]))
 
-    def _join_slots(self, rows: Sequence[SoloRow]) -> bool:
-        """Write the joiners into free slots (more slots when too few are free); whether every row was copied."""
+    def _block_of(self, rows: Sequence[SoloRow]) -> tuple[Sequence[Any], list[int]] | None:
+        """The cohort cache all of these joiners sit in and their rows in it (engine/kv/row_blocks.py), when they
+        can join from it: two or more, every layer of the batch a plain bf16 batch layer (or the solo row's
+        `KVCache`), no KV conversion due; else None (they join by their own caches)."""
+        if len(rows) < 2 or self._kv_scheme.quantized:
+            return None
+        found = row_blocks.shared_block([row.block for row in rows])
+        if found is None or len(found[0]) != len(rows[0].caches):
+            return None
+        plain = (KVCache,) if self._solo else (HostPaddedBatchKVCache,)
+        if self._rows and not all(type(layer) in plain for layer in self._caches):
+            return None
+        return found
+
+    def _join_block(self, layers: Sequence[Any], index: list[int]) -> None:
+        """The joiners, rows `index` of one cohort's `layers`, copied out once a layer: into an empty batch as the
+        batch, else after the running rows (mlx-lm's extend; a solo row is made a batch of one first)."""
+        self._compact()
+        news = [row_blocks.take_rows(layer, index) for layer in layers]
+        if self._rows:
+            running = [batch_caches.merge_rows([layer]) for layer in self._caches] if self._solo else self._caches
+            for layer, new in zip(running, news, strict=True):
+                layer.extend(new)
+            news = running
+        self._caches = news
+        self._num_slots = len(self._rows) + len(index)
+        batch_kv.share_offsets(self._caches)
+        self._solo = False
+
+    def _join_slots(self, rows: Sequence[SoloRow], block: tuple[Sequence[Any], list[int]] | None = None) -> bool:
+        """Write the joiners into free slots (more slots when too few are free); whether every row was copied.
+
+        `block`: the joiners are these rows of one cohort's cache (`_block_of`): one scatter a layer."""
         slots = self._slots if self._slots is not None else list(range(len(self._rows)))
         taken = set(slots)
         free = [s for s in range(self._num_slots) if s not in taken]
@@ -321,7 +372,10 @@ class DecodeBatch:
             need = num_slots + len(rows) - len(free)
             num_slots = max(need, min(num_slots + max(1, num_slots // SLOT_GROWTH), self._max_rows or need))
             free += list(range(self._num_slots, num_slots))
-        copied = row_slots.write_rows(self._caches, free[:len(rows)], [row.caches for row in rows], num_slots)
+        if block is not None:
+            copied = row_blocks.write_block(self._caches, free[:len(rows)], block[0], block[1], num_slots)
+        else:
+            copied = row_slots.write_rows(self._caches, free[:len(rows)], [row.caches for row in rows], num_slots)
         self._num_slots = num_slots
         self._set_slots([*slots, *free[:len(rows)]])
         return copied
@@ -706,3 +760,18 @@ class DecodeBatch:
             if row.request_id == request_id:
                 return i
         raise KeyError(request_id)
+
+
+def _block_runs(joiners: Sequence[tuple[SoloRow, int]]) -> list[list[tuple[SoloRow, int]]]:
+    """The joiners cut into runs of consecutive rows from one cohort's cache (`SoloRow.block`; rows from none
+    run together): each run joins in one `join_many` (engine/kv/row_blocks.py)."""
+    runs: list[list[tuple[SoloRow, int]]] = []
+    last: object = ()
+    for joiner in joiners:
+        block = joiner[0].block
+        key = id(block.layers) if block is not None else None
+        if not runs or key != last:
+            runs.append([])
+        runs[-1].append(joiner)
+        last = key
+    return runs

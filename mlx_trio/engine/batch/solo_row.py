@@ -25,6 +25,7 @@ from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
 from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
 from mlx_trio.engine.sampling.grammar import GrammarMatcher
@@ -100,6 +101,9 @@ class SoloRow:
         # Between `draw_token0` and `read_token0`: the lazy token 0 and its logprob arrays.
         self._token0: mx.array | None = None
         self._token0_logprobs: LogprobArrays | None = None
+        # Set by a cohort that handed `caches` back as slices of its own cache: where they sit in it, so the
+        # rows that join together copy out of it once a layer (engine/kv/row_blocks.py). None otherwise.
+        self.block: RowBlock | None = None
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -194,9 +198,21 @@ class SoloRow:
         self._token0_logprobs = None
         return self.token0
 
+    def accept_token0(self, token: int) -> int:
+        """Token 0 of a plain greedy row (`sampler.is_plain_greedy`), drawn by its cohort's one batched argmax.
+
+        What `draw_token0` then `read_token0` give such a row: the argmax of its own logits, read on the host.
+        """
+        if not self.sampler.is_plain_greedy:
+            raise RuntimeError("accept_token0() is for plain greedy rows: others draw with their own sampler")
+        self.token0 = token
+        self.sampler.accept(token)
+        return token
+
     def close(self) -> None:
         """Drop the row's caches and its adapter's slot (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
+        self.block = None
         if self.adapter is not None:
             self.adapter.release()
             self.adapter = None

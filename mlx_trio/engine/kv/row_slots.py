@@ -80,7 +80,7 @@ def write_rows(caches: Sequence[HostPaddedBatchKVCache], slots: Sequence[int], r
         layer_rows = [row[i] for row in rows]
         shift = max(0, max(r.offset for r in layer_rows) - cache._idx)
         if shift or num_slots != len(cache.host_padding):
-            _relayout(cache, num_slots, shift)
+            relayout(cache, num_slots, shift)
             relaid = True
         idx = cache._idx
         padding = list(cache.host_padding)
@@ -89,7 +89,7 @@ def write_rows(caches: Sequence[HostPaddedBatchKVCache], slots: Sequence[int], r
             cache.keys[slot:slot + 1, :, idx - n:idx, :] = row.keys[..., :n, :]
             cache.values[slot:slot + 1, :, idx - n:idx, :] = row.values[..., :n, :]
             padding[slot] = idx - n
-        _set_padding(cache, padding)
+        set_padding(cache, padding)
     batch_kv.share_offsets(caches)
     return relaid
 
@@ -101,12 +101,12 @@ def trim_front(caches: Sequence[HostPaddedBatchKVCache], live: Sequence[int]) ->
     if shared <= 0 or shared < TRIM_SHARE * first._idx:
         return False
     for cache in caches:
-        _relayout(cache, len(cache.host_padding), -shared)
+        relayout(cache, len(cache.host_padding), -shared)
     batch_kv.share_offsets(caches)
     return True
 
 
-def _relayout(cache: HostPaddedBatchKVCache, num_slots: int, shift: int) -> None:
+def relayout(cache: HostPaddedBatchKVCache, num_slots: int, shift: int) -> None:
     """Copy every row into fresh buffers of `num_slots` rows, moved right by `shift` positions (left if < 0).
 
     New slots hold zeros with no padding; a row whose padding a left shift
@@ -124,10 +124,10 @@ def _relayout(cache: HostPaddedBatchKVCache, num_slots: int, shift: int) -> None
         setattr(cache, name, fresh)
     padding = [max(0, p + shift) for p in cache.host_padding[:rows]] + [0] * (num_slots - rows)
     cache._idx = new_idx
-    _set_padding(cache, padding)
+    set_padding(cache, padding)
 
 
-def _set_padding(cache: HostPaddedBatchKVCache, padding: list[int]) -> None:
+def set_padding(cache: HostPaddedBatchKVCache, padding: list[int]) -> None:
     """Set the rows' padding and offsets from host numbers (offset = idx - padding, as mlx-lm keeps them)."""
     cache.host_padding = tuple(padding)
     cache.left_padding = mx.array(padding, dtype=mx.int32)

@@ -173,8 +173,8 @@ def _layer_buffers(batch: DecodeBatch) -> list[int]:
 
 def test_leave_moves_no_row_and_a_shorter_joiner_copies_no_other_row(monkeypatch: pytest.MonkeyPatch) -> None:
     relayouts = []
-    real = row_slots._relayout
-    monkeypatch.setattr(row_slots, "_relayout", lambda *a: (relayouts.append(a[1:]), real(*a))[1])
+    real = row_slots.relayout
+    monkeypatch.setattr(row_slots, "relayout", lambda *a: (relayouts.append(a[1:]), real(*a))[1])
     driver = Driver()
     driver.settle([], [(0, 40, 50), (1, 30, 50), (2, 20, 50), (3, 35, 50)])
     driver.step()
