@@ -50,8 +50,11 @@ from mlx_trio.engine.spans import span
 # most rows and padded tokens (rows x the longest) one forward takes, the prompt columns one forward feeds
 # (`prefill_together`), and the most query-key pairs a head of one forward scores (rows x columns x keys,
 # cached prefixes included: `forward_groups`). The plain attention holds them all at once: 2^22 pairs are
-# 256 MiB of bf16 scores at 32 heads (4 rows of 2048 tokens, or 32 short prompts of 256, fit).
-COHORT_CUDNN_MAX_ROWS = 32
+# 256 MiB of bf16 scores at 32 heads (4 rows of 2048 tokens, or 64 short prompts of 64, fit). 64 rows: a
+# closed loop's wave at the default --batch in one forward (H200, 1B shape: 32-row groups took a wave two
+# forwards, two token-0 steps and a group of 2-7 stragglers at a shape of its own; docs/benchmarks.md,
+# eighteenth pass).
+COHORT_CUDNN_MAX_ROWS = 64
 COHORT_CUDNN_MAX_CONTEXT = 2048
 COHORT_CUDNN_MAX_TOKENS = 8192
 COHORT_CUDNN_COLUMNS = 512
@@ -60,6 +63,11 @@ COHORT_CUDNN_MAX_SCORES = 1 << 22
 # a power of two only up to this longest prompt (past it an empty row costs a long prompt's compute).
 COHORT_TOKEN_QUANTUM = 32
 COHORT_ROW_BUCKET_MAX_TOKENS = 256
+# A shared forward of fewer padded tokens leaves MLX's buffer cache as it is (mlx-lm clears it after each
+# prefill chunk, whose activations are large): a wave of short prompts is small, and its buffers serve the
+# next steps and cohorts, which a cleared cache would allocate from the device again (~3 ms a cohort job to
+# clear on an H200).
+COHORT_CLEAR_MIN_TOKENS = 8192
 # Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
 IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
@@ -266,8 +274,9 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
                 row.accept_token0(tokens[i])
             else:
                 row.read_token0()
-    with span("cohort.clear_cache"):
-        mx.clear_cache()
+    if batch * longest >= COHORT_CLEAR_MIN_TOKENS:
+        with span("cohort.clear_cache"):
+            mx.clear_cache()
 
 
 def _argmax_rows(logits: mx.array, rows: Sequence[int]) -> mx.array | None:
