@@ -64,9 +64,6 @@ ROOT_BACKOFF = Backoff(first_s=0.05, max_s=1.0, quick_s=2.0)
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 # The name every client may use for the base model (as the HTTP API's "default").
 DEFAULT_MODEL_NAME = "default"
-# Requests prepared (templated, tokenized) at once, each in a worker thread (`Engine.prepare_off_loop`): a few, so
-# that one slow grammar compilation does not hold the others back.
-PREPARE_THREADS = 4
 
 
 class Engine:
@@ -78,10 +75,6 @@ class Engine:
         self.faults = Faults()
         self.actors = EngineActors(config, self.faults)
         self._request_ids = itertools.count(1)
-        # The worker threads `prepare_off_loop` may use at once: prepare is mostly Python (the chat template), so
-        # more threads only queue on the GIL, and the lease thread with them (trio's default allows 40: a wave
-        # of 63 requests spread its prompts over ~60 ms on an H200 host; docs/benchmarks.md, eighteenth pass).
-        self._prepare_threads = trio.CapacityLimiter(PREPARE_THREADS)
         # Adapters being unloaded: requests may no longer name them.
         self._unloading: set[str] = set()
         # Sessions are temporary: a crashed session fails its own request only.
@@ -274,7 +267,7 @@ class Engine:
         Rendering a chat template and tokenizing a long prompt take up to tens
         of milliseconds, which on the event loop would stall every running stream.
         """
-        return await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs), limiter=self._prepare_threads)
+        return await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
 
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None,

@@ -51,7 +51,7 @@ class _Window:
         self.stacks: dict[str, StackCounts] = {}
         self.requests: dict[str, dict[str, float]] = {}
         self.timeline: list[tuple[str, float, float]] = []  # the first `TIMELINE_JOBS` jobs, as logged
-        self.spans: list[tuple[str, float, float]] = []  # parts of those jobs (`mlx_trio.profiling.span`)
+        self.spans: list[tuple[str, float, float]] = []  # parts of those jobs (`mlx_trio.engine.spans.span`)
 
 
 class Profiler:
@@ -67,7 +67,7 @@ class Profiler:
         self.path = path
         self.interval_s = interval_s
         self.job_log: list[tuple[str, float, float]] = []
-        self.span_log: list[tuple[str, float, float]] = []  # `mlx_trio.profiling.span`: parts of jobs
+        self.span_log: list[tuple[str, float, float]] = []  # `mlx_trio.engine.spans.span`: parts of jobs
         self.requests = RequestTimeline()  # the serve path's request phases (`mlx_trio.profiling.request_phase`)
         self.counters: Callable[[], Mapping[str, Any]] | None = None
         self.windows: list[dict[str, Any]] = []
