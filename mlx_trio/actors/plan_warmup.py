@@ -11,7 +11,9 @@ first request, runs one chunk at each listed shape whose keys end within
 log); requests that arrive meanwhile wait in its inbox. The shapes of longer
 contexts, up to `IDLE_FACTOR` times as far, are planned one per lease job
 while nothing else runs (`warm_next`: a request arriving then waits for at
-most that one plan). The warm-up never fills more than `CACHE_SHARE` of
+most that one plan), once nothing ran for a while (actors/prefill.py
+`PLAN_QUIET_S`: an agent's next turn, sent the moment the last one ends,
+finds no plan job in its way). The warm-up never fills more than `CACHE_SHARE` of
 cuDNN's plan cache (`MLX_CUDA_SDPA_CACHE_SIZE`, engine/lease_thread.py), so
 the shapes of longer contexts, met as requests go, keep room.
 

@@ -73,6 +73,10 @@ COHORT_JOB_CHUNKS = 2
 ADAPTER_SLOT_POLL_S = 0.005
 # While cuDNN plans are left to build in idle time and rows decode, how often to look whether they ended.
 IDLE_POLL_S = 0.05
+# Idle-time cuDNN plans wait until nothing was prefilled or decoded for this long: a closed loop's next wave
+# arrives the moment the last one ends, and a plan job (60-90 ms on an H200) started in that gap held the
+# whole wave back (docs/benchmarks.md, eighteenth pass).
+PLAN_QUIET_S = 0.5
 
 
 def cohort_weight(uncached: int, context: int, chunk: int) -> float:
@@ -150,6 +154,7 @@ class PrefillActor:
         self._prefill_tokens = self._cached_tokens = self._snapshots = self._cohort_rows = 0
         self._chunks = self._sized_chunks = self._partial_puts = 0
         self._plans = PlanWarmup.none(lease)  # cuDNN's prefill plans, built once the model is known
+        self._active_at = 0.0  # trio time the actor last had a prompt or saw rows decoding (`_idle`)
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
@@ -172,12 +177,14 @@ class PrefillActor:
         try:
             self._model = await self._lane.wait_model()
             await self._warm_plans()
+            self._active_at = trio.current_time()
             while True:
                 # Requests stay in the backlog or the jobs (where a crash or restart ends them)
                 # until handed on, with no checkpoint between taking and owning them.
                 if not self._backlog and not self._jobs:
                     if not await self._idle():
                         continue
+                self._active_at = trio.current_time()
                 self._backlog.extend(drain_nowait(self._inbox))
                 await self._drop_left()
                 if len(self._jobs) < self._concurrency and self._startable():
@@ -215,9 +222,10 @@ class PrefillActor:
         """With nothing to prefill: take the next request into the backlog and return True.
 
         While the warm-up has shapes left, a request already waiting is taken;
-        with none, and no row decoding, one shape is planned (one lease job) and
-        False returned, so the loop looks again; with rows decoding, the next
-        request is awaited for `IDLE_POLL_S` at most, then False.
+        with none, once nothing was prefilled or decoded for `PLAN_QUIET_S`, one
+        shape is planned (one lease job) and False returned, so the loop looks
+        again; before that, the next request is awaited until the quiet time is
+        reached (with rows decoding, `IDLE_POLL_S` at most), then False.
         """
         if not self._plans.pending:
             self._backlog.append(await self._inbox.receive())
@@ -228,7 +236,10 @@ class PrefillActor:
         except trio.WouldBlock:
             pass
         if self._lane.decoding:
-            with trio.move_on_after(IDLE_POLL_S):
+            self._active_at = trio.current_time()
+        quiet = trio.current_time() - self._active_at
+        if quiet < PLAN_QUIET_S:
+            with trio.move_on_after(IDLE_POLL_S if self._lane.decoding else PLAN_QUIET_S - quiet):
                 self._backlog.append(await self._inbox.receive())
                 return True
             return False

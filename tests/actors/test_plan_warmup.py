@@ -76,6 +76,33 @@ async def test_plans_are_built_before_the_first_request_then_while_idle(plans_as
         assert await _tokens(engine) == expected
 
 
+async def test_idle_time_plans_wait_for_quiet_so_a_next_turn_never_waits_for_one(plans_as_on_cuda,
+                                                                                 monkeypatch) -> None:
+    """Turns sent back to back (an agent's loop) get no plan job between them, however many shapes are left to
+    plan; once the engine has been quiet for PLAN_QUIET_S (here 3 s, so a slow box still sends the turns within
+    it), the plans are built."""
+    from mlx_trio.actors import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "PLAN_QUIET_S", 3.0)
+
+    everything = grid_shapes(GRID, 2048, plan_warmup.IDLE_FACTOR * 256)
+    async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=256) as engine:
+        prefill = engine.actors.lane.prefill
+        await _tokens(engine)  # after the start's plans (`warm_ahead`)
+        engine.actors.lane.lease.job_log = log = []
+        planned = prefill.statistics().cudnn_plans
+        assert planned < len(everything)  # shapes are left for idle time
+        started = time.perf_counter()
+        for _ in range(3):
+            await _tokens(engine)
+        assert time.perf_counter() - started < prefill_module.PLAN_QUIET_S  # the turns came back to back
+        assert [name for name, _, _ in log if name == "PlanWarmer.warm"] == []
+        assert prefill.statistics().cudnn_plans == planned
+        with trio.fail_after(WAIT_S):
+            while prefill.statistics().cudnn_plans < len(everything):
+                await trio.sleep(0.02)
+
+
 async def test_a_zero_bound_builds_no_plans(plans_as_on_cuda) -> None:
     async with open_engine(str(tiny_model(LLAMA)), cudnn_warm_tokens=0) as engine:
         await _tokens(engine)
