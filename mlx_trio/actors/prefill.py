@@ -254,8 +254,12 @@ class PrefillActor:
 
         Only then are chunks sized to the target; a lone request uses full ones.
         """
-        waiting = len(self._jobs) + len(self._backlog) + self._inbox.statistics().current_buffer_used
-        return self._lane.decoding or waiting > 1
+        return self._lane.decoding or self._waiting > 1
+
+    @property
+    def _waiting(self) -> int:
+        """Prompts not yet handed on: prefilling, in the backlog, or still in the inbox."""
+        return len(self._jobs) + len(self._backlog) + self._inbox.statistics().current_buffer_used
 
     def _chunk_tokens(self, context: int) -> int:
         """A busy chunk's tokens after `context` cached ones: measured to fit the target, or the static default."""
@@ -449,8 +453,7 @@ class PrefillActor:
         the rows that wait against those that decode (1 while they are
         fewer); the job's forwards stay bounded (`_shared_cohort_fits`).
         """
-        waiting = len(self._jobs) + len(self._backlog) + self._inbox.statistics().current_buffer_used
-        return max(1.0, waiting / max(self._lane.decoding_rows, 1))
+        return max(1.0, self._waiting / max(self._lane.decoding_rows, 1))
 
     def _shared_cohort_fits(self, rows: int, padded: int, scale: float = 1.0) -> bool:
         """Whether `rows` requests sharing their forwards under prefill-only cuDNN may go in one job of `padded`

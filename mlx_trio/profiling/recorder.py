@@ -120,15 +120,8 @@ class Profiler:
             known = window.requests.setdefault(request_id, {})
             for phase, at in list(phases.items()):  # the Trio thread may still add to a request it just looked up
                 known.setdefault(phase, at)
-        n = len(self.job_log)
-        if n:
-            window.jobs.add(self.job_log[:n])
-            window.timeline.extend(self.job_log[:max(0, min(n, TIMELINE_JOBS - len(window.timeline)))])
-            del self.job_log[:n]  # one list operation under the GIL: appends land before or after it
-        n = len(self.span_log)
-        if n:
-            window.spans.extend(self.span_log[:max(0, min(n, TIMELINE_JOBS - len(window.spans)))])
-            del self.span_log[:n]
+        window.jobs.add(_take(self.job_log, window.timeline))
+        _take(self.span_log, window.spans)
 
     def _counters(self) -> dict[str, float]:
         try:
@@ -148,6 +141,17 @@ class Profiler:
 
     def document(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "interval_ms": 1e3 * self.interval_s, "windows": list(self.windows)}
+
+
+def _take(log: list[tuple[str, float, float]], kept: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Move `log`'s entries out (returned), keeping them in `kept` up to `TIMELINE_JOBS`.
+
+    One slice and one `del` under the GIL: entries appended meanwhile land before or after them.
+    """
+    taken = log[:len(log)]
+    del log[:len(taken)]
+    kept.extend(taken[:max(0, TIMELINE_JOBS - len(kept))])
+    return taken
 
 
 def thread_names() -> dict[int, str]:

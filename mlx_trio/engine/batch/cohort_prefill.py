@@ -41,7 +41,7 @@ from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
-from mlx_trio.engine.kv.row_blocks import RowBlock
+from mlx_trio.engine.kv.row_blocks import RowBlock, batch_index
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.switches import switched_on
 from mlx_trio.engine.spans import span
@@ -262,8 +262,8 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
         # Plain greedy rows take one argmax over the batch (each row's own argmax: the same token), not a
         # sampler graph each (~1 ms of the lease thread a row on an H200; docs/benchmarks.md, eighteenth pass).
         greedy = [i for i, row in enumerate(rows) if row.sampler.is_plain_greedy]
-        sampled = set(range(len(rows))) - set(greedy)
-        arrays = [a for i in sorted(sampled) for a in rows[i].draw_token0(logits[i : i + 1], lasts[i])]
+        arrays = [a for i, row in enumerate(rows) if not row.sampler.is_plain_greedy
+                  for a in row.draw_token0(logits[i : i + 1], lasts[i])]
         picked = _argmax_rows(logits, greedy)
         mx.eval(arrays, picked, [c.state for c in caches])
     with span(f"cohort.hand_back {len(rows)}"):
@@ -281,11 +281,7 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
 
 def _argmax_rows(logits: mx.array, rows: Sequence[int]) -> mx.array | None:
     """The argmax of each of `rows` of `logits` `[B, V]` (lazy), in that order; None for no rows."""
-    if not rows:
-        return None
-    if list(rows) == list(range(len(rows))):
-        return mx.argmax(logits[: len(rows)], axis=-1)
-    return mx.argmax(logits[mx.array(list(rows))], axis=-1)
+    return mx.argmax(logits[batch_index(rows)], axis=-1) if rows else None
 
 
 def cohort_shape(rows: int, longest: int) -> tuple[int, int]:

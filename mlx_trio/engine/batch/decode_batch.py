@@ -60,6 +60,7 @@ Every method runs on the lease thread; none hands out a lazy array.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -765,13 +766,8 @@ class DecodeBatch:
 def _block_runs(joiners: Sequence[tuple[SoloRow, int]]) -> list[list[tuple[SoloRow, int]]]:
     """The joiners cut into runs of consecutive rows from one cohort's cache (`SoloRow.block`; rows from none
     run together): each run joins in one `join_many` (engine/kv/row_blocks.py)."""
-    runs: list[list[tuple[SoloRow, int]]] = []
-    last: object = ()
-    for joiner in joiners:
+    def block_of(joiner: tuple[SoloRow, int]) -> int | None:
         block = joiner[0].block
-        key = id(block.layers) if block is not None else None
-        if not runs or key != last:
-            runs.append([])
-        runs[-1].append(joiner)
-        last = key
-    return runs
+        return id(block.layers) if block is not None else None
+
+    return [list(run) for _, run in itertools.groupby(joiners, key=block_of)]

@@ -54,16 +54,18 @@ def shared_block(blocks: Sequence[RowBlock | None]) -> tuple[Sequence[HostPadded
     return layers, [block.index for block in blocks]  # type: ignore[union-attr]
 
 
-def _rows(index: list[int]) -> Any:
-    """A batch-axis index for `index`: a slice when it is 0..n-1 (a view), else an array (a gather)."""
-    return slice(0, len(index)) if index == list(range(len(index))) else mx.array(index)
+def batch_index(index: Sequence[int]) -> Any:
+    """A batch-axis index for `index`: a slice when it is a contiguous run (a view), else an array (a gather)."""
+    index = list(index)
+    contiguous = index == list(range(index[0], index[0] + len(index)))
+    return slice(index[0], index[0] + len(index)) if contiguous else mx.array(index)
 
 
 def take_rows(layer: HostPaddedBatchKVCache, index: list[int]) -> HostPaddedBatchKVCache:
     """Rows `index` of a cohort's layer as a batch layer of their own (the padding they all share cut off)."""
     padding = [layer.host_padding[i] for i in index]  # type: ignore[index]
     shared = min(padding)
-    rows = _rows(index)
+    rows = batch_index(index)
     out = HostPaddedBatchKVCache([p - shared for p in padding])
     out.keys = layer.keys[rows, :, shared : layer._idx, :]
     out.values = layer.values[rows, :, shared : layer._idx, :]
@@ -77,9 +79,8 @@ def write_block(caches: Sequence[HostPaddedBatchKVCache], slots: Sequence[int], 
     """Write rows `index` of a cohort's `layers` into slots `slots` of the batch's `caches` (one scatter a layer),
     with `num_slots` slots; as row_slots.py `write_rows` writes solo rows. Returns whether a re-layout happened."""
     relaid = False
-    contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
-    where = slice(slots[0], slots[0] + len(slots)) if contiguous else mx.array(list(slots))
-    rows = _rows(index)
+    where = batch_index(slots)
+    rows = batch_index(index)
     for cache, layer in zip(caches, layers, strict=True):
         lengths = [layer._idx - layer.host_padding[i] for i in index]  # type: ignore[index]
         longest = max(lengths)
