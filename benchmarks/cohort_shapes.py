@@ -24,6 +24,13 @@ If "new" costs much more than "seen", a cohort pays per shape (CUDA-graph
 instantiation, kernel selection or compilation), and bucketing the cohort's
 shapes would pay it once per bucket. Milliseconds per job (median of
 `--repeats`), and per row.
+
+`--parts` times a shared cohort's parts one by one instead, the device
+synchronised after each (`parts_ms`, the steps of `prefill_together` with a
+wait between them): making the rows, the merge, the forwards, the roll of the
+right padding (`finalize`), token 0's L=1 step, a second L=1 step on the same
+caches (one-off costs show as the first step's excess over it), the argmax and
+the hand-back. Medians of `--repeats` jobs at new and at seen shapes.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
+from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.batch import cohort_prefill
@@ -68,6 +76,77 @@ def _job_ms(model: object, lengths: Sequence[int], salt: int) -> float:
     return ms
 
 
+def parts_ms(model: object, lengths: Sequence[int], salt: int) -> dict[str, float]:
+    """One shared cohort of prompts of `lengths` tokens, part by part, the device synchronised after each (ms).
+
+    The steps of `cohort_prefill.prefill_together` in its order, for plain greedy rows; a diagnostic mirror,
+    so every part's device time lands in its own number.
+    """
+    rng = random.Random(salt)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    out: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def mark(name: str, *arrays: object) -> None:
+        mx.eval(*arrays)
+        mx.synchronize()
+        now = time.perf_counter()
+        out[name] = out.get(name, 0.0) + (now - clock[0]) * 1e3
+        clock[0] = now
+
+    mx.synchronize()
+    clock[0] = time.perf_counter()
+    rows = [SoloRow(model, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
+    mark("make")
+    remaining = [row.prefill_remaining for row in rows]
+    batch, longest = cohort_prefill.cohort_shape(len(rows), max(remaining))
+    spare = batch - len(rows)
+    caches = cohort_prefill._merge([*(row.caches for row in rows),
+                                    *([KVCache() for _ in rows[0].caches] for _ in range(spare))])
+    mark("merge", [c.state for c in caches if c.keys is not None])
+    lengths_b = remaining + [0] * spare
+    taken = [row.take_prefill(n) if n else None for row, n in zip(rows, lengths_b)]
+    inputs = mx.stack([cohort_prefill._right_padded(t, longest) for t in [*taken, *([None] * spare)]])
+    for layer in caches:
+        layer.prepare(lengths=lengths_b, right_padding=[longest - n for n in lengths_b])
+    step = cohort_prefill.COHORT_CUDNN_COLUMNS
+    for start in range(0, longest, step):
+        model(inputs[:, start : start + step], cache=caches)  # type: ignore[operator]
+        mark("forward", [c.state for c in caches])
+    for layer in caches:
+        layer.finalize()
+    mark("finalize", [c.state for c in caches])
+    lasts = [row.last_input() for row in rows]
+    decode_layout.keep_vector_decode(caches)
+    feed = mx.stack([*lasts, *(cohort_prefill._right_padded(None, 1) for _ in range(spare))])
+    logits = model(feed, cache=caches)[:, -1, :]  # type: ignore[operator]
+    mark("token0 build")
+    mark("token0 step", logits, [c.state for c in caches])
+    picked = mx.argmax(logits, axis=-1)
+    mark("argmax", picked)
+    decode_layout.keep_vector_decode(caches)
+    again = model(picked[:, None].astype(mx.int32), cache=caches)[:, -1, :]  # type: ignore[operator]
+    mark("second step", again, [c.state for c in caches])
+    cohort_prefill._hand_back(rows, caches, range(len(rows)))
+    mark("hand_back", [c.state for row in rows for c in row.caches])
+    for row in rows:
+        row.close()
+    return out
+
+
+def measure_parts(model: object, rows: int, args: argparse.Namespace, rng: random.Random) -> dict:
+    """`args.repeats` part-by-part jobs at new prompt lengths, then as many at the last one's lengths (medians)."""
+    def median(jobs: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.median(j[k] for j in jobs) for k in jobs[0]}
+
+    new, lengths = [], []
+    for k in range(args.repeats):
+        lengths = [rng.randint(args.min_len, args.max_len) for _ in range(rows)]
+        new.append(parts_ms(model, lengths, salt=rows * 1000 + k))
+    seen = [parts_ms(model, lengths, salt=rows * 1000 + 500 + k) for k in range(args.repeats)]
+    return {"rows": rows, "new": median(new), "seen": median(seen)}
+
+
 def measure(model: object, rows: int, args: argparse.Namespace, rng: random.Random, seen_longest: set[tuple[int, int]]) -> dict:
     """`args.repeats` jobs at new shapes, then as many at the last one's shape."""
     new: list[float] = []
@@ -94,6 +173,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--in-sequence", action="store_true", help="also with MLX_TRIO_COHORTS_IN_SEQUENCE=1")
     p.add_argument("--warmup", type=int, default=3, help="jobs run first (not measured)")
+    p.add_argument("--parts", action="store_true", help="time a shared cohort's parts one by one (`parts_ms`)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     path = str(tiny_model(LLAMA)) if args.tiny or args.model is None else args.model
@@ -107,6 +187,16 @@ def main() -> None:
     sizes = [int(x) for x in args.rows.split(",")]
     for _ in range(args.warmup):
         _job_ms(model, [args.min_len] * 2, salt=7)
+    if args.parts:
+        rng = random.Random(0)
+        parts = [measure_parts(model, rows, args, rng) for rows in sizes if rows > 1]
+        for r in parts:
+            for kind in ("new", "seen"):
+                print(f"  parts rows={r['rows']:3d} {kind}: " + ", ".join(f"{k} {v:.1f}" for k, v in r[kind].items())
+                      + f" (ms; total {sum(r[kind].values()):.1f})", flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "parts": parts}, indent=1))
+        return
     results = []
     modes = ["shared", "in sequence"] if args.in_sequence else ["shared"]
     for mode in modes:

@@ -267,7 +267,11 @@ class Engine:
         Rendering a chat template and tokenizing a long prompt take up to tens
         of milliseconds, which on the event loop would stall every running stream.
         """
-        return await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
+        arrivals = self.actors.lane.arrivals  # a wave the prefill actor may wait for (actors/arrivals.py)
+        with arrivals.preparing():
+            request = await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
+        arrivals.prepared(request.request_id)
+        return request
 
     async def generate(self, prompt: Prompt, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None,

@@ -82,6 +82,7 @@ class AdmissionActor:
 
     def submit_nowait(self, cmd: Generate) -> None:
         """Queue a request; `Overloaded` when the queue is full, `KvBudgetExceeded` when it can never fit."""
+        self._lane.arrivals.reached(cmd.request_id)  # taken or refused: no longer on its way (actors/arrivals.py)
         if self._closed:
             raise LeaseClosed("admission is stopping")
         if self._project is not None:

@@ -149,9 +149,10 @@ class DecodeStepActor:
                                                         max_rows=self._lane.config.batch))
             while True:
                 if not self._rows:
-                    # Idle: sleep until a row arrives (no busy loop, no lease jobs).
+                    # Idle: sleep until a row arrives (no busy loop, no lease jobs); it joins with every row
+                    # already sent behind it (a cohort's), in one settle.
                     first = await self._joins.receive()
-                    await self._settle([first])
+                    await self._settle([first, *drain_nowait(self._joins)])
                 else:
                     await self._settle(drain_nowait(self._joins))
                 if self._rows:

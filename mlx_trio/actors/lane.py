@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from mlx_trio.actors.arrivals import Arrivals
 from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.actors.prompt_caching import AdapterCaching
 from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
@@ -67,6 +68,8 @@ class Lane:
     # The served adapters, set with the model when the config serves any (None: the base model only);
     # like the model, they outlive restarts. Used on the lease thread, but for its `names`.
     adapters: ResidentAdapters | None = None
+    # Requests being prepared or prepared and not yet submitted: a wave the prefill actor may wait for.
+    arrivals: Arrivals = attrs.field(factory=Arrivals, init=False)
 
     @property
     def row_cap(self) -> int:

@@ -77,6 +77,10 @@ IDLE_POLL_S = 0.05
 # arrives the moment the last one ends, and a plan job (60-90 ms on an H200) started in that gap held the
 # whole wave back (docs/benchmarks.md, eighteenth pass).
 PLAN_QUIET_S = 0.5
+# A cohort waits at most this long for a wave's requests still being prepared (`_gather`), and looks again this
+# often: a wave of 63 on an H200 was prepared over ~80 ms (docs/benchmarks.md, nineteenth pass).
+GATHER_MAX_S = 0.1
+GATHER_POLL_S = 0.002
 
 
 def cohort_weight(uncached: int, context: int, chunk: int) -> float:
@@ -188,6 +192,10 @@ class PrefillActor:
                 self._backlog.extend(drain_nowait(self._inbox))
                 await self._drop_left()
                 if len(self._jobs) < self._concurrency and self._startable():
+                    if not self._jobs and self._wave_coming():
+                        await self._gather()
+                        if not self._startable():
+                            continue
                     await self._start_next()
                 elif self._jobs:
                     await self._run_chunk(next_job(self._jobs))
@@ -247,6 +255,30 @@ class PrefillActor:
         if shape is not None:
             self.sizer.know([sizer_shape(shape)])
         return False
+
+    def _wave_coming(self) -> bool:
+        """Whether more requests are on their way (being prepared: actors/arrivals.py) than rows decode, and the
+        lane has room for them: a wave the next cohort should take whole (`_gather`)."""
+        coming = self._lane.arrivals.expected()
+        waiting = self._waiting
+        return (coming > 0 and self._lane.decoding_rows < waiting + coming
+                and self._lane.decoding_rows + waiting < self._lane.row_cap)
+
+    async def _gather(self) -> None:
+        """Take the wave's requests into the backlog as they come, until none is on its way or `GATHER_MAX_S`.
+
+        A wave's prompts are prepared one after another (tens of ms for
+        dozens); a cohort started on the first few leaves the rest to later
+        jobs, each with its fixed costs, and every row of the wave waits for the
+        last job before its batch decodes at full width. The decoding rows
+        (fewer than the wave, `_wave_coming`) step on meanwhile.
+        """
+        deadline = trio.current_time() + GATHER_MAX_S
+        with trio.move_on_at(deadline):
+            while self._wave_coming():
+                with trio.move_on_after(GATHER_POLL_S):
+                    self._backlog.append(await self._inbox.receive())
+                self._backlog.extend(drain_nowait(self._inbox))
 
     @property
     def _busy(self) -> bool:
@@ -606,7 +638,13 @@ class PrefillActor:
             if caching is not None:
                 # Visible to lookups before any final event: the next turn waits for this row's put.
                 caching.expect_put(rid, cmd.prompt_ids)
-            await self._join.send(JoinRow(cmd, row, token0))
+            join = JoinRow(cmd, row, token0)
+            try:
+                # No checkpoint while the channel has room: a cohort's rows are all waiting when the decoder
+                # wakes, so they join in one settle, not the first alone and the rest after the next job.
+                self._join.send_nowait(join)
+            except trio.WouldBlock:
+                await self._join.send(join)
             joined = True
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._cancelled += 1

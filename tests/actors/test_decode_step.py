@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 import trio
+import trio.testing
 
 from mlx_trio.actors.decode_step import DecodeStepActor
 from mlx_trio.actors.gpu_lease import open_gpu_lease
@@ -65,3 +66,41 @@ async def test_rows_decode_their_solo_tokens_end_once_and_release_on_leaving() -
         assert last == GenerationEnded(rid, FinishReason.LENGTH)
     assert sorted(lane.admission.released) == ["a", "b"]  # type: ignore[union-attr]
     assert actor.statistics().kv_bytes == 0 and actor.statistics().finished == 2
+
+
+async def test_an_idle_decoder_joins_every_row_already_sent_in_one_settle(monkeypatch) -> None:
+    """A cohort's rows handed on together (no checkpoint between the sends) join the idle batch in one
+    membership job, not the first alone and the rest after whatever job the lease runs next."""
+    from mlx_trio.actors import decode_step
+
+    joined: list[int] = []
+
+    def recording(batch, leaving, puts, joiners):  # type: ignore[no-untyped-def]
+        if joiners:
+            joined.append(len(joiners))
+        return membership(batch, leaving, puts, joiners)
+
+    membership = decode_step._membership
+    monkeypatch.setattr(decode_step, "_membership", recording)
+    async with open_gpu_lease(on_thread_start=thread_default_stream, on_thread_exit=release_thread_streams) as lease:
+        loaded = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+        lane = Lane(EngineConfig(batch=4), Faults())
+        lane.lease, lane.admission = lease, RecordingAdmission()  # type: ignore[assignment]
+        lane.settle_model(loaded)
+        lane.decode_step = actor = DecodeStepActor(lane, lease)
+        params = SamplingParams(max_tokens=3)
+        prompts = {rid: (5 + i, 9, 44, 3 * i + 1) for i, rid in enumerate("abc")}
+        rows = {rid: await lease.run(partial(_prefilled, loaded.model, rid, prompt, params))
+                for rid, prompt in prompts.items()}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            await trio.testing.wait_all_tasks_blocked()  # the decoder waits for its first row
+            replies = {}
+            for rid, prompt in prompts.items():
+                send, replies[rid] = trio.open_memory_channel[DecodeEvent](64)
+                actor.join_send.send_nowait(JoinRow(Generate(rid, prompt, params, send), rows[rid], rows[rid].token0))
+            with trio.fail_after(30):
+                for recv in replies.values():
+                    _ = [event async for event in recv]
+            nursery.cancel_scope.cancel()
+    assert joined == [3]

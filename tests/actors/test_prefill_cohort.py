@@ -319,3 +319,60 @@ async def test_under_prefill_only_cudnn_a_row_that_hit_the_grid_point_below_its_
     assert actor._snapshot_point(cmd, SimpleNamespace(usable=256), caching) is None  # 512 is cached
     cached_at.clear()
     assert actor._snapshot_point(cmd, SimpleNamespace(usable=256), caching) == 512
+
+
+@pytest.mark.parametrize("announced", [True, False])
+async def test_a_wave_still_being_prepared_goes_in_one_cohort_job(lease: GpuLease, announced: bool) -> None:
+    """r0 arrives first; r1-r3 are prepared and reach the actor 30 ms later. Announced as on their way
+    (`Lane.arrivals`), the actor waits for them: one cohort job of four. Unannounced, r0 starts alone: two jobs."""
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    join_send, join_recv = trio.open_memory_channel[JoinRow](8)
+    lane = _lane(lease, model)
+    actor = PrefillActor(lane, lease, join=join_send)
+    requests = [_request(i)[0] for i in range(4)]
+    if announced:
+        for cmd in requests[1:]:
+            lane.arrivals.prepared(cmd.request_id)
+    jobs_before = lease.statistics().jobs_run
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        actor.inbox_send.send_nowait(requests[0])
+        await trio.sleep(0.03)
+        for cmd in requests[1:]:
+            lane.arrivals.reached(cmd.request_id)  # as admission does when it takes one
+            actor.inbox_send.send_nowait(cmd)
+        with trio.fail_after(30):
+            joins = [await join_recv.receive() for _ in range(4)]
+        nursery.cancel_scope.cancel()
+    assert sorted(join.request.request_id for join in joins) == ["r0", "r1", "r2", "r3"]
+    assert lease.statistics().jobs_run - jobs_before == (1 if announced else 2)
+    assert lane.arrivals.expected() == 0
+    for join in joins:
+        lease.free_nowait(join.row.close)  # type: ignore[attr-defined]
+
+
+async def test_a_gather_for_requests_that_never_come_ends_after_its_bound(lease: GpuLease,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Announced requests that never reach the actor (their client left after the prepare) hold a cohort back
+    for `GATHER_MAX_S` at most."""
+    from mlx_trio.actors import prefill
+
+    monkeypatch.setattr(prefill, "GATHER_MAX_S", 0.05)
+    model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
+    join_send, join_recv = trio.open_memory_channel[JoinRow](8)
+    lane = _lane(lease, model)
+    actor = PrefillActor(lane, lease, join=join_send)
+    lane.arrivals.prepared("gone")
+    cmd = _request(0)[0]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        start = trio.current_time()
+        actor.inbox_send.send_nowait(cmd)
+        with trio.fail_after(30):
+            join = await join_recv.receive()
+        waited = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    assert join.request.request_id == "r0"
+    assert 0.05 <= waited
+    assert lane.arrivals.expected() == 1  # still counted until it expires (actors/arrivals.py)
+    lease.free_nowait(join.row.close)  # type: ignore[attr-defined]

@@ -91,6 +91,11 @@ _CLEAR_CACHE_EVERY = 256
 # After a speculative step finds no proposal anywhere, this many plain (pipelined) steps at most
 # run before proposals are looked for again (the wait doubles from 1 while none are found).
 MAX_QUIET_STEPS = 8
+# A join that copied running rows holding at least this much KV gives the replaced buffers back to the device
+# (`mx.clear_cache`); smaller copies stay in MLX's buffer cache for the next steps and joins. A wave that
+# joined an empty or one-row batch cleared it every time: 7-9 ms, and the next cohort job allocated from the
+# device again (H200, 1B shape, c=64; docs/benchmarks.md, nineteenth pass).
+JOIN_CLEAR_MIN_BYTES = 256 << 20
 # Row slots (see the module docstring): the slots grow by this fraction of theirs (at least one) when a
 # join finds too few free, and a leave compacts them once more than this share is free. A free slot costs
 # a row's forward every step until a joiner takes it; a compaction copies every row's KV once.
@@ -276,6 +281,7 @@ class DecodeBatch:
         self._convert_for_join(rows)
         block = self._block_of(rows)
         copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
+        running_bytes = self.nbytes if self._rows else 0
         if self._rows and not self._solo and self._slots_usable(rows):
             with span(f"join.slots x{len(rows)} block={block is not None}"):
                 copied = self._join_slots(rows, block)
@@ -317,12 +323,13 @@ class DecodeBatch:
             row.adapter = None  # the batch releases it when the row leaves
         self._selected = rows_selected(self._adapters)
         self._settle_conversion()
-        # A join that copies the whole batch KV (pad + concat): give the replaced buffers back to
-        # the device now, or the allocator's cache holds one stale copy per join. A join into free
-        # slots replaced none: the allocator keeps its cache for the next steps.
+        # A join that copies a large batch KV (pad + concat): give the replaced buffers back to the
+        # device now, or the allocator's cache holds one stale copy per join. A join into free slots
+        # replaced none, and a small batch's copy is reused by the next steps and joins: the allocator
+        # keeps its cache for them.
         with span(f"join.eval copied={copied}"):
             mx.eval(self._caches_state())
-        if copied:
+        if copied and running_bytes >= JOIN_CLEAR_MIN_BYTES:
             with span("join.clear_cache"):
                 mx.clear_cache()
 
