@@ -318,12 +318,8 @@ def _merge(caches: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 def _hand_back(rows: Sequence[SoloRow], caches: list[Any], indices: Sequence[int]) -> None:
-    """Copy each row's KV (batch row `indices[k]` for `rows[k]`) into its own caches (lazy slices), and note
-    where it sits in `caches` (`SoloRow.block`): rows that join the decode batch together copy out of the cohort's
-    cache once a layer instead (engine/kv/row_blocks.py), and their own slices are never evaluated.
-
-    In place: the row's prefill holds the list.
-    """
+    """Give each row its KV as batch row `indices[k]` of `caches` for `rows[k]` (`SoloRow.take_block`): rows that
+    join the decode batch together copy out of the cohort's cache once a layer (engine/kv/row_blocks.py), and a
+    row's own slices are cut only where something needs them."""
     for row, i in zip(rows, indices, strict=True):
-        row.caches[:] = [layer.extract(i) for layer in caches]
-        row.block = RowBlock(caches, i)
+        row.take_block(RowBlock(caches, i))

@@ -272,7 +272,7 @@ class DecodeBatch:
             return
         rows = [row for row, _ in joiners]
         ids = [row.request_id for row in rows]
-        if any(not row.caches or row.token0 is None for row in rows):
+        if any(not row.holds_kv or row.token0 is None for row in rows):
             raise RuntimeError("join_many() takes a row after first_token() and before close()")
         if len(set(ids)) != len(ids) or set(ids) & set(self.request_ids):
             raise ValueError(f"requests already in the batch or given twice: {ids}")
@@ -337,7 +337,9 @@ class DecodeBatch:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
         return (self._slots_wanted and self._speculator is None and not self._kv_scheme.quantized
                 and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
-                and row_slots.supports_slots(self._caches) and row_slots.can_fill([row.caches for row in joiners]))
+                and row_slots.supports_slots(self._caches)
+                # A cohort's row is a filled bf16 batch row of its block: its own slices need not be cut to tell.
+                and row_slots.can_fill([row.caches for row in joiners if row.block is None]))
 
     def _block_of(self, rows: Sequence[SoloRow]) -> tuple[Sequence[Any], list[int]] | None:
         """The cohort cache all of these joiners sit in and their rows in it (engine/kv/row_blocks.py), when they
@@ -346,7 +348,7 @@ class DecodeBatch:
         if len(rows) < 2 or self._kv_scheme.quantized:
             return None
         found = row_blocks.shared_block([row.block for row in rows])
-        if found is None or len(found[0]) != len(rows[0].caches):
+        if found is None or (self._rows and len(found[0]) != len(self._caches)):
             return None
         plain = (KVCache,) if self._solo else (HostPaddedBatchKVCache,)
         if self._rows and not all(type(layer) in plain for layer in self._caches):

@@ -82,7 +82,7 @@ class SoloRow:
         self.kv_scheme = kv_scheme
         self._prompt_ids = tuple(prompt_ids)
         self.cached_tokens = hit.usable if hit is not None else 0
-        self.caches: list[Any] = (
+        self._caches: list[Any] | None = (
             cache_clone.take(hit.caches, hit.trim) if hit is not None else make_prompt_cache(model)
         )
         matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
@@ -104,6 +104,36 @@ class SoloRow:
         # Set by a cohort that handed `caches` back as slices of its own cache: where they sit in it, so the
         # rows that join together copy out of it once a layer (engine/kv/row_blocks.py). None otherwise.
         self.block: RowBlock | None = None
+
+    @property
+    def caches(self) -> list[Any]:
+        """The row's KV, one cache a layer. A cohort row's are cut out of its cohort's cache on first use
+        (`take_block`): rows that join the decode batch from the block never need their own."""
+        if self._caches is None:
+            assert self.block is not None, "a row without caches has a block"
+            self._caches = [layer.extract(self.block.index) for layer in self.block.layers]
+        return self._caches
+
+    @caches.setter
+    def caches(self, value: list[Any]) -> None:
+        self._caches = value
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether the row has KV to hand over: caches of its own, or a place in its cohort's cache."""
+        return bool(self._caches) if self._caches is not None else self.block is not None
+
+    def take_block(self, block: RowBlock) -> None:
+        """The row's KV is now row `block.index` of its cohort's cache (engine/batch/cohort_prefill.py).
+
+        Its own caches (merged into that cache) are dropped, in place: its prefill holds the list. Each
+        row's slice of every layer would be an operation per row per layer (H200, 64 rows: ~9 ms of the
+        lease thread a cohort), so they are cut only if something asks for `caches`.
+        """
+        if self._caches:
+            self._caches.clear()
+        self._caches = None
+        self.block = block
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

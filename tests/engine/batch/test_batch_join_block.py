@@ -15,6 +15,7 @@ from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.decode_batch import DecodeBatch
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv import row_blocks
+from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 from tests.engine.batch.batch_driver import token_ids
@@ -59,6 +60,13 @@ def _decode(batch: DecodeBatch, out: dict[str, list[int]], steps: int = STEPS) -
         out.setdefault(rid, []).append(token)
 
 
+def _keep_block(row: SoloRow, keep: bool) -> None:
+    """Leave the row's block, or cut its own caches out of the cohort's and clear it (it joins by its own)."""
+    if not keep and row.block is not None:
+        _ = row.caches  # its own slices of the cohort's cache, cut now
+        row.block = None
+
+
 def _run(model, *, blocks: bool, running: str, settles: list[str], skip: str = "") -> dict[str, list[int]]:
     """`running` rows first (alone when one: solo), decoded; then each settle's cohort joins at once (less the rows
     in `skip`, as if they finished at token 0), decoded after each. `blocks=False` clears every row's block."""
@@ -67,14 +75,14 @@ def _run(model, *, blocks: bool, running: str, settles: list[str], skip: str = "
     if running:
         first = [_solo(model, rid) for rid in running] if len(running) == 1 else _cohort(model, running)
         for row in first:
-            row.block = row.block if blocks else None
+            _keep_block(row, blocks)
         batch.join_many([(row, row.token0) for row in first])
         _decode(batch, out)
     for settle in settles:
         rows = [row for group in settle.split("+") for row in _cohort(model, group)]
         joiners = [(row, row.token0) for row in rows if row.request_id not in skip]
         for row, _ in joiners:
-            row.block = row.block if blocks else None
+            _keep_block(row, blocks)
         batch.join_many(joiners)
         _decode(batch, out)
     return out
@@ -105,3 +113,20 @@ def test_a_cohort_join_copies_out_of_the_cohort_cache_once_a_layer(model, monkey
     batch.join_many([(row, row.token0) for row in rows])
     assert taken == [[0, 1, 2]] * len(model.layers)
     assert all(row.block is None and row.caches == [] for row in rows)
+
+
+@pytest.mark.parametrize(("running", "cohort"), [("", "abcd"), ("a", "bcd"), ("ab", "cde")])
+def test_rows_that_join_from_their_block_never_cut_their_own_slices(model, running: str, cohort: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cohort hands its rows back as places in its cache (`SoloRow.take_block`); joining from the block cuts no
+    row's own slices (an operation per row per layer), whatever the batch held."""
+    batch = DecodeBatch(model)
+    if running:
+        first = [_solo(model, running)] if len(running) == 1 else _cohort(model, running)
+        batch.join_many([(row, row.token0) for row in first])
+        _decode(batch, {}, steps=2)
+    monkeypatch.setattr(HostPaddedBatchKVCache, "extract", lambda self, idx: pytest.fail("a row's slices were cut"))
+    rows = _cohort(model, cohort)
+    assert all(row.holds_kv for row in rows)
+    batch.join_many([(row, row.token0) for row in rows])
+    assert sorted(batch.request_ids) == sorted(running + cohort)
