@@ -62,6 +62,12 @@ ROOT_MAX_RESTARTS = 1_000_000
 ROOT_BACKOFF = Backoff(first_s=0.05, max_s=1.0, quick_s=2.0)
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+# A prompt of at most this many characters (or token ids), with no tools and no grammar, is prepared on the
+# Trio thread itself: rendering and tokenizing it is a fraction of a millisecond (~0.5 ms at 1024 characters
+# on this box's CPU), less than a worker thread's hand-off costs. Prepared in worker threads, a burst of 64
+# short chats took 23-27 ms to the last, inline 10 (the GIL serialises them either way; docs/benchmarks.md,
+# nineteenth pass).
+INLINE_PREPARE_MAX_CHARS = 1024
 # The name every client may use for the base model (as the HTTP API's "default").
 DEFAULT_MODEL_NAME = "default"
 
@@ -262,14 +268,19 @@ class Engine:
         return ids
 
     async def prepare_off_loop(self, prompt: Prompt, **kwargs: Any) -> Request:
-        """`prepare` in a worker thread (no MLX work: tokenizer, chat template, grammar compilation).
+        """`prepare` in a worker thread (no MLX work: tokenizer, chat template, grammar compilation), or for a
+        short prompt without tools or a grammar on the Trio thread (`prepares_inline`).
 
         Rendering a chat template and tokenizing a long prompt take up to tens
         of milliseconds, which on the event loop would stall every running stream.
         """
         arrivals = self.actors.lane.arrivals  # a wave the prefill actor may wait for (actors/arrivals.py)
         with arrivals.preparing():
-            request = await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
+            if prepares_inline(prompt, kwargs):
+                await trio.lowlevel.checkpoint()
+                request = self.prepare(prompt, **kwargs)
+            else:
+                request = await trio.to_thread.run_sync(partial(self.prepare, prompt, **kwargs))
         arrivals.prepared(request.request_id)
         return request
 
@@ -412,3 +423,43 @@ async def open_engine(model: str | None = None, *, config: EngineConfig | None =
             yield engine
         finally:
             nursery.cancel_scope.cancel()
+
+
+def prepares_inline(prompt: Prompt, kwargs: Mapping[str, Any]) -> bool:
+    """Whether `prepare_off_loop` prepares `prompt` on the Trio thread: no tools, no grammar, and at most
+    `INLINE_PREPARE_MAX_CHARS` characters of text (or token ids) in all; anything it cannot size cheaply is not."""
+    if kwargs.get("tools") or kwargs.get("constraint") is not None:
+        return False
+    if isinstance(prompt, str):
+        return len(prompt) <= INLINE_PREPARE_MAX_CHARS
+    if not isinstance(prompt, Sequence):
+        return False  # not a prompt: `prepare` says so, from a worker thread like any other
+    size = 0
+    for item in prompt:
+        if isinstance(item, Mapping):
+            if any(key not in _SIZED_MESSAGE_KEYS for key in item):
+                return False  # tool calls and the like: the template renders more than the content
+            size += _text_chars(item.get("content"))
+        elif isinstance(item, int):
+            size += 1
+        else:
+            return False
+        if size > INLINE_PREPARE_MAX_CHARS:
+            return False
+    return True
+
+
+# The message keys whose rendering `prepares_inline` sizes (by the content's text).
+_SIZED_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+
+
+def _text_chars(content: Any) -> int:
+    """A message content's characters: a string's, or its text parts' (anything else counts as too large)."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, Sequence):
+        return sum(len(part["text"]) if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+                   else INLINE_PREPARE_MAX_CHARS + 1 for part in content)
+    return INLINE_PREPARE_MAX_CHARS + 1
