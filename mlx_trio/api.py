@@ -35,6 +35,7 @@ from mlx_trio.actors.messages import Generate, Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.adapters.resident import ResidentAdapters
+from mlx_trio.engine.model.chat import content_text
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import (ActorCrashed, AdapterError, ContextTooLong, EngineDown, EngineFailure, EngineRestarted,
                              InvalidParameter, MlxTrioError, ModelNotFound)
@@ -435,11 +436,14 @@ def prepares_inline(prompt: Prompt, kwargs: Mapping[str, Any]) -> bool:
     if not isinstance(prompt, Sequence):
         return False  # not a prompt: `prepare` says so, from a worker thread like any other
     size = 0
-    for item in prompt:
+    for i, item in enumerate(prompt):
         if isinstance(item, Mapping):
             if any(key not in _SIZED_MESSAGE_KEYS for key in item):
                 return False  # tool calls and the like: the template renders more than the content
-            size += _text_chars(item.get("content"))
+            try:
+                size += len(content_text(item.get("content"), i))
+            except InvalidParameter:
+                return False  # `prepare` names the field, from a worker thread like any other
         elif isinstance(item, int):
             size += 1
         else:
@@ -451,15 +455,3 @@ def prepares_inline(prompt: Prompt, kwargs: Mapping[str, Any]) -> bool:
 
 # The message keys whose rendering `prepares_inline` sizes (by the content's text).
 _SIZED_MESSAGE_KEYS = frozenset({"role", "content", "name"})
-
-
-def _text_chars(content: Any) -> int:
-    """A message content's characters: a string's, or its text parts' (anything else counts as too large)."""
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, Sequence):
-        return sum(len(part["text"]) if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-                   else INLINE_PREPARE_MAX_CHARS + 1 for part in content)
-    return INLINE_PREPARE_MAX_CHARS + 1

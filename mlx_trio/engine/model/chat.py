@@ -82,7 +82,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidParameter(f"messages[{i}].role", "must be a string")
-        out.append({**message, "content": _content(message.get("content"), i)})
+        out.append({**message, "content": content_text(message.get("content"), i)})
     return place_system_messages(out)
 
 
@@ -137,7 +137,9 @@ def _joined(*texts: str) -> str:
     return "\n\n".join(t for t in texts if t)
 
 
-def _content(content: Any, index: int) -> str:
+def content_text(content: Any, index: int) -> str:
+    """Message `index`'s content as the template gets it: a string, null (empty) or text parts joined; raises
+    `InvalidParameter` naming the field for anything else."""
     if content is None:
         return ""
     if isinstance(content, str):
