@@ -14,7 +14,7 @@ No Trio here: these are plain sync functions that block until MLX is done.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import mlx.core as mx
 
@@ -54,6 +54,8 @@ ATTENTION_BACKENDS = (MLX_KERNELS, CUDNN, CUDNN_PREFILL)
 # MLX's kernels' 781 and mlx_lm.server's 847 (8B shape: 482 / 1729 / 2897). Speculation still falls
 # back to MLX's kernels (`attention_backend`); MLX_TRIO_ATTENTION_BACKEND=mlx restores them.
 DEFAULT_CUDA_BACKEND = CUDNN_PREFILL
+# Lists the variables above that a lease thread set for its own process, not the user (`forget_inherited`).
+SET_BY_LEASE_ENV = "MLX_TRIO_SET_BY_LEASE"
 
 # The first lease thread's choice: MLX reads its variable once per process, so later threads
 # (a restarted lease) must keep it, whatever the environment says by then.
@@ -93,11 +95,38 @@ def prepare_thread(*, speculates: bool = False) -> mx.Stream:
     """
     global _chosen
     if _chosen is None:
+        forget_inherited(os.environ)
         _chosen = attention_backend(os.environ, cuda=on_cuda(), speculates=speculates)
-    os.environ.setdefault(CUDNN_ATTENTION_ENV, "0" if _chosen == MLX_KERNELS else "1")
-    os.environ.setdefault(CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE)
+    set_here = _names(os.environ.get(SET_BY_LEASE_ENV))
+    for name, value in ((CUDNN_ATTENTION_ENV, "0" if _chosen == MLX_KERNELS else "1"),
+                        (CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE)):
+        if name not in os.environ:
+            os.environ[name] = value
+            set_here.append(name)
+    if set_here:
+        os.environ[SET_BY_LEASE_ENV] = ",".join(set_here)
     decode_layout.set_active(_chosen == CUDNN_PREFILL)
     return thread_default_stream()
+
+
+def forget_inherited(env: MutableMapping[str, str]) -> None:
+    """Drop from `env` the variables a parent's lease thread set for its own process (`SET_BY_LEASE_ENV`).
+
+    `prepare_thread` sets MLX's variables in the process environment (MLX
+    reads them there), and every process started afterwards inherits them:
+    a benchmark that opened an engine, then started `mlx-trio serve`, gave
+    the server `MLX_CUDA_USE_CUDNN_SDPA=1`, which reads as the user's choice
+    of cuDNN everywhere, so the server ran cuDNN decode and built a cuDNN plan
+    for every new cohort shape (~0.6 s each on an H200, docs/benchmarks.md,
+    twentieth pass) instead of its default. A child chooses as if started
+    from the user's shell; what the user set (never listed) stays.
+    """
+    for name in _names(env.pop(SET_BY_LEASE_ENV, None)):
+        env.pop(name, None)
+
+
+def _names(listed: str | None) -> list[str]:
+    return [name for name in (listed or "").split(",") if name]
 
 
 def chosen_backend() -> str | None:

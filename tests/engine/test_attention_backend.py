@@ -11,8 +11,8 @@ import pytest
 from mlx_trio.engine import lease_thread
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.lease_thread import (
-    ATTENTION_BACKEND_ENV, CUDNN, CUDNN_ATTENTION_ENV, CUDNN_PREFILL, DEFAULT_CUDA_BACKEND, MLX_KERNELS,
-    attention_backend,
+    ATTENTION_BACKEND_ENV, CUDNN, CUDNN_ATTENTION_ENV, CUDNN_PLAN_CACHE_ENV, CUDNN_PREFILL, DEFAULT_CUDA_BACKEND,
+    MLX_KERNELS, SET_BY_LEASE_ENV, attention_backend, forget_inherited,
 )
 
 
@@ -61,7 +61,7 @@ def test_an_unknown_backend_is_refused_everywhere() -> None:
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """prepare_thread as in a new process: nothing chosen yet; restored afterwards."""
     monkeypatch.setattr(lease_thread, "_chosen", None)
-    for name in (ATTENTION_BACKEND_ENV, CUDNN_ATTENTION_ENV):
+    for name in (ATTENTION_BACKEND_ENV, CUDNN_ATTENTION_ENV, CUDNN_PLAN_CACHE_ENV, SET_BY_LEASE_ENV):
         monkeypatch.setenv(name, "")  # recorded, so that what prepare_thread sets is undone too
         monkeypatch.delenv(name)
     active = decode_layout.is_active()
@@ -89,3 +89,27 @@ def test_the_first_choice_holds_for_the_process(fresh_process: None, monkeypatch
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "mlx")  # too late: MLX has read its variable
     lease_thread.prepare_thread()
     assert lease_thread.chosen_backend() == CUDNN_PREFILL and decode_layout.is_active()
+
+
+def test_a_child_chooses_afresh_what_its_parents_lease_set(fresh_process: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process started after an engine opened (a benchmark's server) inherits MLX's variables that the
+    engine's lease set for itself: they must not read as the user's choice of cuDNN everywhere."""
+    monkeypatch.setattr(lease_thread, "on_cuda", lambda: True)
+    lease_thread.prepare_thread()  # the parent's lease
+    assert lease_thread.chosen_backend() == DEFAULT_CUDA_BACKEND == CUDNN_PREFILL
+    assert os.environ[CUDNN_ATTENTION_ENV] == "1"
+    assert set(os.environ[SET_BY_LEASE_ENV].split(",")) == {CUDNN_ATTENTION_ENV, CUDNN_PLAN_CACHE_ENV}
+    assert attention_backend(os.environ, cuda=True) == CUDNN  # what a child read before: cuDNN decode
+    monkeypatch.setattr(lease_thread, "_chosen", None)  # the child, with the inherited environment
+    decode_layout.set_active(False)
+    lease_thread.prepare_thread()
+    assert lease_thread.chosen_backend() == CUDNN_PREFILL and decode_layout.is_active()
+
+
+def test_what_the_user_set_is_never_forgotten() -> None:
+    env = {CUDNN_ATTENTION_ENV: "0", CUDNN_PLAN_CACHE_ENV: "2048", SET_BY_LEASE_ENV: CUDNN_PLAN_CACHE_ENV, "PATH": "/bin"}
+    forget_inherited(env)
+    assert env == {CUDNN_ATTENTION_ENV: "0", "PATH": "/bin"}
+    assert attention_backend(env, cuda=True) == MLX_KERNELS
+    forget_inherited(env)  # nothing listed: nothing goes
+    assert env == {CUDNN_ATTENTION_ENV: "0", "PATH": "/bin"}
