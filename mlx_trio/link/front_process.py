@@ -53,7 +53,7 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
             await nursery.start(tree.run)
             with trio.move_on_after(FIRST_LINK_WAIT_S):
                 await engine.connected.wait()
-            gc.freeze()  # as `mlx-trio serve` does: the collector stops scanning what lives as long as we do
+            nursery.start_soon(_freeze_when_known, engine)
 
             async def orphaned() -> None:
                 await until_orphaned(parent)
@@ -74,6 +74,19 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
                     draining.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _freeze_when_known(engine: RemoteEngine) -> None:
+    """`gc.freeze()` once the engine first named its model, as `mlx-trio serve` freezes once it is ready.
+
+    The collector then no longer scans what lives as long as the front. Not
+    at the first connection: the facts that name the model import mlx-lm when
+    they are unpickled (its tool parser), and on an H200 host that left ~385k
+    objects to every full collection, each a pause of ~180 ms for every stream
+    of the front (docs/benchmarks.md, twentieth pass).
+    """
+    await engine.model_known.wait()
+    gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,9 @@ class RemoteEngine:
         self._status_wanted = trio.Event()
         self._engine_faults: dict[str, list[ArmedFault]] = {}
         self.connected = trio.Event()  # set at the first connection (tests, the front's start)
+        # Set at the first facts that name a model: their output format, unpickled, imported mlx-lm's tool
+        # parser (mlx-lm, MLX, transformers: most of a front's long-lived objects; front_process freezes them).
+        self.model_known = trio.Event()
         self._up = trio.Event()  # set while connected; a new one after each break
         # The front's own tree (its link and http children), shown beside the engine's in `status()`.
         self.local_status: Callable[[], dict[str, Any]] | None = None
@@ -147,6 +150,8 @@ class RemoteEngine:
         op, mid, payload = message
         if op == "facts":
             self._facts = payload
+            if payload.get("model_id") is not None:
+                self.model_known.set()
             return
         waiter = self._waiting.get(mid)
         if waiter is not None:  # else: a stream its caller left, or an arm nobody waits for

@@ -230,8 +230,10 @@ async def test_facts_and_status_follow_the_engine(tmp_path: Path) -> None:
         assert remote.health() == (False, "loading model")
         with pytest.raises(EngineFailure):
             remote.model_id  # noqa: B018
+        assert not remote.model_known.is_set()  # the front freezes its objects only once the model is named
         engine.loaded = True
         with trio.fail_after(5):
+            await remote.model_known.wait()
             while not remote.health()[0]:
                 await trio.sleep(0.01)
         assert remote.model_id == engine.model_id and remote.context_length == engine.context_length

@@ -112,10 +112,13 @@ def test_an_engine_fault_armed_through_a_front_is_resumed_from(split_server: Ser
     armed = http.post("/v1/admin/faults", json={"actor": "decode-step", "kind": "raise"})
     assert armed.status_code == 200, armed.text
     assert _stream_case(split_server.url, case) == (case["text"], case["finish_reason"])
-    deadline = time.monotonic() + 20  # the front's copy of the engine's status is refreshed as it is read
-    while _find(http.get("/v1/status").json()["tree"], "decode-step")["restarts"] < 1 and time.monotonic() < deadline:
+    # A front's copy of the engine's status is refreshed as it is read, and each front has its own: a
+    # second read may reach the other front's older copy, so the read that saw the restart is the one judged.
+    deadline, restarts = time.monotonic() + 20, 0
+    while restarts < 1 and time.monotonic() < deadline:
+        restarts = _find(http.get("/v1/status").json()["tree"], "decode-step")["restarts"]
         time.sleep(0.05)
-    assert _find(http.get("/v1/status").json()["tree"], "decode-step")["restarts"] >= 1
+    assert restarts >= 1
 
 
 def test_a_killed_front_is_started_again_and_the_other_serves_on(split_server: ServerThread,
