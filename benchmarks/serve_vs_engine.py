@@ -198,8 +198,10 @@ async def bench(model: str, args: argparse.Namespace, workdir: Path, servers: di
                 nursery.start_soon(server.start)
         await warm(engine, servers, args)
         for target in ours_targets(args):
-            await plans_settled(servers[target].url)
-        print(f"engine open, {len(servers)} server(s) up and warm in {time.perf_counter() - start:.0f} s", flush=True)
+            # Which kernels it runs: a server that inherited another choice measures something else.
+            print(f"# {target}: attention {await plans_settled(servers[target].url)}", flush=True)
+        print(f"engine open (attention {engine.status()['counters'].get('attention_backend')}), {len(servers)} "
+              f"server(s) up and warm in {time.perf_counter() - start:.0f} s", flush=True)
         # As `mlx-trio serve` does once ready: the engine's and the client's long-lived objects (MLX, mlx-lm,
         # transformers, ~400k on an H200 host) are no longer scanned by full collections, each a ~200 ms pause
         # of this process's engine and of the client timing every server.

@@ -86,7 +86,8 @@ async def profile_one(model: str, workload: str, concurrency: int, args: argpars
                                                       rate_per_s=None, max_prompt_words=params.min_prompt_words,
                                                       output_tokens=8, max_output_tokens=8), concurrency)
         await run_workload(server.url, warm, options)
-        await plans_settled(server.url)  # idle-time cuDNN plans are lease jobs: not inside the measured window
+        # Idle-time cuDNN plans are lease jobs: not inside the measured window.
+        print(f"# attention {await plans_settled(server.url)}", flush=True)
         await mark(server, path, 1)
         (record,) = await run_matrix([server], workload, params, [concurrency], 1, options)
         await mark(server, path, 2)

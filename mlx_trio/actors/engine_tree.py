@@ -44,7 +44,7 @@ from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.layout import default_kv_budget
-from mlx_trio.engine.lease_thread import prepare_thread, release_thread_streams
+from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread, release_thread_streams
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
 from mlx_trio.engine.model.load import LoadedModel, load_model
@@ -193,6 +193,9 @@ class EngineActors:
             # Prefill-only cuDNN: shapes planned so far, and whether idle time still plans more (actors/plan_warmup.py).
             "cudnn_plans": prefill.cudnn_plans if prefill else 0,
             "cudnn_plans_pending": prefill.cudnn_plans_pending if prefill else False,
+            # The attention kernels the lease thread chose (engine/lease_thread.py): "mlx", "cudnn" or
+            # "cudnn-prefill"; None before it started.
+            "attention_backend": chosen_backend(),
         }
 
     def prompt_cache_counters(self) -> dict[str, Any]:

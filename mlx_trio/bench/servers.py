@@ -204,17 +204,25 @@ def normalize_url(url: str) -> str:
 PLANS_LIMIT_S = 240.0
 
 
-async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> None:
-    """Wait while our server still plans cuDNN shapes in idle time (`cudnn_plans_pending` in /v1/status).
+async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> str | None:
+    """Wait while our server still plans cuDNN shapes in idle time (`cudnn_plans_pending` in /v1/status);
+    return the attention backend it runs (`attention_backend`, for the benchmark's log).
 
     Each idle-time plan is a lease job on the shared GPU: planned during another load's runs (the
     engine's, mlx_lm.server's), it would slow that one and flatter our ratios.
     """
     start = time.perf_counter()
+    counters: dict[str, object] = {}
     async with httpx.AsyncClient(timeout=10.0) as client:
         while time.perf_counter() - start < limit_s:
             counters = (await client.get(f"{url}/v1/status")).json().get("counters", {})
             if not counters.get("cudnn_plans_pending"):
-                return
+                return _backend(counters)
             await trio.sleep(1.0)
     print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
+    return _backend(counters)
+
+
+def _backend(counters: Mapping[str, object]) -> str | None:
+    backend = counters.get("attention_backend")
+    return backend if isinstance(backend, str) else None

@@ -13,12 +13,15 @@ No Trio here: these are plain sync functions that block until MLX is done.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, MutableMapping
 
 import mlx.core as mx
 
 from mlx_trio.engine.kv import decode_layout
+
+log = logging.getLogger("mlx_trio.engine")
 
 # MLX's CUDA backend runs attention through cuDNN when it can, and builds (then caches, per
 # thread, 256 at most) one cuDNN graph per exact shape: every new (query length, key length)
@@ -97,6 +100,8 @@ def prepare_thread(*, speculates: bool = False) -> mx.Stream:
     if _chosen is None:
         forget_inherited(os.environ)
         _chosen = attention_backend(os.environ, cuda=on_cuda(), speculates=speculates)
+        if on_cuda():
+            log.info("attention on CUDA: %s (%s)", _chosen, _why(os.environ, speculates))
     set_here = _names(os.environ.get(SET_BY_LEASE_ENV))
     for name, value in ((CUDNN_ATTENTION_ENV, "0" if _chosen == MLX_KERNELS else "1"),
                         (CUDNN_PLAN_CACHE_ENV, CUDNN_PLAN_CACHE_SIZE)):
@@ -107,6 +112,16 @@ def prepare_thread(*, speculates: bool = False) -> mx.Stream:
         os.environ[SET_BY_LEASE_ENV] = ",".join(set_here)
     decode_layout.set_active(_chosen == CUDNN_PREFILL)
     return thread_default_stream()
+
+
+def _why(env: Mapping[str, str], speculates: bool) -> str:
+    """Which setting made `attention_backend`'s choice, for the log."""
+    mlx_setting = (env.get(CUDNN_ATTENTION_ENV) or "").strip()
+    if mlx_setting:
+        return f"{CUDNN_ATTENTION_ENV}={mlx_setting}, set by the user"
+    named = (env.get(ATTENTION_BACKEND_ENV) or "").strip()
+    source = f"{ATTENTION_BACKEND_ENV}={named}" if named else "the default"
+    return f"{source}, speculating" if speculates else source
 
 
 def forget_inherited(env: MutableMapping[str, str]) -> None:

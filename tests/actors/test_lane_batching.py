@@ -51,6 +51,7 @@ async def test_overlapping_requests_each_get_their_solo_greedy_tokens(spec: Tiny
         await _wait_drained(engine)
         stats = engine.status()["counters"]
         assert stats["mode"] == "batch" and stats["configured"] == 4
+        assert stats["attention_backend"] == "mlx"  # the lease thread's choice (CPU: MLX's kernels), shown
         assert _restarts(engine.status()["tree"]) == 0
     assert [got[i] for i in range(len(PROMPTS))] == expected
 
