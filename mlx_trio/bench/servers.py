@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import attrs
 import httpx
@@ -212,17 +212,13 @@ async def plans_settled(url: str, limit_s: float = PLANS_LIMIT_S) -> str | None:
     engine's, mlx_lm.server's), it would slow that one and flatter our ratios.
     """
     start = time.perf_counter()
-    counters: dict[str, object] = {}
+    counters: dict[str, Any] = {}
     async with httpx.AsyncClient(timeout=10.0) as client:
         while time.perf_counter() - start < limit_s:
             counters = (await client.get(f"{url}/v1/status")).json().get("counters", {})
             if not counters.get("cudnn_plans_pending"):
-                return _backend(counters)
+                break
             await trio.sleep(1.0)
-    print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
-    return _backend(counters)
-
-
-def _backend(counters: Mapping[str, object]) -> str | None:
-    backend = counters.get("attention_backend")
-    return backend if isinstance(backend, str) else None
+        else:
+            print(f"# cuDNN plans still pending after {limit_s:.0f} s; measuring anyway", flush=True)
+    return counters.get("attention_backend")

@@ -99,8 +99,9 @@ def prepare_thread(*, speculates: bool = False) -> mx.Stream:
     global _chosen
     if _chosen is None:
         forget_inherited(os.environ)
-        _chosen = attention_backend(os.environ, cuda=on_cuda(), speculates=speculates)
-        if on_cuda():
+        cuda = on_cuda()
+        _chosen = attention_backend(os.environ, cuda=cuda, speculates=speculates)
+        if cuda:
             log.info("attention on CUDA: %s (%s)", _chosen, _why(os.environ, speculates))
     set_here = _names(os.environ.get(SET_BY_LEASE_ENV))
     for name, value in ((CUDNN_ATTENTION_ENV, "0" if _chosen == MLX_KERNELS else "1"),

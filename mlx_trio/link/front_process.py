@@ -36,9 +36,6 @@ from mlx_trio.supervision import Strategy, Supervisor
 
 log = logging.getLogger("mlx_trio.link")
 
-# How long a front waits for its first link before it starts serving 503s anyway (the engine loads meanwhile).
-FIRST_LINK_WAIT_S = 30.0
-
 
 async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
     """Serve until SIGTERM (drain, then return) or until the parent process is gone."""
@@ -51,8 +48,6 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(tree.run)
-            with trio.move_on_after(FIRST_LINK_WAIT_S):
-                await engine.connected.wait()
             nursery.start_soon(_freeze_when_known, engine)
 
             async def orphaned() -> None:
