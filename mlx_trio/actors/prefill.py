@@ -46,6 +46,7 @@ from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
 from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_shape
 from mlx_trio.actors.prompt_caching import AdapterCaching, PromptCaching
+from mlx_trio.actors.siblings import shared_with, sibling_point
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
@@ -159,6 +160,8 @@ class PrefillActor:
         self._chunks = self._sized_chunks = self._partial_puts = 0
         self._plans = PlanWarmup.none(lease)  # cuDNN's prefill plans, built once the model is known
         self._active_at = 0.0  # trio time the actor last had a prompt or saw rows decoding (`_idle`)
+        # (backlog request, prefilling request) pairs `_share_with_jobs` looked at; cleared when either side is empty.
+        self._paired: set[tuple[str, str]] = set()
 
     def in_flight(self) -> list[Generate]:
         """The requests taken from the inbox and not handed on yet (those still in it are ours too)."""
@@ -191,6 +194,7 @@ class PrefillActor:
                 self._active_at = trio.current_time()
                 self._backlog.extend(drain_nowait(self._inbox))
                 await self._drop_left()
+                await self._share_with_jobs()
                 if len(self._jobs) < self._concurrency and self._startable():
                     if not self._jobs and self._wave_coming():
                         await self._gather()
@@ -329,6 +333,43 @@ class PrefillActor:
         caching.store(await self._lease.run(row.snapshot))  # a lazy clone: shares the row's buffers
         self._partial_puts += 1
 
+    async def _share_with_jobs(self) -> None:
+        """A request that shares a long prefix with a prompt already prefilling gets it from that prefill.
+
+        Siblings that arrive together wait for the snapshot the first one
+        stores where their prompts part (`_snapshot_point`); one that arrives
+        while it prefills asks the same of the running prefill: a snapshot where
+        the two part, if the prefill has not passed that point yet, else (caches
+        that a hit may trim) a snapshot of what it holds now. The request then
+        waits for it (`_startable`) and starts from the prompt cache. Each pair is
+        looked at once.
+        """
+        if not self._jobs or not self._backlog:
+            self._paired.clear()
+            return
+        for cmd in self._backlog:
+            for job in self._jobs:
+                pair = (cmd.request_id, job.cmd.request_id)
+                if pair in self._paired:
+                    continue
+                self._paired.add(pair)
+                shared = shared_with(cmd, job.cmd)
+                caching = self._caching(cmd)
+                if (shared - job.row.cached_tokens < SNAPSHOT_MIN_TOKENS or caching is None
+                        or any(_awaits_snapshot(cmd, other) for other in self._jobs)):
+                    continue
+                if job.row.fed < shared:
+                    await self._lease.run(job.row.snapshot_later, shared)
+                elif self._trimmable and not caching.has(job.cmd.prompt_ids[:job.row.fed]):
+                    caching.store(await self._lease.run(job.row.snapshot))
+                    self._snapshots += 1
+
+    @functools.cached_property
+    def _trimmable(self) -> bool:
+        """Whether a prompt-cache entry of this model serves a shorter prefix of itself (no window, no fixed state)."""
+        layout = self._model.kv_layout
+        return not (layout.window or layout.fixed_bytes)
+
     def _caching(self, cmd: Generate) -> PromptCaching | AdapterCaching | None:
         """The prompt cache as this request uses it (a request with an adapter: that adapter's namespace)."""
         return self._lane.caching_for(cmd)
@@ -368,9 +409,12 @@ class PrefillActor:
         """Where this prefill stores a snapshot (docs/design.md §2.6), or None.
 
         Only a prefill of at least `SNAPSHOT_MIN_TOKENS` uncached tokens pays
-        for one. It goes at the prompt's last message boundary, so sibling
-        agents (same system prompt) and the conversation's next turn hit it,
-        even while this request still decodes. Caches that cannot be trimmed
+        for one. It goes where the prompt parts from a request waiting beside
+        it (its longest shared prefix, actors/siblings.py: the sibling waits for
+        the snapshot instead of prefilling the same tokens), else at the prompt's
+        last message boundary, so sibling agents (same system prompt) and the
+        conversation's next turn hit it, even while this request still decodes.
+        Caches that cannot be trimmed
         (sliding windows, recurrent state) get one at the end of the prompt
         instead when there is no new boundary to store (the finish-time entry,
         prompt + generated, cannot be cut back to serve a repeat of this
@@ -383,13 +427,15 @@ class PrefillActor:
         if total - 1 - cached < SNAPSHOT_MIN_TOKENS:
             return None
         layout = self._model.kv_layout
-        candidates = [cmd.snapshot_at] if cmd.snapshot_at is not None else []
+        # First where the prompt parts from a sibling waiting beside it (actors/siblings.py): they wait for it.
+        sibling = sibling_point(cmd, self._backlog, start=cached, minimum=SNAPSHOT_MIN_TOKENS)
+        candidates = [at for at in (sibling, cmd.snapshot_at) if at is not None]
         if layout.window or layout.fixed_bytes:
             candidates.append(total - 1)
         elif candidates and prefill_only_cudnn() and self._grid_step > 0:
             # The prefill moves the boundary to the grid point below (engine/batch/chunked_prefill.py), where
             # the snapshot then lands: a sibling agent that hit it there needs no other, or each would ask again.
-            candidates = [candidates[0] // self._grid_step * self._grid_step]
+            candidates = [at // self._grid_step * self._grid_step for at in candidates]
         for at in candidates:
             if cached < at < total and not caching.has(cmd.prompt_ids[:at]):
                 return at

@@ -154,6 +154,20 @@ class ChunkedPrefill:
         """The prompt position no chunk straddles (a snapshot's), as this prefill keeps it; None: none."""
         return self._split_at
 
+    def split_later(self, at: int) -> int | None:
+        """Make `at` the position no chunk straddles from now on, if it still lies ahead; returns the split kept.
+
+        For a sibling that arrived while this prefill ran (actors/siblings.py):
+        only a split not yet reached is replaced (one snapshot per prefill), and
+        under prefill-only cuDNN it moves to the grid point below, as at start.
+        """
+        if self._grid and decode_layout.is_active():
+            at = at // self._grid * self._grid
+        pending = self._split_at is not None and self.fed < self._split_at
+        if not pending and self.fed < at < self.fed + int(self.pending.size):
+            self._split_at = at
+        return self._split_at
+
     @property
     def step_size(self) -> int:
         """The most tokens one chunk feeds (`--prefill-step-size`)."""

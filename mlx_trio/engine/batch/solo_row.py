@@ -167,6 +167,12 @@ class SoloRow:
         """The next `n` prompt tokens, counted as fed: a cohort runs them into `caches` (engine/batch/cohort_prefill.py)."""
         return self._prefill.take(n)
 
+    def snapshot_later(self, at: int) -> int | None:
+        """Take the snapshot at prompt position `at` too, if the prefill has not reached it and none is due
+        before; returns the position the row will snapshot at (None: none). Lease thread only."""
+        self.snapshot_at = self._prefill.split_later(at)
+        return self.snapshot_at
+
     def snapshot(self) -> CacheEntry:
         """An evaluated copy of the caches as they stand, keyed by the prompt tokens they hold."""
         return cache_clone.snapshot(self._prompt_ids[: self.fed], self.caches)
