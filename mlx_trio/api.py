@@ -133,6 +133,8 @@ class Engine:
         model = self.actors.model
         status = {"tree": self._root.status(), "model": model.model_id if model else None,
                   "counters": self.actors.counters(), "prompt_cache": self.actors.prompt_cache_counters(),
+                  # The KV budget as memory allows it now (actors/memory_budget.py); None until the model is known.
+                  "memory": memory.report() if (memory := self.actors.lane.memory) is not None else None,
                   # Scale-out: each rank (id, host, backend, state, last heartbeat); [] in one process.
                   "ranks": self.actors.ranks.status() if self.actors.ranks is not None else []}
         adapters = self.actors.lane.adapters

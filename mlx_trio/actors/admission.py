@@ -19,10 +19,16 @@ import trio
 
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded
+from mlx_trio.engine.kv.layout import free_memory_bytes
 from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
 from mlx_trio.events import FinishReason
 
 log = logging.getLogger("mlx_trio.admission")
+
+# How often the budget is checked against the memory the device has free (actors/memory_budget.py).
+MEMORY_FOLLOW_S = 1.0
+# A request refused because the device is short of memory now: when to try again.
+MEMORY_RETRY_AFTER_S = 5.0
 
 
 
@@ -117,7 +123,7 @@ class AdmissionActor:
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
             mailbox_depth=len(self._pending), in_flight_rows=len(self._reserved), max_rows=self._max_rows,
-            reserved_bytes=self._reserved_bytes(), budget_bytes=self._budget,
+            reserved_bytes=self._reserved_bytes(), budget_bytes=self.budget_now,
             submitted=self._submitted, admitted=self._admitted,
         )
 
@@ -130,8 +136,10 @@ class AdmissionActor:
             # A restarted admission inherits the rows still prefilling or decoding, so it never over-admits.
             for cmd in self._lane.in_flight():
                 self._reserve(cmd)
-            while True:
-                await self._admit_head()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._follow_memory)
+                while True:
+                    await self._admit_head()
         finally:
             self._closed = True
             for cmd in self._pending:
@@ -179,13 +187,53 @@ class AdmissionActor:
         head = self._pending[0]
         peak_transient = max([self._transient(head), *self._transients.values()])
         need = sum(self._reserved.values()) + self._project(head) + peak_transient
-        if need > self._budget:
+        budget = self.budget_now
+        if need > budget:
+            if not self._reserved:
+                # Nothing runs and the device is short of memory now (actors/memory_budget.py): waiting would
+                # hold the request for as long as another process holds the memory.
+                cmd = self._pending.popleft()
+                self._lane.end_request(cmd, GenerationEnded(cmd.request_id, FinishReason.ERROR, Overloaded(
+                    f"the device is short of memory: the KV budget is {budget / 2**20:.1f} MiB now "
+                    f"(of {self._budget / 2**20:.1f} MiB) and this request needs up to {need / 2**20:.1f} MiB; "
+                    "retry shortly", retry_after_s=MEMORY_RETRY_AFTER_S)))
+                return self._head_fits()
             return False
         caching = self._lane.caching
-        if caching is not None and need + caching.nbytes > self._budget:
+        if caching is not None and need + caching.nbytes > budget:
             # One ceiling for live rows and the prompt cache: the cache gives way, never a row.
-            caching.make_room(self._budget - need)
+            caching.make_room(budget - need)
         return True
+
+    @property
+    def budget_now(self) -> int:
+        """The bytes admission may reserve now: the budget as memory allows it (`Lane.memory`), else the whole."""
+        memory = self._lane.memory
+        return min(memory.current, self._budget) if memory is not None else self._budget
+
+    async def _follow_memory(self) -> None:
+        """About once a second: re-read the device's free memory, lift an out-of-memory cap that has held
+        long enough, and let the queue and the prompt cache see the budget that results (actors/memory_budget.py)."""
+        lease, memory = self._lane.lease, self._lane.memory
+        if lease is None or memory is None:
+            return
+        follows = True
+        while True:
+            before = memory.current
+            if follows:
+                free = await lease.run(free_memory_bytes)
+                follows = free is not None  # a backend that reports no free memory never will
+                if follows:
+                    memory.follow(free, self._lane.held_kv_bytes())
+            memory.relax()
+            if memory.current != before:
+                log.warning("KV budget now %.1f MiB (was %.1f MiB): %s", memory.current / 2**20, before / 2**20,
+                            memory.report()["reason"] or "memory is free again")
+                caching = self._lane.caching
+                if caching is not None:
+                    caching.make_room(max(memory.current - self._reserved_bytes(), 0))
+                self._wake.set()
+            await trio.sleep(MEMORY_FOLLOW_S)
 
     def _reserve(self, cmd: Generate) -> int:
         assert self._project is not None
@@ -195,7 +243,7 @@ class AdmissionActor:
 
     def unreserved_bytes(self) -> int:
         """Budget bytes no row holds: what the prompt cache may fill (once the limits are known)."""
-        return max(self._budget - self._reserved_bytes(), 0) if self._project is not None else 0
+        return max(self.budget_now - self._reserved_bytes(), 0) if self._project is not None else 0
 
     def _reserved_bytes(self) -> int:
         return sum(self._reserved.values()) + max(self._transients.values(), default=0)

@@ -27,6 +27,7 @@ import trio
 
 from mlx_trio.actors.gpu_lease import GpuLease, LeaseChain
 from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.memory_budget import out_of_memory
 from mlx_trio.actors.messages import GenerationEnded, Generate, JoinRow, TokensDecoded, drain_nowait
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
@@ -357,16 +358,25 @@ class DecodeStepActor:
             pass  # the session left: nobody waits for the last word
 
     def _fail_all(self, exc: BaseException) -> None:
+        """End every row after the batch failed. Out of memory is no row's fault: the budget shrinks below what
+        was held (actors/memory_budget.py) and the rows end without a last word, so each resumes (fewer fit now)."""
+        resume = out_of_memory(exc)
         if isinstance(exc, trio.Cancelled):
             error: BaseException = ActorCrashed("the engine is stopping")
+        elif resume:
+            log.warning("decode step ran out of memory with %d rows and %.1f MiB of KV: %s; they resume under a "
+                        "smaller KV budget", len(self._rows), self._kv_bytes / 2**20, exc)
+            if self._lane.memory is not None:
+                self._lane.memory.shrink(self._lane.held_kv_bytes())
+            error = exc
         else:
             log.exception("decode step failed; failing %d rows", len(self._rows))
             error = exc if isinstance(exc, Exception) else ActorCrashed(repr(exc))
         for row in self._rows.values():
-            self._lane.end_request(row.request, None if row.done else _failed(row.request, error))
+            self._lane.end_request(row.request, None if row.done or resume else _failed(row.request, error))
         self._rows.clear()
         for join in self._joining:
-            self._lane.end_request(join.request, _failed(join.request, error), row=join.row)
+            self._lane.end_request(join.request, None if resume else _failed(join.request, error), row=join.row)
         self._joining = []
         self._kv_bytes = 0
 

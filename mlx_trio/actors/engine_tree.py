@@ -35,6 +35,7 @@ from mlx_trio.actors.cache_persistence import CachePersistenceActor, Persistence
 from mlx_trio.actors.decode_step import DecodeStepActor, speculation_for
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
+from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
@@ -43,7 +44,7 @@ from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
 from mlx_trio.engine.kv.kv_scheme import KvScheme
-from mlx_trio.engine.kv.layout import default_kv_budget
+from mlx_trio.engine.kv.layout import default_kv_budget, memory_headroom_bytes
 from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread, release_thread_streams
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
@@ -357,6 +358,8 @@ class EngineActors:
         model = await lane.wait_model()
         layout, step = model.kv_layout, self.config.prefill_step_size
         budget = self._kv_budget(model)
+        if lane.memory is None and lane.lease is not None:
+            lane.memory = MemoryBudget(budget, headroom=await lane.lease.run(memory_headroom_bytes))
         if lane.caching is None and layout.batchable:
             lane.caching = self._make_caching(budget)
         return Limits(

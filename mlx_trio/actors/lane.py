@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.arrivals import Arrivals
+from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.actors.prompt_caching import AdapterCaching
 from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
@@ -70,6 +71,8 @@ class Lane:
     adapters: ResidentAdapters | None = None
     # Requests being prepared or prepared and not yet submitted: a wave the prefill actor may wait for.
     arrivals: Arrivals = attrs.field(factory=Arrivals, init=False)
+    # The KV budget in force (actors/memory_budget.py): set once the budget is known; outlives restarts.
+    memory: MemoryBudget | None = None
 
     @property
     def row_cap(self) -> int:
@@ -124,6 +127,12 @@ class Lane:
     def decoding_rows(self) -> int:
         """How many rows are in the decode batch now (0 when none)."""
         return self.decode_step.num_rows if self.decode_step is not None else 0
+
+    def held_kv_bytes(self) -> int:
+        """KV bytes this lane holds now: the decode batch's, the prompts prefilling, and the prompt cache's."""
+        decoding = self.decode_step.statistics().kv_bytes if self.decode_step is not None else 0
+        prefilling = self.prefill.statistics().active_kv_bytes if self.prefill is not None else 0
+        return decoding + prefilling + (self.caching.nbytes if self.caching is not None else 0)
 
     def end_request(self, request: Generate, ended: GenerationEnded | None = None, *,
                     row: object | None = None) -> None:

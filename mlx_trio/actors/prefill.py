@@ -42,6 +42,7 @@ import trio
 
 from mlx_trio.actors.chunk_sizer import ChunkSizer, CohortCost, timed
 from mlx_trio.actors.gpu_lease import GpuLease
+from mlx_trio.actors.memory_budget import out_of_memory
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded, JoinRow, PrefillProgressed, TokensDecoded, drain_nowait
 from mlx_trio.actors.plan_warmup import PlanWarmup, prefill_only_cudnn, sizer_shape
@@ -630,6 +631,11 @@ class PrefillActor:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the session left: _hand_on notices and frees the row
                 await self._hand_on(cmd, outcome)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            # No request's fault: each ends below without a last word and resumes under the smaller budget.
+            self._ran_out_of_memory(f"a cohort of {len(cohort)}", exc)
         finally:
             # Stopped or crashed part-way (a lease fault, a restart cancelling us): whatever was not
             # handed on is ended here, so its session resumes instead of waiting forever.
@@ -649,18 +655,30 @@ class PrefillActor:
                        kv_scheme=self._model.kv_scheme)
         return make if cmd.adapter is None else partial(_with_adapter, self._lane.adapters, cmd.adapter, make)
 
-    def _failed(self, cmd: Generate, exc: Exception, hit: CacheHit | None) -> GenerationEnded:
+    def _failed(self, cmd: Generate, exc: Exception, hit: CacheHit | None) -> GenerationEnded | None:
         """A prefill error is this request's alone: count and log it; the event tells its session.
 
         A row started from a prompt-cache entry drops that entry: if the entry
         is what fails (it cannot be restored), the resumed request and the
         next ones sharing its prefix run uncached instead of failing on it.
+        Out of memory is not the request's fault: the KV budget shrinks below
+        what was held (actors/memory_budget.py) and None is returned, so the
+        request ends without a last word and resumes under the smaller budget.
         """
+        if out_of_memory(exc):
+            self._ran_out_of_memory(cmd.request_id, exc)
+            return None
         self._failed_count += 1
         log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
         if hit is not None and self._lane.caching is not None:
             self._lane.caching.discard(hit, exc)
         return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc)
+
+    def _ran_out_of_memory(self, what: str, exc: Exception) -> None:
+        """The device's memory ran out prefilling `what`: shrink the KV budget below what the lane holds."""
+        log.warning("prefill of %s ran out of memory: %s; it resumes under a smaller KV budget", what, exc)
+        if self._lane.memory is not None:
+            self._lane.memory.shrink(self._lane.held_kv_bytes())
 
     async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
         """Send token 0, then end the request there or pass the row to the decoder; frees what does not join."""

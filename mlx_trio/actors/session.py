@@ -217,7 +217,8 @@ class SessionActor:
         elif isinstance(event, GenerationEnded):
             if event.reason == FinishReason.ERROR:
                 error = event.error
-                if isinstance(error, RequestError):
+                if isinstance(error, (RequestError, Overloaded)):
+                    # The caller's to see: bad input, or no room now (a 503 with Retry-After), not a lane failure.
                     raise error
                 return error if error is not None else ActorCrashed("unknown error")
             await self._end(text, event.reason)

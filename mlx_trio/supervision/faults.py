@@ -20,6 +20,7 @@ class FaultKind(enum.Enum):
     FAIL_WRITE = "fail-write"  # the next SSD write of the cache-persistence actor fails
     STALL_IO = "stall-io"  # the next SSD file operation of cache-persistence blocks (a hung disk) past its timeout
     KILL_LISTENER = "kill-listener"  # the HTTP server itself dies at its next request: every connection is cut
+    OUT_OF_MEMORY = "out-of-memory"  # raise what MLX raises when the device's memory runs out (decode-step, prefill)
 
 
 # Where a kind can fire, when not everywhere: arming it anywhere else would be accepted and never fire.
@@ -28,11 +29,16 @@ FIRES_ONLY_AT: dict[FaultKind, frozenset[str]] = {
     FaultKind.FAIL_WRITE: frozenset({"cache-persistence"}),
     FaultKind.STALL_IO: frozenset({"cache-persistence"}),
     FaultKind.KILL_LISTENER: frozenset({"http"}),
+    FaultKind.OUT_OF_MEMORY: frozenset({"decode-step", "prefill"}),
 }
 
 
 class InjectedFault(RuntimeError):
     """Raised by an armed fault. A RuntimeError, so it crashes an actor like any bug would."""
+
+
+class InjectedOutOfMemory(RuntimeError):
+    """Raised by an armed out-of-memory fault: MLX's own words for a failed allocation (actors/memory_budget.py)."""
 
 
 @attrs.frozen
@@ -75,9 +81,11 @@ class Faults:
         return False
 
     def check(self, actor: str) -> None:
-        """Raise `InjectedFault` if a RAISE fault is armed for `actor`."""
+        """Raise `InjectedFault` if a RAISE fault is armed for `actor`, `InjectedOutOfMemory` for an OUT_OF_MEMORY one."""
         if self._armed and self.take(actor, FaultKind.RAISE):
             raise InjectedFault(f"fault injected into {actor}")
+        if self._armed and self.take(actor, FaultKind.OUT_OF_MEMORY):
+            raise InjectedOutOfMemory(f"[malloc] Unable to allocate 1073741824 bytes. (fault injected into {actor})")
 
 
 def _matches(pattern: str, actor: str) -> bool:

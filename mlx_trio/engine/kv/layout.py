@@ -190,6 +190,21 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def memory_headroom_bytes() -> int:
+    """Device memory left out of the KV budget, for activations and whatever else runs: a share of the device."""
+    return max(int(device_memory_bytes() * _HEADROOM_FRACTION), _MIN_HEADROOM_BYTES)
+
+
+def free_memory_bytes() -> int | None:
+    """What the KV could still grow into now: the device's free memory plus MLX's cache of freed buffers (ours to
+    reuse), where the backend reports free memory (CUDA); None elsewhere (Metal and the CPU report none). Lease
+    thread (actors/memory_budget.py re-reads it about once a second)."""
+    free = mx.device_info().get("free_memory")
+    if not isinstance(free, int) or free <= 0:
+        return None
+    return free + mx.get_cache_memory()
+
+
 def default_kv_budget(weights: int) -> int:
     """The default `--kv-budget`: what the device has free, less headroom. Call after the weights load.
 
@@ -200,7 +215,7 @@ def default_kv_budget(weights: int) -> int:
     """
     info = mx.device_info()
     total = device_memory_bytes()
-    headroom = max(int(total * _HEADROOM_FRACTION), _MIN_HEADROOM_BYTES)
+    headroom = memory_headroom_bytes()
     free = info.get("free_memory")
     if isinstance(free, int) and free > 0:
         return max(free - headroom, 0)

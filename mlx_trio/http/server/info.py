@@ -33,7 +33,9 @@ def register_info(app: Quart, state: AppState) -> None:
         """200 only when the model is loaded and every engine actor runs; 503 with the reason otherwise.
 
         `details` names what works in a degraded way without failing requests
-        (the prompt cache's SSD tier turned off by a hung disk), when anything does.
+        (the prompt cache's SSD tier turned off by a hung disk; a KV budget shrunk
+        because the device is short of memory: "degraded: memory ..." with the
+        numbers), when anything does.
         """
         if state.draining:
             return json_response({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
@@ -81,9 +83,16 @@ def register_info(app: Quart, state: AppState) -> None:
 
 
 def _degraded(state: AppState) -> dict[str, str]:
-    """What runs degraded, and why: for now the SSD tier, from `Engine.status()`."""
-    ssd = state.engine.status().get("prompt_cache", {}).get("ssd", {})
-    return {"prompt_cache_ssd": ssd.get("reason") or "degraded"} if ssd.get("degraded") else {}
+    """What runs degraded, and why, from `Engine.status()`: the SSD tier, and a KV budget memory has shrunk."""
+    status = state.engine.status()
+    details = {}
+    ssd = status.get("prompt_cache", {}).get("ssd", {})
+    if ssd.get("degraded"):
+        details["prompt_cache_ssd"] = ssd.get("reason") or "degraded"
+    memory = status.get("memory") or {}
+    if memory.get("degraded"):
+        details["memory"] = memory.get("reason") or "degraded: memory"
+    return details
 
 
 def _adapter_object(state: AppState, name: str) -> dict[str, Any]:

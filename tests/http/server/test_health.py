@@ -103,3 +103,20 @@ async def test_health_stays_200_and_names_a_degraded_ssd_tier() -> None:
                                "details": {"prompt_cache_ssd": "disk stalled: a read in /cache took over 10 s"}}
     async with serve_fake(FakeEngine()) as (_, client):
         assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+class _ShortOfMemoryEngine(FakeEngine):
+    """A healthy fake whose KV budget memory pressure shrank (actors/memory_budget.py `report`)."""
+
+    def status(self) -> dict[str, Any]:
+        reason = ("degraded: memory: KV budget 2.00 GiB of 8.00 GiB configured (the device has 2.50 GiB free); "
+                  "fewer rows are admitted until memory is free again")
+        return {**super().status(), "memory": {"degraded": True, "reason": reason, "current_bytes": 2 << 30,
+                                               "configured_bytes": 8 << 30, "free_bytes": 5 << 29}}
+
+
+async def test_health_stays_200_and_says_degraded_memory_with_the_numbers() -> None:
+    async with serve_fake(_ShortOfMemoryEngine()) as (_, client):
+        response = await client.get("/health")
+    assert response.status_code == 200
+    assert response.json()["details"]["memory"].startswith("degraded: memory: KV budget 2.00 GiB of 8.00 GiB")
