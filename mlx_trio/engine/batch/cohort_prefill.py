@@ -43,7 +43,6 @@ from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.kv.row_blocks import RowBlock, batch_index
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.engine.switches import switched_on
 from mlx_trio.engine.spans import span
 
 # Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`), the
@@ -68,8 +67,6 @@ COHORT_ROW_BUCKET_MAX_TOKENS = 256
 # next steps and cohorts, which a cleared cache would allocate from the device again (~3 ms a cohort job to
 # clear on an H200).
 COHORT_CLEAR_MIN_TOKENS = 8192
-# Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
-IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
 
 def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
@@ -187,9 +184,8 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
     share their forwards only when `model`'s every attention layer is routed (engine/attention/
     routed_attention.py: it runs a `CohortKVCache`'s attention on MLX's plain ops, no cuDNN), there
     every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens (the plain attention holds rows x heads x
-    queries x keys scores; `prefill_rows` bounds each forward's rows and tokens: `forward_groups`), and
-    `MLX_TRIO_COHORTS_IN_SEQUENCE` is not set; otherwise each row prefills alone on the grid's
-    planned chunks (`prefill_in_sequence`).
+    queries x keys scores; `prefill_rows` bounds each forward's rows and tokens: `forward_groups`);
+    otherwise each row prefills alone on the grid's planned chunks (`prefill_in_sequence`).
     """
     if len(rows) < 2 or not _plain(rows):
         return False
@@ -204,16 +200,11 @@ def shares_forwards(model: nn.Module) -> bool:
     share the cohort's forwards.
 
     What `can_prefill_together` asks there of the model, not of each row: its
-    attention routed, the switch not set. The prefill actor sizes such a
+    attention routed. The prefill actor sizes such a
     cohort by its padded tokens, not by the rows' prefills one after another
     (actors/prefill.py `_cohort`).
     """
-    return not in_sequence_forced() and routed_attention.covers(model)
-
-
-def in_sequence_forced() -> bool:
-    """`MLX_TRIO_COHORTS_IN_SEQUENCE=1`: under prefill-only cuDNN every cohort row prefills alone, as before."""
-    return switched_on(IN_SEQUENCE_SWITCH)
+    return routed_attention.covers(model)
 
 
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:

@@ -44,7 +44,7 @@ one position. A batch with rotating layers (mlx-lm's `BatchRotatingKVCache`),
 SSM state, or quantized KV takes the uncompiled step, and so does, for good,
 a model whose trace asks its caches for what a slot does not provide (a
 decode mask for a window narrower than its ring: `CompiledForward.broken`).
-`--no-compile` or `MLX_TRIO_NO_COMPILE=1` turns it all off.
+`--no-compile` turns it all off.
 
 Contract: the model's weights (and any other array the forward reads that
 is not a cache's) are constants of a trace, captured by reference. Code
@@ -67,10 +67,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
-from mlx_trio.engine.switches import switched_on
-
-# Set to 1 to restore the uncompiled step whatever the configuration says (the kill switch).
-KILL_SWITCH = "MLX_TRIO_NO_COMPILE"
 # mlx-lm's KV buffer step (KVCache.step == BatchKVCache.step).
 _STEP = 256
 # Shapes traced before the traces are dropped (a fresh `mx.compile`; the old one's destructor erases
@@ -79,7 +75,7 @@ MAX_TRACES = 64
 
 
 def compile_wanted(requested: bool | None) -> bool:
-    """Whether decode steps compile: asked for (no `--no-compile`) and not killed by `MLX_TRIO_NO_COMPILE=1`.
+    """Whether decode steps compile: as asked (`--no-compile` asks False).
 
     None (the configuration's default) means on the CPU only, and there for lone rows only
     (`DecodeBatch`): on MLX's CUDA backend the compiled forward's masked attention cannot use the
@@ -88,7 +84,7 @@ def compile_wanted(requested: bool | None) -> bool:
     """
     if requested is None:
         requested = mx.default_device() != mx.gpu
-    return requested and not switched_on(KILL_SWITCH)
+    return requested
 
 
 class _Slot:

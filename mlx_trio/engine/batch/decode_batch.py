@@ -157,7 +157,6 @@ class DecodeBatch:
         self._model = model
         # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
         self._max_rows = max_rows
-        self._slots_wanted = row_slots.wanted()
         # The slot of each row (aligned with _rows), or None: row i is in slot i and every slot holds a row.
         self._slots: list[int] | None = None
         self._num_slots = 0
@@ -335,7 +334,7 @@ class DecodeBatch:
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
-        return (self._slots_wanted and self._speculator is None and not self._kv_scheme.quantized
+        return (self._speculator is None and not self._kv_scheme.quantized
                 and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
                 and row_slots.supports_slots(self._caches)
                 # A cohort's row is a filled bf16 batch row of its block: its own slices need not be cut to tell.
