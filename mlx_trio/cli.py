@@ -246,7 +246,7 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int
         return 1
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        # MLX_TRIO_PROFILE=PATH: docs/benchmarks.md ("Server-side profile"); with front processes the engine's
+        # MLX_TRIO_PROFILE=PATH: docs/profiling.md; with front processes the engine's
         # process profiles itself (mlx_trio/link/engine_process.py), and this one, the launcher, forwards the marks.
         environ = os.environ if server_config.api_server_count == 0 else {}
         with profiling.from_environment(environ):

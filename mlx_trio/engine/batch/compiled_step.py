@@ -32,8 +32,8 @@ on the CPU every step's logits and KV are bit-identical to the uncompiled
 step's, float32 and bfloat16 (tests/engine/batch/test_compiled_step.py, with
 the tokens of whole schedules and the goldens through the engine). On a GPU
 the fused kernels and the other attention kernel may round differently in
-the last bits, as padded rows do against solo ones; benchmarks/compiled_decode.py
-reports whether the greedy tokens still agree there. On MLX's CUDA backend an
+the last bits, as padded rows do against solo ones (the device runs:
+docs/lab-notes/2026-12-01-compiled-decode.md). On MLX's CUDA backend an
 array mask keeps attention off the fused `sdpa_vector` kernel (head dims 64
 and 128), so whether this is faster there is what that benchmark measures.
 
@@ -80,7 +80,7 @@ def compile_wanted(requested: bool | None) -> bool:
     None (the configuration's default) means on the CPU only, and there for lone rows only
     (`DecodeBatch`): on MLX's CUDA backend the compiled forward's masked attention cannot use the
     fused decode kernel and loses at B=1 and B=64 on an H200, and over a CPU batch it attends the whole
-    masked buffer (docs/benchmarks.md, "Compiled decode step").
+    masked buffer (docs/lab-notes/2026-12-01-compiled-decode.md).
     """
     if requested is None:
         requested = mx.default_device() != mx.gpu

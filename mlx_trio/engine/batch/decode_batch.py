@@ -94,7 +94,7 @@ MAX_QUIET_STEPS = 8
 # A join that copied running rows holding at least this much KV gives the replaced buffers back to the device
 # (`mx.clear_cache`); smaller copies stay in MLX's buffer cache for the next steps and joins. A wave that
 # joined an empty or one-row batch cleared it every time: 7-9 ms, and the next cohort job allocated from the
-# device again (H200, 1B shape, c=64; docs/benchmarks.md, nineteenth pass).
+# device again (H200, 1B shape, c=64; docs/lab-notes/2026-12-04-h200-pass19.md).
 JOIN_CLEAR_MIN_BYTES = 256 << 20
 # Row slots (see the module docstring): the slots grow by this fraction of theirs (at least one) when a
 # join finds too few free, and a leave compacts them once more than this share is free. A free slot costs
@@ -166,7 +166,7 @@ class DecodeBatch:
         self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         # The default (None) compiles a lone row's steps only: over a batch the compiled forward attends the
         # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
-        # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
+        # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/lab-notes/). True compiles both.
         self._compile_batches = compile_decode is True
         # Else the step's forward with a third fewer graph nodes where the model allows (engine/model/decode_forward.py).
         self._lean = DecodeForward.of(model)
@@ -482,7 +482,7 @@ class DecodeBatch:
         build). While the device is the bottleneck, that read would wait for
         it and leave it idle until the next launch, so they are read after
         the launch, as without `report` (H200, Llama-8B, B=1: 0.85 vs 1.03 of
-        the bare loop; docs/benchmarks.md, fifth pass). Which one it is, the
+        the bare loop; docs/lab-notes/2026-11-29-h200-pass05.md). Which one it is, the
         last read tells: it waited for the device longer than
         `DEVICE_BOUND_WAIT_S`, or it did not.
         """
