@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,11 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _user_path(text: str) -> Path:
+    """A directory that may start with `~` (as $MLX_TRIO_CACHE_DIR was always read)."""
+    return Path(text).expanduser()
+
+
 def _template_args(text: str) -> dict[str, Any]:
     """A JSON object of template variables the engine lets a request set (else every chat would be a 400)."""
     try:
@@ -96,14 +101,14 @@ def _template_args(text: str) -> dict[str, Any]:
 
 
 MODEL, HTTP, BATCH, PREFILL, SAMPLING, CACHE, SPEC, LORA, FAULTS, SCALE = (
-    "model", "HTTP", "batching and KV", "prefill", "request defaults", "prompt cache", "speculative decoding",
+    "model and logging", "HTTP", "batching and KV", "prefill", "request defaults", "prompt cache", "speculative decoding",
     "adapters", "supervision and faults", "scale-out")
 
 TABLE: tuple[Setting, ...] = (
     # model
     Setting("--model", ("engine.model",), MODEL, shown_default="the bundled SmolLM2-135M-Instruct",
             help="mlx-lm model directory or hub id"),
-    Setting("--cache-dir", ("engine.cache_dir",), MODEL, type=Path, env="MLX_TRIO_CACHE_DIR",
+    Setting("--cache-dir", ("engine.cache_dir",), MODEL, type=_user_path, env="MLX_TRIO_CACHE_DIR",
             shown_default="$MLX_TRIO_CACHE_DIR, else $XDG_CACHE_HOME/mlx-trio/models, else ~/.cache/mlx-trio/models",
             help="where the default model is converted to"),
     Setting("--log-level", (), MODEL, type=str.upper, default="INFO",
@@ -260,7 +265,8 @@ def add_to(parser: argparse.ArgumentParser, table: Sequence[Setting] = TABLE) ->
     """
     groups: dict[str, Any] = {}
     for setting in table:
-        group = groups.get(setting.group) or groups.setdefault(setting.group, parser.add_argument_group(setting.group))
+        if setting.group not in groups:
+            groups[setting.group] = parser.add_argument_group(setting.group)
         shown = setting.shown_default if setting.shown_default is not None else _shown(setting.default_value)
         text = f"{setting.help} (default: {shown})" if not setting.switch or setting.shown_default else setting.help
         options: dict[str, Any] = {"dest": setting.dest, "default": argparse.SUPPRESS, "help": text}
@@ -269,7 +275,7 @@ def add_to(parser: argparse.ArgumentParser, table: Sequence[Setting] = TABLE) ->
         else:
             options.update({k: v for k, v in (("type", setting.type), ("choices", setting.choices),
                                               ("nargs", setting.nargs), ("metavar", setting.metavar)) if v})
-        group.add_argument(setting.flag, *setting.aliases, **options)
+        groups[setting.group].add_argument(setting.flag, *setting.aliases, **options)
 
 
 def _shown(value: Any) -> str:
@@ -291,7 +297,7 @@ class Resolved:
         return tuple((s.flag, shown(s), self.sources[s.dest]) for s in table)
 
 
-def resolve(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str] | None = None,
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
             table: Sequence[Setting] = TABLE) -> Resolved:
     """Each setting's value: the flag if given, else its environment variable if set, else the default.
 
