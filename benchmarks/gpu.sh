@@ -304,11 +304,20 @@ script_part() {  # script_part PART LIMIT_S TITLE CMD...: one benchmark script f
   echo; echo "### $title (limit ${lim}s)"
   enough "$part $m" "$lim" && { timeout -k 20 "$lim" "$@" || echo "gpu.sh: $part part for $m ended with status $?"; }
 }
+bench_part() {  # bench_part PART LIMIT_S TITLE ARGS...: `mlx-trio bench ARGS` on model $m, cut at its limit
+  # (on time-out the bench stops its servers by pid before exiting); on a failure, the servers' last log lines
+  local part=$1 lim title=$3 logs="/tmp/bench-logs-$1-$m"
+  lim=$(budget "$2")
+  shift 3
+  rm -rf "$logs"
+  echo; echo "### $title (limit ${lim}s)"
+  enough "$part $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --model "$dir" --log-dir "$logs" "$@" \
+    || { echo "gpu.sh: $part part for $m ended with status $?; server logs:"; tail -n 20 "$logs"/*.log; }; }
+}
 
 for m in $MODELS; do
   dir="$MODEL_ROOT/llama-$m"
   echo; echo "== model $m"
-  rm -rf "/tmp/bench-logs-$m" "/tmp/bench-logs-long-$m"
   build_model "$m" "$dir" || { echo "gpu.sh: building $m failed"; continue; }
   case " $PARTS " in *" engine "*)
     { lim=$(budget "$ENGINE_LIMIT_S"); enough "engine $m (mlx_lm)" "$lim" && ENGINE_LIMIT_S=$lim \
@@ -320,26 +329,18 @@ for m in $MODELS; do
   case " $PARTS " in *" http "*)
     rounds=${ROUNDS:-$([ "$m" = 8b ] && echo 1 || echo 2)}
     max_c=${CONCURRENCY##*,}
-    lim=$(budget "$HTTP_LIMIT_S")
-    echo; echo "### http, $m: agents workload (limit ${lim}s)"
-    # On time-out (SIGTERM) the bench stops both servers by pid before exiting.
-    enough "http $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench $SERVE_FLAGS \
-      --model "$dir" --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
+    bench_part http "$HTTP_LIMIT_S" "http, $m: agents workload" $SERVE_FLAGS \
+      --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
       --rounds "$rounds" --output-tokens "$OUTPUT_TOKENS" --system-words "$SYSTEM_WORDS" --task-words 48 \
       --followup-words 24 --rate 64 \
       --ours-args "--batch $max_c" --mlx-lm-args "--decode-concurrency $max_c" \
-      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --log-dir "/tmp/bench-logs-$m" \
-      || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }; }
+      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png"
   ;; esac
   case " $PARTS " in *" agentloop "*)
-    lim=$(budget "$HTTP_LIMIT_S")
-    echo; echo "### http, $m: agent-loop workload, 8 agents, zero think time (limit ${lim}s)"
-    enough "agentloop $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload agent-loop --concurrency 8 --requests 48 --rounds 1 --system-words "$SYSTEM_WORDS" \
-      --task-words 48 --tool-result-words 300 --output-tokens 64 \
-      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --out "$RESULTS/agentloop-$m.json" --log-dir "/tmp/bench-logs-agentloop-$m" \
-      || { echo "gpu.sh: agentloop part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-agentloop-$m/*.log; }; }
+    bench_part agentloop "$HTTP_LIMIT_S" "http, $m: agent-loop workload, 8 agents, zero think time" \
+      --serve ours --serve mlx_lm --workload agent-loop --concurrency 8 --requests 48 --rounds 1 \
+      --system-words "$SYSTEM_WORDS" --task-words 48 --tool-result-words 300 --output-tokens 64 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" --out "$RESULTS/agentloop-$m.json"
   ;; esac
   case " $PARTS " in *" kvquant "*)
     script_part kvquant "${KVQUANT_LIMIT_S:-150}" "kv_quant, $m: quantized KV, admission and decode" \
@@ -351,14 +352,11 @@ for m in $MODELS; do
       --json "$RESULTS/speculative-$m.json" ${SPEC_ARGS:-}
   ;; esac
   case " $PARTS " in *" spechttp "*)
-    lim=$(budget "${SPEC_HTTP_LIMIT_S:-240}")
-    echo; echo "### http, $m: agents workload, both servers with --draft-model (the model itself) (limit ${lim}s)"
-    enough "spechttp $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload agents --concurrency 1,4,16 --requests 16 --rounds 1 --output-tokens 128 \
+    bench_part spechttp "${SPEC_HTTP_LIMIT_S:-240}" "http, $m: agents workload, both servers with --draft-model (the model itself)" \
+      --serve ours --serve mlx_lm --workload agents --concurrency 1,4,16 --requests 16 --rounds 1 --output-tokens 128 \
       --system-words "$SYSTEM_WORDS" --task-words 48 --followup-words 24 \
       --ours-args "--batch 16 --draft-model $dir" --mlx-lm-args "--decode-concurrency 16 --draft-model $dir" \
-      --out "$RESULTS/spechttp-$m.json" --log-dir "/tmp/bench-logs-spechttp-$m" \
-      || { echo "gpu.sh: spechttp part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-spechttp-$m/*.log; }; }
+      --out "$RESULTS/spechttp-$m.json"
   ;; esac
   case " $PARTS " in *" distributed "*)
     script_part distributed "${DIST_LIMIT_S:-150}" "distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1" \
@@ -378,12 +376,12 @@ for m in $MODELS; do
     done
     # The agent loop, ours-mlx-attention (MLX's kernels) vs ours (prefill-only cuDNN, plans built at start: the CUDA
     # default since the eleventh pass) vs mlx_lm.server.
-    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours-mlx-attention vs ours vs mlx_lm.server, 8 agents" \
-      $PY -m mlx_trio.bench --serve ours-mlx-attention --serve ours --serve mlx_lm --model "$dir" --workload agent-loop \
+    bench_part cudnn-agentloop "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours-mlx-attention vs ours vs mlx_lm.server, 8 agents" \
+      --serve ours-mlx-attention --serve ours --serve mlx_lm --workload agent-loop \
       --concurrency 8 --requests "${CUDNN_AGENT_REQUESTS:-24}" --rounds 1 --system-words "$SYSTEM_WORDS" \
       --task-words 48 --tool-result-words 300 --output-tokens 64 \
       --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --out "$RESULTS/cudnn-agentloop-$m.json" --log-dir "/tmp/bench-logs-cudnn-agentloop-$m" ${CUDNN_AGENT_ARGS:-}
+      --out "$RESULTS/cudnn-agentloop-$m.json" ${CUDNN_AGENT_ARGS:-}
   ;; esac
   case " $PARTS " in *" profile "*)
     script_part profile "${PROFILE_LIMIT_S:-240}" "serving profile, $m: serving workload at c=${PROFILE_CONCURRENCY:-8,64,256}" \
@@ -395,13 +393,10 @@ for m in $MODELS; do
       $PY benchmarks/serve_vs_engine.py --model "$dir" --json "$RESULTS/options-$m.json" ${OPTIONS_ARGS:-}
   ;; esac
   case " $PARTS " in *" long "*)
-    lim=$(budget "$LONG_LIMIT_S")
-    echo; echo "### http, $m: long-prompt workload, an ~8k-token prompt arrives while 4 streams decode (limit ${lim}s)"
-    enough "long $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload long-prompt --concurrency 4 --rounds 2 --long-prompt-words "$LONG_PROMPT_WORDS" \
-      --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --log-dir "/tmp/bench-logs-long-$m" \
-      || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
+    bench_part long "$LONG_LIMIT_S" "http, $m: long-prompt workload, an ~8k-token prompt arrives while 4 streams decode" \
+      --serve ours --serve mlx_lm --workload long-prompt --concurrency 4 --rounds 2 \
+      --long-prompt-words "$LONG_PROMPT_WORDS" --long-output-tokens 1024 --output-tokens 16 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8"
   ;; esac
   case " $PARTS " in *" ragged "*)
     script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \
