@@ -103,3 +103,14 @@ async def test_health_lists_the_settings_only_when_asked() -> None:
     by_name = {entry["name"]: entry for entry in body["settings"]}
     assert by_name["--max-queue"] == {"name": "--max-queue", "value": 7, "source": "flag"}
     assert by_name["--host"] == {"name": "--host", "value": "127.0.0.1", "source": "default"}
+
+
+def test_the_report_reaches_a_front_process_with_the_rest_of_the_config() -> None:
+    """A front rebuilds its ServerConfig from the pickled fields (link/front_pool.py): the report comes along."""
+    import pickle
+
+    _, server = configs_from_args(build_parser().parse_args(["serve", "--api-key", "k", "--allowed-origins", "*"]))
+    fields = {**attrs.asdict(server, recurse=False), "chat_template_args": {}}  # as front_pool sends them
+    fields = pickle.loads(pickle.dumps(fields))
+    again = ServerConfig(**fields)
+    assert again.settings == server.settings and ("--api-key", "***", "flag") in again.settings
