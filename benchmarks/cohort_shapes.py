@@ -6,8 +6,7 @@ Usage:
     MLX_USE_CUDA_GRAPHS=0 python benchmarks/cohort_shapes.py --model ...           # kernels launched one by one
 
 A serving burst of short prompts (c=64, ~47-token prompts) prefilled in ~62 jobs
-of about two rows each at ~29 ms a job on the H200 (docs/benchmarks.md,
-fourteenth pass), where one batched forward of 32 such rows is a few ms of
+of about two rows each at ~29 ms a job on the H200 (docs/lab-notes/2026-12-01-h200-pass14.md), where one batched forward of 32 such rows is a few ms of
 device work. This script times `prefill_rows` (engine/batch/cohort_prefill.py:
 make the rows, prefill them, sample token 0) as the prefill actor's lease job
 runs it, under prefill-only cuDNN's layout on CUDA (the cohort's attention on
@@ -16,9 +15,7 @@ token prompts:
 
 * **new**: every job's padded shape (rows x longest prompt) is one this
   process has not run before;
-* **seen**: the last new job's exact prompts' lengths again (its shape seen);
-* the same two with `MLX_TRIO_COHORTS_IN_SEQUENCE=1` (each row prefills alone
-  on the grid's planned chunks, then its token-0 step), when `--in-sequence`.
+* **seen**: the last new job's exact prompts' lengths again (its shape seen).
 
 If "new" costs much more than "seen", a cohort pays per shape (CUDA-graph
 instantiation, kernel selection or compilation), and bucketing the cohort's
@@ -171,7 +168,6 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=40)
     p.add_argument("--max-len", type=int, default=56)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--in-sequence", action="store_true", help="also with MLX_TRIO_COHORTS_IN_SEQUENCE=1")
     p.add_argument("--warmup", type=int, default=3, help="jobs run first (not measured)")
     p.add_argument("--parts", action="store_true", help="time a shared cohort's parts one by one (`parts_ms`)")
     p.add_argument("--json", type=Path, default=None)
@@ -198,17 +194,12 @@ def main() -> None:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "parts": parts}, indent=1))
         return
     results = []
-    modes = ["shared", "in sequence"] if args.in_sequence else ["shared"]
-    for mode in modes:
-        if mode == "in sequence":
-            os.environ[cohort_prefill.IN_SEQUENCE_SWITCH] = "1"
-        rng = random.Random(0)
-        seen: set[tuple[int, int]] = set()
-        for rows in sizes:
-            r = measure(model, rows, args, rng, seen) | {"mode": mode}
-            results.append(r)
-            print(f"  {mode:11s} rows={rows:3d}: new {r['new_ms']:7.1f} ms, seen {r['seen_ms']:7.1f} ms", flush=True)
-        os.environ.pop(cohort_prefill.IN_SEQUENCE_SWITCH, None)
+    rng = random.Random(0)
+    seen: set[tuple[int, int]] = set()
+    for rows in sizes:
+        r = measure(model, rows, args, rng, seen) | {"mode": "shared"}
+        results.append(r)
+        print(f"  shared rows={rows:3d}: new {r['new_ms']:7.1f} ms, seen {r['seen_ms']:7.1f} ms", flush=True)
     print("\n| mode | rows | ms a job, new shape | seen shape | new / seen | ms a row (seen) |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:

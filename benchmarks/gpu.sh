@@ -8,9 +8,6 @@
 #   long:   the same with --workload long-prompt: the decode stall while an ~8k-token prompt is prefilled.
 #   agentloop: --workload agent-loop: 8 agents, zero think time, 300-word tool results: per-turn cached
 #           fraction, TTFT, prefill stall (issue #19). Run it with PARTS="agentloop long".
-#   compiled: benchmarks/compiled_decode.py (issue #25): engine decode tok/s with compiled steps vs --no-compile vs
-#           the bare loop, A/B alternated, at B=1/8/64 (1b) or B=1/8 (8b), and the HBM-limit fraction at B=1.
-#           Run it with PARTS=compiled (MODELS="1b 8b" fits one call: about 150 s per model at most).
 #   kvquant: benchmarks/kv_quant.py (issue #22): rows a 40 GiB --kv-budget admits at 8k/32k tokens for
 #           bf16 / 8-bit / 4-bit KV; which --kv-bits x --kv-group-size pairs attention over quantized KV runs
 #           (and runs right) for; and, for bf16 and each pair that runs, aggregate decode tok/s at B=1/8/32 of
@@ -20,22 +17,14 @@
 #           scripted proposals (echo / edit / reject) vs plain decoding at B=1/4/16. PARTS=speculative, ~1-2 min.
 #   spechttp: the agents workload over HTTP, ours vs mlx_lm.server, both with the model as its own --draft-model
 #           (mlx_lm.server serves draft requests one at a time; ours batches them). PARTS=spechttp, <= SPEC_HTTP_LIMIT_S.
-#   verify: benchmarks/verify_shapes.py, what a speculative verify forward (L=3/4) costs at new, seen and grid key
-#           lengths (issue #23). PARTS=verify, <= VERIFY_LIMIT_S (120).
-#   smallm: benchmarks/small_m_ops.py, one forward's ops (projections, LM head, attention, RoPE, RMSNorm) at
-#           L=1..8 tokens: where a verify forward's extra time goes (issues #23, #25). PARTS=smallm, <= 90 s.
-#   lora:   benchmarks/lora.py: B=8 aggregate decode with 1, 2 and 8 distinct rank-16 q/v adapters vs the base,
-#           and the same through mlx_lm.server (adapter switching) (issue #24). Run it with PARTS=lora MODELS=1b.
 #   cudnn:  prefill-only cuDNN attention (issue #19), about 240 s: stall_profile.py (4 streams, an 8.5k prompt,
 #           3 rounds, --prefill-chunk-ms 40 and 100) with MLX_TRIO_ATTENTION_BACKEND=mlx, then =cudnn-prefill
 #           with cuDNN's plans of every chunk shape up to CUDNN_WARM_TOKENS (9216) built at the engine's start
 #           (each backend a fresh process: MLX reads its variable once), then the agent-loop workload (8 agents,
-#           CUDNN_AGENT_REQUESTS=24) with ours-mlx-attention, ours and mlx_lm.server in one run. CUDNN_SHAPES=1 adds
-#           prefill_shapes.py with MLX_CUDA_USE_CUDNN_SDPA=0 then =1 (a chunk at new vs seen shapes; 2 x 60 s).
+#           CUDNN_AGENT_REQUESTS=24) with ours-mlx-attention, ours and mlx_lm.server in one run.
 #           Limits: CUDNN_STALL_MLX_LIMIT_S (60), CUDNN_STALL_LIMIT_S (95), CUDNN_AGENT_LIMIT_S (85); more bench
 #           flags in CUDNN_AGENT_ARGS. MODELS=1b PARTS=cudnn. On a CPU: CUDNN_STALL_ARGS="--long-tokens 1500
-#           --rounds 1 --stream-tokens 600" CUDNN_AGENT_REQUESTS=4 (and CUDNN_SHAPES_ARGS="--context 600 --chunk 128
-#           --decode-steps 6" with CUDNN_SHAPES=1).
+#           --rounds 1 --stream-tokens 600" CUDNN_AGENT_REQUESTS=4.
 #   profile: benchmarks/serving_profile.py (issue #20): `mlx-trio serve` under MLX_TRIO_PROFILE at c=8/64/256
 #           (--batch 8/64/64), the serving workload (prompts ~100-10k tokens, Poisson arrivals, mixed per-row
 #           sampling): tok/s, TTFT, lease and GPU busy, per-token/step/job/request CPU of the lease and Trio
@@ -47,10 +36,6 @@
 #           PARTS=options, <= OPTIONS_LIMIT_S (300); the 8B point (64 rows >= 3x the tok/s of 8): MODELS=8b
 #           PARTS=options OPTIONS_ARGS="--kinds greedy --concurrency 8,64"; OPTIONS_ARGS=--mlx-lm adds mlx_lm.server.
 #           On a CPU: OPTIONS_ARGS="--concurrency 2,4 --batch 4 --output-tokens 8 --long-prompt-words 40 --rounds 1".
-#   churn:  benchmarks/churn.py (issue #20 point 3): c=64 serving churn on the embedded engine (prompts 100-1000
-#           tokens, 32-128 output tokens), the lease's job log by class (step / flush / leave / join / prefill), chains
-#           per token, tok/s; row slots on vs MLX_TRIO_NO_ROW_SLOTS=1, A/B alternated (CHURN_ROUNDS, 2), then
-#           the leave + join alone on a 64-row DecodeBatch (--rows-only), on vs off. PARTS=churn, <= 150 s.
 #   ragged: benchmarks/ragged_attention.py (issues #20, #25): the ragged decode-attention kernel against MLX's
 #           masked attention (max abs error, B=1/8/64, T=256/2048/10000, GQA 32/8 at D=64 and 128, bf16 and fp32;
 #           a non-zero status past bf16's tolerance or on an NVRTC error, which it prints; fp32 is measured, not
@@ -67,27 +52,26 @@
 #           primitives of one step's graph by kind. PARTS=anatomy, <= ANATOMY_LIMIT_S (150); ANATOMY_ARGS for more flags
 #           (e.g. "--shape llama-1b --num-layers 2" for what one layer adds).
 #   cohorts: benchmarks/cohort_shapes.py (issue #20): one cohort prefill job (`prefill_rows`) by rows (1..32 short
-#           prompts), at padded shapes new to the process vs seen; COHORTS_ARGS (e.g. --in-sequence). PARTS=cohorts,
+#           prompts), at padded shapes new to the process vs seen; COHORTS_ARGS for more flags. PARTS=cohorts,
 #           <= COHORTS_LIMIT_S (120).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
 #
 # Here, once: bash ../shared/device/mlx-cuda.sh (stages .mlxcuda1/ and .mlxcuda2/, git-ignored). Both together
-# exceed the 64 MiB a call carries, so, as in docs/benchmarks.md, "Reproducing the H200 runs":
+# exceed the 64 MiB a call carries, so, as in docs/lab-notes/README.md, "Reproducing the H200 runs":
 #   call 1, carry [".mlxcuda1"]:  mkdir -p $HOME/.mlxcuda-stage && cp .mlxcuda1/* $HOME/.mlxcuda-stage/
 #   call 2 at once (the machine stays warm ~30 s), carry [".mlxcuda2"], timeout_s 600:
 #          MODELS=1b bash benchmarks/gpu.sh            (http + long; parts end by DEADLINE_S, 570 s)
 #   call 3 at once, the same with MODELS=8b.  PARTS=engine adds engine-level numbers (also in
-#          benchmarks/batch_throughput.py, which docs/benchmarks.md already reports for the H200).
-# Nothing here has run on the device yet: the first call's log is the check.
+#          benchmarks/batch_throughput.py, whose H200 numbers docs/benchmarks.md reports).
 # Locally (CPU, a shape check of this script):  PYTHON=.venv/bin/python MODELS=tiny bash benchmarks/gpu.sh
 #
 # Knobs (environment): MODELS ("1b 8b" | "tiny"), PARTS ("http long"; add "engine"), BATCHES (1,8,32,64),
 #   DECODE_TOKENS (256), CONCURRENCY (1,8,32,64), REQUESTS (16), OUTPUT_TOKENS (128), SYSTEM_WORDS (600:
 #   about 2400 tokens with these models' small BPE), HTTP_LIMIT_S (330), LONG_PROMPT_WORDS (2500),
 #   LONG_LIMIT_S (120), PROFILE_LIMIT_S (240), PROFILE_CONCURRENCY (8,64,256), PROFILE_ARGS (more serving_profile.py
-#   flags, e.g. "--workloads serving,agents"), OPTIONS_LIMIT_S (300), OPTIONS_ARGS (more serve_vs_engine.py flags), KNOBS_ARGS (more cuda_graph_knobs.py flags, e.g. "--batches 16,32,64"), KVQUANT_LIMIT_S (150), LORA_LIMIT_S (300), COMPILED_LIMIT_S (150), CHURN_LIMIT_S (150), CHURN_REQUESTS (128), COMPILED_ARGS, KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
+#   flags, e.g. "--workloads serving,agents"), OPTIONS_LIMIT_S (300), OPTIONS_ARGS (more serve_vs_engine.py flags), KNOBS_ARGS (more cuda_graph_knobs.py flags, e.g. "--batches 16,32,64"), KVQUANT_LIMIT_S (150), KVQUANT_ARGS (more kv_quant.py flags; on a CPU:
 #   "--context 1024 --batches 2,4 --steps 8"), ENGINE_LIMIT_S (200 per stack), DEADLINE_S (570: the script's end), ROUNDS, PYTHON,
 #   SERVE_STACKS ("ours mlx_lm"; add ours-nocache for the prompt cache's own effect).
 # Results go to $OUT (the device tool's folder) or ./bench-results: gpu-log.txt (every table),
@@ -108,7 +92,6 @@ OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
 SYSTEM_WORDS=${SYSTEM_WORDS:-600}
 HTTP_LIMIT_S=${HTTP_LIMIT_S:-330}
 LONG_LIMIT_S=${LONG_LIMIT_S:-120}
-LORA_LIMIT_S=${LORA_LIMIT_S:-300}
 ENGINE_LIMIT_S=${ENGINE_LIMIT_S:-200}  # per stack
 # Every part is cut to end by this many seconds after the start: a device call may run 600 s at most.
 DEADLINE_S=${DEADLINE_S:-570}
@@ -321,11 +304,20 @@ script_part() {  # script_part PART LIMIT_S TITLE CMD...: one benchmark script f
   echo; echo "### $title (limit ${lim}s)"
   enough "$part $m" "$lim" && { timeout -k 20 "$lim" "$@" || echo "gpu.sh: $part part for $m ended with status $?"; }
 }
+bench_part() {  # bench_part PART LIMIT_S TITLE ARGS...: `mlx-trio bench ARGS` on model $m, cut at its limit
+  # (on time-out the bench stops its servers by pid before exiting); on a failure, the servers' last log lines
+  local part=$1 lim title=$3 logs="/tmp/bench-logs-$1-$m"
+  lim=$(budget "$2")
+  shift 3
+  rm -rf "$logs"
+  echo; echo "### $title (limit ${lim}s)"
+  enough "$part $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --model "$dir" --log-dir "$logs" "$@" \
+    || { echo "gpu.sh: $part part for $m ended with status $?; server logs:"; tail -n 20 "$logs"/*.log; }; }
+}
 
 for m in $MODELS; do
   dir="$MODEL_ROOT/llama-$m"
   echo; echo "== model $m"
-  rm -rf "/tmp/bench-logs-$m" "/tmp/bench-logs-long-$m"
   build_model "$m" "$dir" || { echo "gpu.sh: building $m failed"; continue; }
   case " $PARTS " in *" engine "*)
     { lim=$(budget "$ENGINE_LIMIT_S"); enough "engine $m (mlx_lm)" "$lim" && ENGINE_LIMIT_S=$lim \
@@ -337,26 +329,18 @@ for m in $MODELS; do
   case " $PARTS " in *" http "*)
     rounds=${ROUNDS:-$([ "$m" = 8b ] && echo 1 || echo 2)}
     max_c=${CONCURRENCY##*,}
-    lim=$(budget "$HTTP_LIMIT_S")
-    echo; echo "### http, $m: agents workload (limit ${lim}s)"
-    # On time-out (SIGTERM) the bench stops both servers by pid before exiting.
-    enough "http $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench $SERVE_FLAGS \
-      --model "$dir" --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
+    bench_part http "$HTTP_LIMIT_S" "http, $m: agents workload" $SERVE_FLAGS \
+      --workload agents --concurrency "$CONCURRENCY" --requests "$REQUESTS" --requests-per-stream 2 \
       --rounds "$rounds" --output-tokens "$OUTPUT_TOKENS" --system-words "$SYSTEM_WORDS" --task-words 48 \
       --followup-words 24 --rate 64 \
       --ours-args "--batch $max_c" --mlx-lm-args "--decode-concurrency $max_c" \
-      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png" --log-dir "/tmp/bench-logs-$m" \
-      || { echo "gpu.sh: http part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-$m/*.log; }; }
+      --out "$RESULTS/http-$m.json" --plot "$RESULTS/http-$m.png"
   ;; esac
   case " $PARTS " in *" agentloop "*)
-    lim=$(budget "$HTTP_LIMIT_S")
-    echo; echo "### http, $m: agent-loop workload, 8 agents, zero think time (limit ${lim}s)"
-    enough "agentloop $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload agent-loop --concurrency 8 --requests 48 --rounds 1 --system-words "$SYSTEM_WORDS" \
-      --task-words 48 --tool-result-words 300 --output-tokens 64 \
-      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --out "$RESULTS/agentloop-$m.json" --log-dir "/tmp/bench-logs-agentloop-$m" \
-      || { echo "gpu.sh: agentloop part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-agentloop-$m/*.log; }; }
+    bench_part agentloop "$HTTP_LIMIT_S" "http, $m: agent-loop workload, 8 agents, zero think time" \
+      --serve ours --serve mlx_lm --workload agent-loop --concurrency 8 --requests 48 --rounds 1 \
+      --system-words "$SYSTEM_WORDS" --task-words 48 --tool-result-words 300 --output-tokens 64 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" --out "$RESULTS/agentloop-$m.json"
   ;; esac
   case " $PARTS " in *" kvquant "*)
     script_part kvquant "${KVQUANT_LIMIT_S:-150}" "kv_quant, $m: quantized KV, admission and decode" \
@@ -368,14 +352,11 @@ for m in $MODELS; do
       --json "$RESULTS/speculative-$m.json" ${SPEC_ARGS:-}
   ;; esac
   case " $PARTS " in *" spechttp "*)
-    lim=$(budget "${SPEC_HTTP_LIMIT_S:-240}")
-    echo; echo "### http, $m: agents workload, both servers with --draft-model (the model itself) (limit ${lim}s)"
-    enough "spechttp $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload agents --concurrency 1,4,16 --requests 16 --rounds 1 --output-tokens 128 \
+    bench_part spechttp "${SPEC_HTTP_LIMIT_S:-240}" "http, $m: agents workload, both servers with --draft-model (the model itself)" \
+      --serve ours --serve mlx_lm --workload agents --concurrency 1,4,16 --requests 16 --rounds 1 --output-tokens 128 \
       --system-words "$SYSTEM_WORDS" --task-words 48 --followup-words 24 \
       --ours-args "--batch 16 --draft-model $dir" --mlx-lm-args "--decode-concurrency 16 --draft-model $dir" \
-      --out "$RESULTS/spechttp-$m.json" --log-dir "/tmp/bench-logs-spechttp-$m" \
-      || { echo "gpu.sh: spechttp part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-spechttp-$m/*.log; }; }
+      --out "$RESULTS/spechttp-$m.json"
   ;; esac
   case " $PARTS " in *" distributed "*)
     script_part distributed "${DIST_LIMIT_S:-150}" "distributed, $m: 2 ranks (${DIST_BACKEND:-nccl}) vs 1" \
@@ -383,14 +364,6 @@ for m in $MODELS; do
       --tokens 128 --json "$RESULTS/distributed-$m.json"
   ;; esac
   case " $PARTS " in *" cudnn "*)
-    # The bare-model shape costs (tenth pass: the mechanism) only when asked: CUDNN_SHAPES=1 (60 s per setting).
-    if [ "${CUDNN_SHAPES:-0}" = 1 ]; then
-      for att in 0 1; do
-        MLX_CUDA_USE_CUDNN_SDPA=$att script_part cudnn "${CUDNN_SHAPES_LIMIT_S:-60}" \
-          "prefill shapes, $m: MLX_CUDA_USE_CUDNN_SDPA=$att (0: MLX's own kernels, 1: cuDNN)" \
-          $PY benchmarks/prefill_shapes.py --model "$dir" --json "$RESULTS/cudnn-shapes-$att-$m.json" ${CUDNN_SHAPES_ARGS:-}
-      done
-    fi
     # Each backend in a fresh process (its first round is the cold process), each target on a fresh engine
     # (a fresh lease thread: cuDNN's plans are per thread, so cudnn-prefill builds them again at its start).
     for backend in mlx cudnn-prefill; do
@@ -403,12 +376,12 @@ for m in $MODELS; do
     done
     # The agent loop, ours-mlx-attention (MLX's kernels) vs ours (prefill-only cuDNN, plans built at start: the CUDA
     # default since the eleventh pass) vs mlx_lm.server.
-    script_part cudnn "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours-mlx-attention vs ours vs mlx_lm.server, 8 agents" \
-      $PY -m mlx_trio.bench --serve ours-mlx-attention --serve ours --serve mlx_lm --model "$dir" --workload agent-loop \
+    bench_part cudnn-agentloop "${CUDNN_AGENT_LIMIT_S:-85}" "agent loop, $m: ours-mlx-attention vs ours vs mlx_lm.server, 8 agents" \
+      --serve ours-mlx-attention --serve ours --serve mlx_lm --workload agent-loop \
       --concurrency 8 --requests "${CUDNN_AGENT_REQUESTS:-24}" --rounds 1 --system-words "$SYSTEM_WORDS" \
       --task-words 48 --tool-result-words 300 --output-tokens 64 \
       --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --out "$RESULTS/cudnn-agentloop-$m.json" --log-dir "/tmp/bench-logs-cudnn-agentloop-$m" ${CUDNN_AGENT_ARGS:-}
+      --out "$RESULTS/cudnn-agentloop-$m.json" ${CUDNN_AGENT_ARGS:-}
   ;; esac
   case " $PARTS " in *" profile "*)
     script_part profile "${PROFILE_LIMIT_S:-240}" "serving profile, $m: serving workload at c=${PROFILE_CONCURRENCY:-8,64,256}" \
@@ -419,34 +392,11 @@ for m in $MODELS; do
     script_part options "${OPTIONS_LIMIT_S:-300}" "serve vs engine, $m: engine B=8/64 vs HTTP c=8/64 per option kind" \
       $PY benchmarks/serve_vs_engine.py --model "$dir" --json "$RESULTS/options-$m.json" ${OPTIONS_ARGS:-}
   ;; esac
-  case " $PARTS " in *" compiled "*)
-    bs=$([ "$m" = 8b ] && echo 1,8 || echo 1,8,64)
-    script_part compiled "${COMPILED_LIMIT_S:-150}" "compiled decode, $m: compiled vs --no-compile vs bare loop, B=$bs" \
-      $PY benchmarks/compiled_decode.py --model "$dir" --batches "$bs" --json "$RESULTS/compiled-$m.json" \
-      ${COMPILED_ARGS:-}
-  ;; esac
   case " $PARTS " in *" long "*)
-    lim=$(budget "$LONG_LIMIT_S")
-    echo; echo "### http, $m: long-prompt workload, an ~8k-token prompt arrives while 4 streams decode (limit ${lim}s)"
-    enough "long $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench --serve ours --serve mlx_lm \
-      --model "$dir" --workload long-prompt --concurrency 4 --rounds 2 --long-prompt-words "$LONG_PROMPT_WORDS" \
-      --long-output-tokens 1024 --output-tokens 16 --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8" \
-      --log-dir "/tmp/bench-logs-long-$m" \
-      || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
-  ;; esac
-  case " $PARTS " in *" verify "*)
-    script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
-      $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,3,4
-  ;; esac
-  case " $PARTS " in *" smallm "*)
-    script_part smallm "${SMALLM_LIMIT_S:-90}" "small-M ops, $m: one forward's ops at L=1..8" \
-      $PY benchmarks/small_m_ops.py --shape llama-1b ${SMALLM_ARGS:-}
-  ;; esac
-  case " $PARTS " in *" churn "*)
-    # The served churn A/B (row slots on/off, alternated), then the membership change alone (--rows-only).
-    script_part churn "${CHURN_LIMIT_S:-150}" "churn, $m: c=64 serving churn, row slots on vs off, A/B alternated" \
-      bash -c "$PY benchmarks/churn.py --model $dir --requests ${CHURN_REQUESTS:-128} --ab ${CHURN_ROUNDS:-2} \
-        --json $RESULTS/churn-$m.json; $PY benchmarks/churn.py --model $dir --rows-only --ab 2 --settles 32"
+    bench_part long "$LONG_LIMIT_S" "http, $m: long-prompt workload, an ~8k-token prompt arrives while 4 streams decode" \
+      --serve ours --serve mlx_lm --workload long-prompt --concurrency 4 --rounds 2 \
+      --long-prompt-words "$LONG_PROMPT_WORDS" --long-output-tokens 1024 --output-tokens 16 \
+      --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8"
   ;; esac
   case " $PARTS " in *" ragged "*)
     script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \
@@ -464,10 +414,6 @@ for m in $MODELS; do
   case " $PARTS " in *" cohorts "*)
     script_part cohorts "${COHORTS_LIMIT_S:-120}" "cohort shapes, $m: one cohort prefill job by rows, new vs seen shapes" \
       $PY benchmarks/cohort_shapes.py --model "$dir" --json "$RESULTS/cohorts-$m.json" ${COHORTS_ARGS:-}
-  ;; esac
-  case " $PARTS " in *" lora "*)
-    script_part lora "$LORA_LIMIT_S" "lora, $m: B=8, 1/2/8 distinct rank-16 q/v adapters vs the base, and mlx_lm.server" \
-      $PY benchmarks/lora.py --model "$dir" --batch 8 --rank 16 --vs-mlx-lm --json "$RESULTS/lora-$m.json"
   ;; esac
 done
 echo; echo "== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"

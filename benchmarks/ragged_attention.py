@@ -48,8 +48,6 @@ from mlx_trio.engine.attention import ragged_kernel, routed_attention
 from mlx_trio.engine.attention.ragged_reference import reference_decode_attention
 from mlx_trio.engine.lease_thread import on_cuda, prepare_thread
 
-from compiled_decode import agreement  # rows with identical tokens, and where the others first differ
-
 # Max abs error allowed against the float32 reference, by dtype (bf16: its own rounding of outputs ~1).
 TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 5e-3}
 # (query heads, kv heads, head dim): the Llama-3.2-1B and -8B attention shapes.
@@ -59,6 +57,13 @@ TINY_HEAD_SHAPES = ((4, 2, 16), (32, 8, 64))
 
 class KernelBuildError(Exception):
     """The kernel did not compile or launch (the message is MLX's, with NVRTC's log)."""
+
+
+def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """Rows with identical tokens, and where each other row first differs."""
+    first = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None) for w, g in zip(want, got)]
+    return {"rows": len(want), "equal_rows": sum(f is None for f in first),
+            "first_differences": [f for f in first if f is not None]}
 
 
 def _case(B: int, H: int, Hkv: int, T: int, D: int, dtype: mx.Dtype, seed: int) -> tuple[mx.array, ...]:

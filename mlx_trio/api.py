@@ -66,8 +66,8 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 # A prompt of at most this many characters (or token ids), with no tools and no grammar, is prepared on the
 # Trio thread itself: rendering and tokenizing it is a fraction of a millisecond (~0.5 ms at 1024 characters
 # on this box's CPU), less than a worker thread's hand-off costs. Prepared in worker threads, a burst of 64
-# short chats took 23-27 ms to the last, inline 10 (the GIL serialises them either way; docs/benchmarks.md,
-# nineteenth pass).
+# short chats took 23-27 ms to the last, inline 10 (the GIL serialises them either way;
+# docs/lab-notes/2026-12-04-h200-pass19.md).
 INLINE_PREPARE_MAX_CHARS = 1024
 # The name every client may use for the base model (as the HTTP API's "default").
 DEFAULT_MODEL_NAME = "default"

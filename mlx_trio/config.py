@@ -106,7 +106,7 @@ class EngineConfig:
     collective_timeout_s: float = 10.0
 
     # Decode steps run the model's forward as one compiled graph where the caches allow (--no-compile
-    # turns it off, and so does MLX_TRIO_NO_COMPILE=1; engine/batch/compiled_step.py). None: a lone row's
+    # turns it off; engine/batch/compiled_step.py). None: a lone row's
     # steps on the CPU only (on CUDA its masked attention misses the fused decode kernel and lost on the
     # H200; over a batch it attends the whole masked buffer); True: batches too; never while adapters are
     # served (their per-row arrays and wrapped layers would be trace constants).

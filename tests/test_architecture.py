@@ -45,7 +45,7 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine/prompt_cache": frozenset(),
     "engine/switches": frozenset(),  # the environment's kill switches, read one way
     "engine/spans": frozenset(),  # parts of lease jobs, timed for the server-side profile
-    "engine/kv": frozenset({"engine/prompt_cache", "engine/switches"}),  # cache_clone copies host entries
+    "engine/kv": frozenset({"engine/prompt_cache"}),  # cache_clone copies host entries
     # load measures the KV layout, builds the grammar, loads one rank's shard
     "engine/model": frozenset({"engine/kv", "engine/sampling", "engine/distributed",
                                "engine/attention", "engine/switches"}),  # load wraps attention layers for the ragged kernel
@@ -55,8 +55,7 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     # Each row's forward uses its adapter; a decode step runs the lean forward (engine/model/decode_forward.py);
     # a cohort under prefill-only cuDNN shares its forwards only where the routed attention covers the model.
     "engine/batch": frozenset({"engine/kv", "engine/prompt_cache", "engine/sampling", "engine/speculative",
-                               "engine/adapters", "engine/model", "engine/attention", "engine/switches",
-                               "engine/spans"}),
+                               "engine/adapters", "engine/model", "engine/attention", "engine/spans"}),
     "engine/speculative": frozenset({"engine/kv"}),  # a draft model's KV joins, leaves and rolls back by row
     "engine/adapters": frozenset(),
     "http": frozenset({"http/server", "http/server/app"}),

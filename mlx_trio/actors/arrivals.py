@@ -6,7 +6,7 @@ template, tokens) in a worker thread first, GIL-bound, one after another: the
 prefill actor sees the wave over the tens of milliseconds the prepares take.
 Taking what has come so far cuts the wave into several cohort jobs, whose fixed
 costs repeat and whose rows wait behind each other (H200, 1B shape, c=64: 1, 57
-and 5 rows; docs/benchmarks.md, nineteenth pass). This count lets the prefill
+and 5 rows; docs/lab-notes/2026-12-04-h200-pass19.md). This count lets the prefill
 actor wait for the rest instead (actors/prefill.py `_gather`).
 
 A request counts from the start of its prepare until admission takes it

@@ -11,28 +11,25 @@ after `c` cached ones as
 
     t(n, c) = a + b·n + k·n·(c + n/2)
 
-a fixed cost per job, a cost per token (the weights: MLP, projections) and
-one per token pair (attention over the context and the chunk's own causal
-half), by least squares over the recent chunks with no coefficient below
-zero. The next chunk at a context gets the `n` whose predicted time is the
-target. Because the attention term is in the model, a long prompt's later
-chunks shrink before they are measured: the older per-context-bucket
-averages borrowed a cheaper bucket's cost at each new power of two and
-overshot the target by up to a fifth (H200, 8.5k prompt, docs/benchmarks.md,
-ninth pass), and each chunk of that overshoot is a stall of every stream.
+a fixed cost per job, a cost per token (the weights: MLP, projections) and one
+per token pair (attention over the context and the chunk's own causal half), by
+least squares over the recent chunks with no coefficient below zero. The next
+chunk at a context gets the `n` whose predicted time is the target. Because the
+attention term is in the model, a long prompt's later chunks shrink before they
+are measured: the older per-context-bucket averages borrowed a cheaper bucket's
+cost at each new power of two and overshot the target by up to a fifth (H200,
+8.5k prompt, docs/lab-notes/2026-12-01-h200-pass09.md), and each chunk of that
+overshoot is a stall of every stream.
 
-**First visits.** A chunk at an attention shape the process has not run
-before may pay for planning it: cuDNN builds a plan per exact shape (60-93 ms
-on an H200, 1B shape, against 6-10 ms a chunk once planned; docs/benchmarks.md,
-"prefill-only cuDNN"). Fitted as it was, such a chunk made the sizer pick tiny
-chunks, each a new shape that paid a plan again (a 40 ms target took an 8.5k
-prompt 220 chunks). So where the caller names a chunk's shape (the grid's
-(tokens computed, keys) pair), a first visit is fitted only as what a planned
-chunk would cost: as measured when it is within `FIRST_VISIT_TOLERANCE` of the
-fit's prediction (no plan was paid), else less the plan cost, estimated as
-the median excess of a shape's first visit over its second (`PLAN_SAMPLES`
-recent ones); with neither, it is left out. Shapes whose plans were built
-ahead (actors/plan_warmup.py) are known from the start (`know`).
+**First visits.** A chunk at an attention shape the process has not run before may pay for planning it: cuDNN
+builds a plan per exact shape (60-93 ms on an H200, 1B shape, against 6-10 ms a chunk once planned;
+docs/lab-notes/2026-12-01-h200-prefill-only-cudnn.md). Fitted as it was, such a chunk made the sizer pick tiny
+chunks, each a new shape that paid a plan again (a 40 ms target took an 8.5k prompt 220 chunks). So where the
+caller names a chunk's shape (the grid's (tokens computed, keys) pair), a first visit is fitted only as what a
+planned chunk would cost: as measured when it is within `FIRST_VISIT_TOLERANCE` of the fit's prediction (no
+plan was paid), else less the plan cost, estimated as the median excess of a shape's first visit over its
+second (`PLAN_SAMPLES` recent ones); with neither, it is left out. Shapes whose plans were built ahead
+(actors/plan_warmup.py) are known from the start (`know`).
 
 **Shared cohort jobs** (actors/prefill.py: short prompts right-padded into
 one batch under prefill-only cuDNN) have a fit of their own, `CohortCost`:

@@ -176,7 +176,7 @@ class DecodeStepActor:
         One job (`_membership`) rather than one per flush, prompt-cache put,
         leave and join: each would be a hop to Trio and back with the lease
         idle, a settle every couple of steps under a serving load
-        (benchmarks/churn.py). The rows that leave are those done before it;
+        (docs/lab-notes/2026-12-01-serving-churn.md). The rows that leave are those done before it;
         a row that the flushed tokens finish leaves in a second (leave-only)
         job right after, before any step feeds it again.
         """
@@ -239,7 +239,7 @@ class DecodeStepActor:
         The lease thread queues each next step job itself, so it never idles
         across a hop to Trio and back (waking this actor, emitting, waking
         sessions and callers: 0.4-1.1 ms per step on an H200,
-        docs/benchmarks.md), and this actor is not woken per job at all.
+        docs/lab-notes/), and this actor is not woken per job at all.
 
         A job's tokens reach Trio before the job's last step is launched: the
         lease thread reports them (`DecodeBatch.steps_decoded`) and
@@ -247,7 +247,7 @@ class DecodeStepActor:
         the sessions run while the lease thread waits in `async_eval` with the
         GIL released, not while it builds the next graph (H200, B=64,
         interleaved pairs: 0.68 of the bare loop before, 0.82-0.87 after;
-        docs/benchmarks.md). `_emit_reported` stops the chain when a row
+        docs/lab-notes/). `_emit_reported` stops the chain when a row
         finishes or leaves, a join waits, or emitting failed; the lease thread
         ends it when `MAX_UNHANDLED_REPORTS` reports wait for Trio, so a busy
         Trio thread bounds how far the batch runs ahead of its sessions (a

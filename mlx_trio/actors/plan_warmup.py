@@ -2,7 +2,7 @@
 
 Under prefill-only cuDNN attention every prefill chunk shape cuDNN has not
 planned costs a plan build (60-93 ms on an H200, 1B shape, against 6-10 ms
-a planned chunk; docs/benchmarks.md, "prefill-only cuDNN"), and cuDNN's
+a planned chunk; docs/lab-notes/2026-12-01-h200-prefill-only-cudnn.md), and cuDNN's
 plans are per thread, so a new lease thread starts with none. The shape
 grid makes the chunks of a prefill that starts on a grid point a short list
 (engine/batch/prefill_plans.py). So the prefill actor, before it takes its

@@ -65,7 +65,7 @@ log = logging.getLogger("mlx_trio.prefill")
 SNAPSHOT_MIN_TOKENS = 256
 # Until a chunk was measured (the sizer knows no cost yet), a busy prefill uses chunks of
 # prefill_step_size / this: a chunk's cost grows with its length times the prefix (H200, 1B
-# shape, 8.5k prompt: 666 ms per 2048-token chunk; docs/benchmarks.md).
+# shape, 8.5k prompt: 666 ms per 2048-token chunk; docs/lab-notes/).
 DECODING_CHUNK_DIVISOR = 4
 # A prefill passed over this many chunks in a row (shorter ones ran) runs the next one.
 AGING_CHUNKS = 4
@@ -77,10 +77,10 @@ ADAPTER_SLOT_POLL_S = 0.005
 IDLE_POLL_S = 0.05
 # Idle-time cuDNN plans wait until nothing was prefilled or decoded for this long: a closed loop's next wave
 # arrives the moment the last one ends, and a plan job (60-90 ms on an H200) started in that gap held the
-# whole wave back (docs/benchmarks.md, eighteenth pass).
+# whole wave back (docs/lab-notes/2026-12-04-h200-pass18.md).
 PLAN_QUIET_S = 0.5
 # A cohort waits at most this long for a wave's requests still being prepared (`_gather`), and looks again this
-# often: a wave of 63 on an H200 was prepared over ~80 ms (docs/benchmarks.md, nineteenth pass).
+# often: a wave of 63 on an H200 was prepared over ~80 ms (docs/lab-notes/2026-12-04-h200-pass19.md).
 GATHER_MAX_S = 0.1
 GATHER_POLL_S = 0.002
 
@@ -91,7 +91,7 @@ def cohort_weight(uncached: int, context: int, chunk: int) -> float:
     Its uncached tokens, scaled by how many chunks its attention spans: the
     forward's linear work grows with the tokens alone, its attention with
     tokens times context, and MLX's CUDA backend materialises those scores
-    for a prefill (docs/benchmarks.md, third pass). So 16 fresh 128-token
+    for a prefill (docs/lab-notes/2026-11-29-h200-pass03.md). So 16 fresh 128-token
     prompts fill a 2048-token cohort, while prompts that add 128 tokens to
     an 8k cached prefix fill it at 3: about as many query-by-context score
     entries as one 512-token chunk of an 8.5k prompt, a decode stall already
@@ -524,13 +524,13 @@ class PrefillActor:
 
         The target bounds the decode stall of running rows; it costs every
         waiting row its first token. When a wave arrives at once (a closed
-        loop's next turns: 63 prompts behind one decoding row), cutting it
-        into target-sized jobs kept all but a few waiting 0.2-0.3 s, behind
-        jobs whose fixed costs repeat and step links between them (H200, 1B
-        shape, c=64: 3-4 cohort jobs a wave; docs/benchmarks.md, eighteenth
-        pass), to spare a row or two a longer gap. So the budget grows with
-        the rows that wait against those that decode (1 while they are
-        fewer); the job's forwards stay bounded (`_shared_cohort_fits`).
+        loop's next turns: 63 prompts behind one decoding row), cutting it into
+        target-sized jobs kept all but a few waiting 0.2-0.3 s, behind jobs
+        whose fixed costs repeat and step links between them (H200, 1B shape,
+        c=64: 3-4 cohort jobs a wave; docs/lab-notes/2026-12-04-h200-pass18.md),
+        to spare a row or two a longer gap. So the budget grows with the rows
+        that wait against those that decode (1 while they are fewer); the job's
+        forwards stay bounded (`_shared_cohort_fits`).
         """
         return max(1.0, self._waiting / max(self._lane.decoding_rows, 1))
 
@@ -567,7 +567,7 @@ class PrefillActor:
         system prompt by a few hundred tokens each (a chunk of ~10 ms and
         token 0's step, H200, 1B shape) then prefill several to a lease job
         instead of taking four jobs each, each followed by a step link of a
-        batch that stays small meanwhile (docs/benchmarks.md, twelfth pass).
+        batch that stays small meanwhile (docs/lab-notes/2026-12-01-h200-pass12.md).
         Short prompts' cohorts share their forwards there (`_shares_forwards`) and
         are bounded by their padded tokens instead.
         """

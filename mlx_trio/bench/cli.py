@@ -47,7 +47,7 @@ Workloads: agents (multi-turn sessions sharing a system prompt, Poisson arrivals
 (independent prompts, each with the sampling options of --options), long-prompt (one long prefill while other streams decode), serving (prompts
 log-uniform in --min/--max-prompt-words, outputs --output-tokens..--max-output-tokens, per-row
 sampling options mixed, Poisson arrivals).
-More in docs/benchmarks.md ("mlx-trio bench")."""
+More in docs/bench.md."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

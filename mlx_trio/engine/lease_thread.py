@@ -28,7 +28,7 @@ log = logging.getLogger("mlx_trio.engine")
 # of a prefill chunk and every 256-token growth of a lone row's KV buffer. A build costs
 # ~50 ms (H200, 1B shape; the first one ~0.5 s), and a server meets new shapes all the time:
 # prompt lengths and cache-hit offsets differ per request. Measured on an H200 (1B shape, an
-# 8.5k-token prompt in 512-token chunks while 4 rows decode, docs/benchmarks.md): chunks took
+# 8.5k-token prompt in 512-token chunks while 4 rows decode, docs/lab-notes/): chunks took
 # 56 ms with cuDNN on unseen shapes (7.6 ms on seen ones) against 22-30 ms with MLX's own
 # kernels, and the first long request stalled the running rows for seconds. So MLX's own
 # kernels are the default here; setting the variable yourself wins (0: MLX's kernels, else cuDNN
@@ -51,11 +51,12 @@ ATTENTION_BACKEND_ENV = "MLX_TRIO_ATTENTION_BACKEND"
 MLX_KERNELS, CUDNN, CUDNN_PREFILL = "mlx", "cudnn", "cudnn-prefill"
 ATTENTION_BACKENDS = (MLX_KERNELS, CUDNN, CUDNN_PREFILL)
 # The choice on CUDA when neither variable is set: prefill-only cuDNN, its plans built ahead by the
-# prefill actor (actors/plan_warmup.py, --cudnn-warm-tokens). H200, Llama-1B shape (docs/benchmarks.md,
-# eleventh pass): an 8.5k prompt beside 4 streams reached its first token in 121-166 ms with the largest
-# decode gap 23-29 ms (MLX's kernels: 305-431 ms), and the agent loop's TTFT p50 was 176 ms against
-# MLX's kernels' 781 and mlx_lm.server's 847 (8B shape: 482 / 1729 / 2897). Speculation still falls
-# back to MLX's kernels (`attention_backend`); MLX_TRIO_ATTENTION_BACKEND=mlx restores them.
+# prefill actor (actors/plan_warmup.py, --cudnn-warm-tokens). H200, Llama-1B shape (
+# docs/lab-notes/2026-12-01-h200-pass11.md): an 8.5k prompt beside 4 streams reached its first
+# token in 121-166 ms with the largest decode gap 23-29 ms (MLX's kernels: 305-431 ms), and the
+# agent loop's TTFT p50 was 176 ms against MLX's kernels' 781 and mlx_lm.server's 847 (8B shape:
+# 482 / 1729 / 2897). Speculation still falls back to MLX's kernels (`attention_backend`);
+# MLX_TRIO_ATTENTION_BACKEND=mlx restores them.
 DEFAULT_CUDA_BACKEND = CUDNN_PREFILL
 # Lists the variables above that a lease thread set for its own process, not the user (`forget_inherited`).
 SET_BY_LEASE_ENV = "MLX_TRIO_SET_BY_LEASE"
@@ -128,14 +129,15 @@ def _why(env: Mapping[str, str], speculates: bool) -> str:
 def forget_inherited(env: MutableMapping[str, str]) -> None:
     """Drop from `env` the variables a parent's lease thread set for its own process (`SET_BY_LEASE_ENV`).
 
-    `prepare_thread` sets MLX's variables in the process environment (MLX
-    reads them there), and every process started afterwards inherits them:
-    a benchmark that opened an engine, then started `mlx-trio serve`, gave
-    the server `MLX_CUDA_USE_CUDNN_SDPA=1`, which reads as the user's choice
-    of cuDNN everywhere, so the server ran cuDNN decode and built a cuDNN plan
-    for every new cohort shape (~0.6 s each on an H200, docs/benchmarks.md,
-    twentieth pass) instead of its default. A child chooses as if started
-    from the user's shell; what the user set (never listed) stays.
+    `prepare_thread` sets MLX's variables in the process environment (MLX reads
+    them there), and every process started afterwards inherits them: a benchmark
+    that opened an engine, then started `mlx-trio serve`, gave the server
+    `MLX_CUDA_USE_CUDNN_SDPA=1`, which reads as the user's choice of cuDNN
+    everywhere, so the server ran cuDNN decode and built a cuDNN plan for every
+    new cohort shape (~0.6 s each on an H200,
+    docs/lab-notes/2026-12-04-h200-pass20.md) instead of its default. A child
+    chooses as if started from the user's shell; what the user set (never
+    listed) stays.
     """
     for name in _names(env.pop(SET_BY_LEASE_ENV, None)):
         env.pop(name, None)

@@ -6,7 +6,7 @@ variable unset nothing happens and every hook below is a no-op; set, a
 meanwhile logs its jobs into it (`shared_job_log`), the serve command hands
 it the engine's counters (`watch_counters`), SIGUSR1 cuts a window, and the
 JSON document is written at each cut and when the server stops. How to run
-it and what the file holds: docs/benchmarks.md ("Server-side profile").
+it and what the file holds: docs/profiling.md.
 Never imports MLX or the engine: the lease (actors/) calls in here.
 """
 

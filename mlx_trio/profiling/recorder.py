@@ -1,15 +1,14 @@
 """The server-side profile: a daemon thread that samples stacks, drains the lease's job log and cuts windows.
 
 Every `interval_s` the thread takes `sys._current_frames()` and counts each
-other thread's stack under its `threading` name (`stacks.StackCounts`),
-and moves new job-log entries into the current window's `JobStats`. A
-*mark* (`Profiler.mark`, safe from any thread and from a signal handler)
-closes the current window and opens the next one; each closed window
-records wall time, the lease's busy time, its jobs by name, the engine's
-counter deltas (decode steps, tokens, requests), per-thread CPU
-(`thread_cpu`) and the sampled functions, and the whole document is
-rewritten to `path` (also at `stop`). The format is in docs/benchmarks.md
-("Server-side profile").
+other thread's stack under its `threading` name (`stacks.StackCounts`), and
+moves new job-log entries into the current window's `JobStats`. A *mark*
+(`Profiler.mark`, safe from any thread and from a signal handler) closes the
+current window and opens the next one; each closed window records wall time, the
+lease's busy time, its jobs by name, the engine's counter deltas (decode steps,
+tokens, requests), per-thread CPU (`thread_cpu`) and the sampled functions, and
+the whole document is rewritten to `path` (also at `stop`). The format is in
+docs/profiling.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ handed to the handler that writes it). A window's summary gives, for each
 step between two phases, the p50 / p95 / max milliseconds over the requests
 that reached both, so a serving burst's time to first token can be cut into
 admission, the wait for the prefill, the prefill job and the way back out
-(docs/benchmarks.md, "Server-side profile"). Appends happen on the Trio
+(docs/profiling.md. Appends happen on the Trio
 thread; the profiler thread only swaps the dict out. No MLX, no Trio.
 """
 

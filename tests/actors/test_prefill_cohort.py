@@ -120,12 +120,15 @@ async def _cudnn_actor(lease: GpuLease, monkeypatch: pytest.MonkeyPatch, forward
                        in_sequence: bool = True, decoding_rows: int | None = None,
                        ) -> tuple[PrefillActor, trio.MemoryReceiveChannel[JoinRow]]:
     """A prefill actor as under prefill-only cuDNN, rows decoding, a 50 ms target, its sizer fitted to a fixed
-    `forward_s` a forward; `in_sequence`: cohorts prefill row after row (MLX_TRIO_COHORTS_IN_SEQUENCE)."""
+    `forward_s` a forward; `in_sequence`: cohorts prefill row after row, as for a model whose attention is not
+    routed (engine/attention/routed_attention.py)."""
     from mlx_trio.actors import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "prefill_only_cudnn", lambda: True)
     if in_sequence:
-        monkeypatch.setenv("MLX_TRIO_COHORTS_IN_SEQUENCE", "1")
+        from mlx_trio.engine.attention import routed_attention
+
+        monkeypatch.setattr(routed_attention, "covers", lambda model: False)
     model: LoadedModel = await lease.run(partial(load_model, str(tiny_model(LLAMA))))
     join_send, join_recv = trio.open_memory_channel[JoinRow](8)
     actor = PrefillActor(_lane(lease, model, decoding=True, decoding_rows=decoding_rows, prefill_step_size=64,

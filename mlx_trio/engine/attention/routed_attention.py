@@ -254,8 +254,9 @@ def _check_kernel(layers: list[RoutedAttention]) -> str | None:
     """`ragged_kernel.self_check` for each distinct attention shape (the scale gives the head dim in this family).
 
     A float32 model keeps mlx-lm's attention: on the H200 the kernel's float32 results were 3e-5 to
-    1.6e-3 off a float32 reference where MLX's masked attention is within 1e-7 (docs/benchmarks.md,
-    eleventh pass), and a float32 model is asked for because its numbers matter.
+    1.6e-3 off a float32 reference where MLX's masked attention is within 1e-7
+    (docs/lab-notes/2026-12-01-h200-pass11.md), and a float32 model is asked for because its
+    numbers matter.
     """
     weight = getattr(getattr(layers[0], "q_proj", None), "weight", None)
     if isinstance(weight, mx.array) and weight.dtype == mx.float32:

@@ -12,7 +12,7 @@ cuDNN builds a plan per exact shape of queries and keys (~45 ms on an
 H200, then 0.3 ms a run), and MLX's own kernels, which the lease selects
 (engine/lease_thread.py), cost less extra but still some (a 512-token
 chunk at ~6k context: 24-38 ms on a new context, 16-27 ms on a seen one;
-docs/benchmarks.md, ninth pass). A chunk's key length is the context it
+docs/lab-notes/2026-12-01-h200-pass09.md). A chunk's key length is the context it
 ends at, new for nearly every chunk of every prompt. On the grid, every chunk ends
 at a multiple of `grid` tokens and holds a multiple of `grid` (one of
 `GRID_MULTIPLES`), so prompts walk the same few shapes again; a chunk asked
@@ -79,7 +79,7 @@ def grid_chunk(fed: int, n: int, grid: int, *, rest: int | None = None, cap: int
     smallest listed chunk that holds them all is at most `2 n` (and `cap`)
     tokens, they go in that one chunk, padded, rather than in a whole-step
     chunk and a padded tail after it: a chunk on a GPU costs mostly its
-    launches (H200, 1B shape: ~9 ms for 512 tokens, docs/benchmarks.md), so
+    launches (H200, 1B shape: ~9 ms for 512 tokens, docs/lab-notes/), so
     one padded forward is cheaper than two.
     """
     if fed % grid:
@@ -198,7 +198,7 @@ class ChunkedPrefill:
             # A gridded chunk computes at least one grid step (or up to the next grid point) whatever
             # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
             # padded to a step cost the same and left the next chunks off the grid, each a new shape
-            # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/benchmarks.md).
+            # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/lab-notes/).
             n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
                                 rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
             if self.fed % self._grid == 0:

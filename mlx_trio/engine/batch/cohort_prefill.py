@@ -43,17 +43,16 @@ from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
 from mlx_trio.engine.kv.row_blocks import RowBlock, batch_index
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.engine.switches import switched_on
 from mlx_trio.engine.spans import span
 
 # Under prefill-only cuDNN, the longest prompt whose cohort shares its forwards (`can_prefill_together`), the
 # most rows and padded tokens (rows x the longest) one forward takes, the prompt columns one forward feeds
 # (`prefill_together`), and the most query-key pairs a head of one forward scores (rows x columns x keys,
-# cached prefixes included: `forward_groups`). The plain attention holds them all at once: 2^22 pairs are
-# 256 MiB of bf16 scores at 32 heads (4 rows of 2048 tokens, or 64 short prompts of 64, fit). 64 rows: a
-# closed loop's wave at the default --batch in one forward (H200, 1B shape: 32-row groups took a wave two
-# forwards, two token-0 steps and a group of 2-7 stragglers at a shape of its own; docs/benchmarks.md,
-# eighteenth pass).
+# cached prefixes included: `forward_groups`). The plain attention holds them all at once: 2^22 pairs are 256
+# MiB of bf16 scores at 32 heads (4 rows of 2048 tokens, or 64 short prompts of 64, fit). 64 rows: a closed
+# loop's wave at the default --batch in one forward (H200, 1B shape: 32-row groups took a wave two forwards,
+# two token-0 steps and a group of 2-7 stragglers at a shape of its own;
+# docs/lab-notes/2026-12-04-h200-pass18.md).
 COHORT_CUDNN_MAX_ROWS = 64
 COHORT_CUDNN_MAX_CONTEXT = 2048
 COHORT_CUDNN_MAX_TOKENS = 8192
@@ -68,8 +67,6 @@ COHORT_ROW_BUCKET_MAX_TOKENS = 256
 # next steps and cohorts, which a cleared cache would allocate from the device again (~3 ms a cohort job to
 # clear on an H200).
 COHORT_CLEAR_MIN_TOKENS = 8192
-# Set to 1 for cohorts that prefill row after row under prefill-only cuDNN (`prefill_in_sequence`), as before.
-IN_SEQUENCE_SWITCH = "MLX_TRIO_COHORTS_IN_SEQUENCE"
 
 
 def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
@@ -158,7 +155,7 @@ def prefill_in_sequence(rows: Sequence[SoloRow]) -> None:
     launched (`mx.async_eval`) and the host builds the next one while the
     device runs it; every token 0 is read at the end. A cohort of short
     prompts under prefill-only cuDNN is host-bound forwards one after
-    another (H200, 1B shape: ~9 ms a 512-token chunk, docs/benchmarks.md),
+    another (H200, 1B shape: ~9 ms a 512-token chunk, docs/lab-notes/),
     so the device's time of each but the last is hidden. An error leaves
     the rows unusable (the caller closes them all): they share the evaluation.
     """
@@ -187,9 +184,8 @@ def can_prefill_together(rows: Sequence[SoloRow], model: nn.Module | None = None
     share their forwards only when `model`'s every attention layer is routed (engine/attention/
     routed_attention.py: it runs a `CohortKVCache`'s attention on MLX's plain ops, no cuDNN), there
     every prompt is at most `COHORT_CUDNN_MAX_CONTEXT` tokens (the plain attention holds rows x heads x
-    queries x keys scores; `prefill_rows` bounds each forward's rows and tokens: `forward_groups`), and
-    `MLX_TRIO_COHORTS_IN_SEQUENCE` is not set; otherwise each row prefills alone on the grid's
-    planned chunks (`prefill_in_sequence`).
+    queries x keys scores; `prefill_rows` bounds each forward's rows and tokens: `forward_groups`);
+    otherwise each row prefills alone on the grid's planned chunks (`prefill_in_sequence`).
     """
     if len(rows) < 2 or not _plain(rows):
         return False
@@ -204,16 +200,11 @@ def shares_forwards(model: nn.Module) -> bool:
     share the cohort's forwards.
 
     What `can_prefill_together` asks there of the model, not of each row: its
-    attention routed, the switch not set. The prefill actor sizes such a
+    attention routed. The prefill actor sizes such a
     cohort by its padded tokens, not by the rows' prefills one after another
     (actors/prefill.py `_cohort`).
     """
-    return not in_sequence_forced() and routed_attention.covers(model)
-
-
-def in_sequence_forced() -> bool:
-    """`MLX_TRIO_COHORTS_IN_SEQUENCE=1`: under prefill-only cuDNN every cohort row prefills alone, as before."""
-    return switched_on(IN_SEQUENCE_SWITCH)
+    return routed_attention.covers(model)
 
 
 def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
@@ -260,7 +251,7 @@ def prefill_together(model: nn.Module, rows: Sequence[SoloRow]) -> None:
             logits = model(mx.stack([*lasts, *(_right_padded(None, 1) for _ in range(spare))]), cache=caches)[:, -1, :]
     with span(f"cohort.sample+eval {len(rows)}"):
         # Plain greedy rows take one argmax over the batch (each row's own argmax: the same token), not a
-        # sampler graph each (~1 ms of the lease thread a row on an H200; docs/benchmarks.md, eighteenth pass).
+        # sampler graph each (~1 ms of the lease thread a row on an H200; docs/lab-notes/2026-12-04-h200-pass18.md).
         greedy = [i for i, row in enumerate(rows) if row.sampler.is_plain_greedy]
         arrays = [a for i, row in enumerate(rows) if not row.sampler.is_plain_greedy
                   for a in row.draw_token0(logits[i : i + 1], lasts[i])]
@@ -291,7 +282,7 @@ def cohort_shape(rows: int, longest: int) -> tuple[int, int]:
     Each padded shape the device meets the first time costs a cohort job
     about 12-15 ms more than a shape it ran before (H200, 1B shape: 27 ms
     against 12 ms for 2 rows of ~50 tokens, whether or not MLX records CUDA
-    graphs; docs/benchmarks.md, fourteenth pass), while a row of a short
+    graphs; docs/lab-notes/2026-12-01-h200-pass14.md), while a row of a short
     prompt adds under 1 ms. So short prompts meet at most 6 x 8 shapes; a
     longer prompt's empty row would cost its compute, so those keep their rows.
     """

@@ -32,8 +32,8 @@ on the CPU every step's logits and KV are bit-identical to the uncompiled
 step's, float32 and bfloat16 (tests/engine/batch/test_compiled_step.py, with
 the tokens of whole schedules and the goldens through the engine). On a GPU
 the fused kernels and the other attention kernel may round differently in
-the last bits, as padded rows do against solo ones; benchmarks/compiled_decode.py
-reports whether the greedy tokens still agree there. On MLX's CUDA backend an
+the last bits, as padded rows do against solo ones (the device runs:
+docs/lab-notes/2026-12-01-compiled-decode.md). On MLX's CUDA backend an
 array mask keeps attention off the fused `sdpa_vector` kernel (head dims 64
 and 128), so whether this is faster there is what that benchmark measures.
 
@@ -44,7 +44,7 @@ one position. A batch with rotating layers (mlx-lm's `BatchRotatingKVCache`),
 SSM state, or quantized KV takes the uncompiled step, and so does, for good,
 a model whose trace asks its caches for what a slot does not provide (a
 decode mask for a window narrower than its ring: `CompiledForward.broken`).
-`--no-compile` or `MLX_TRIO_NO_COMPILE=1` turns it all off.
+`--no-compile` turns it all off.
 
 Contract: the model's weights (and any other array the forward reads that
 is not a cache's) are constants of a trace, captured by reference. Code
@@ -67,10 +67,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
-from mlx_trio.engine.switches import switched_on
-
-# Set to 1 to restore the uncompiled step whatever the configuration says (the kill switch).
-KILL_SWITCH = "MLX_TRIO_NO_COMPILE"
 # mlx-lm's KV buffer step (KVCache.step == BatchKVCache.step).
 _STEP = 256
 # Shapes traced before the traces are dropped (a fresh `mx.compile`; the old one's destructor erases
@@ -79,16 +75,16 @@ MAX_TRACES = 64
 
 
 def compile_wanted(requested: bool | None) -> bool:
-    """Whether decode steps compile: asked for (no `--no-compile`) and not killed by `MLX_TRIO_NO_COMPILE=1`.
+    """Whether decode steps compile: as asked (`--no-compile` asks False).
 
     None (the configuration's default) means on the CPU only, and there for lone rows only
     (`DecodeBatch`): on MLX's CUDA backend the compiled forward's masked attention cannot use the
     fused decode kernel and loses at B=1 and B=64 on an H200, and over a CPU batch it attends the whole
-    masked buffer (docs/benchmarks.md, "Compiled decode step").
+    masked buffer (docs/lab-notes/2026-12-01-compiled-decode.md).
     """
     if requested is None:
         requested = mx.default_device() != mx.gpu
-    return requested and not switched_on(KILL_SWITCH)
+    return requested
 
 
 class _Slot:

@@ -94,7 +94,7 @@ MAX_QUIET_STEPS = 8
 # A join that copied running rows holding at least this much KV gives the replaced buffers back to the device
 # (`mx.clear_cache`); smaller copies stay in MLX's buffer cache for the next steps and joins. A wave that
 # joined an empty or one-row batch cleared it every time: 7-9 ms, and the next cohort job allocated from the
-# device again (H200, 1B shape, c=64; docs/benchmarks.md, nineteenth pass).
+# device again (H200, 1B shape, c=64; docs/lab-notes/2026-12-04-h200-pass19.md).
 JOIN_CLEAR_MIN_BYTES = 256 << 20
 # Row slots (see the module docstring): the slots grow by this fraction of theirs (at least one) when a
 # join finds too few free, and a leave compacts them once more than this share is free. A free slot costs
@@ -157,7 +157,6 @@ class DecodeBatch:
         self._model = model
         # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
         self._max_rows = max_rows
-        self._slots_wanted = row_slots.wanted()
         # The slot of each row (aligned with _rows), or None: row i is in slot i and every slot holds a row.
         self._slots: list[int] | None = None
         self._num_slots = 0
@@ -167,7 +166,7 @@ class DecodeBatch:
         self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
         # The default (None) compiles a lone row's steps only: over a batch the compiled forward attends the
         # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
-        # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
+        # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/lab-notes/). True compiles both.
         self._compile_batches = compile_decode is True
         # Else the step's forward with a third fewer graph nodes where the model allows (engine/model/decode_forward.py).
         self._lean = DecodeForward.of(model)
@@ -335,7 +334,7 @@ class DecodeBatch:
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
-        return (self._slots_wanted and self._speculator is None and not self._kv_scheme.quantized
+        return (self._speculator is None and not self._kv_scheme.quantized
                 and all(use is None for use in self._adapters) and all(row.adapter is None for row in joiners)
                 and row_slots.supports_slots(self._caches)
                 # A cohort's row is a filled bf16 batch row of its block: its own slices need not be cut to tell.
@@ -483,7 +482,7 @@ class DecodeBatch:
         build). While the device is the bottleneck, that read would wait for
         it and leave it idle until the next launch, so they are read after
         the launch, as without `report` (H200, Llama-8B, B=1: 0.85 vs 1.03 of
-        the bare loop; docs/benchmarks.md, fifth pass). Which one it is, the
+        the bare loop; docs/lab-notes/2026-11-29-h200-pass05.md). Which one it is, the
         last read tells: it waited for the device longer than
         `DEVICE_BOUND_WAIT_S`, or it did not.
         """

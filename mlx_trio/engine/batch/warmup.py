@@ -2,7 +2,7 @@
 
 MLX's CUDA backend compiles a kernel the first time an operation meets a new
 dtype or layout (the compiled code is cached on disk for later processes).
-On a fresh H200 machine (1B shape, docs/benchmarks.md) the first time a row
+On a fresh H200 machine (1B shape, docs/lab-notes/) the first time a row
 left a batch that held an 8.5k-token row, `leave` and the next step took
 2.3 s each, and every running stream stalled for 4.6 s. A few random rows
 taken through every batch-lane operation at load (a cohort prefill, adopt,
@@ -15,7 +15,7 @@ through speculative steps too: verify forwards of K+1 queries, per-row
 rollback, the draft's own prefill and steps. Without that, the first
 speculative requests on a fresh H200 paid the compiles: a same-model draft
 decoded at 58 tok/s over its first 256 tokens where the warm steps ran at
-about 150 (benchmarks/speculative.py, docs/benchmarks.md).
+about 150 (benchmarks/speculative.py, docs/lab-notes/).
 
 Runs on the lease thread.
 """

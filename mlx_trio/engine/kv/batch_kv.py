@@ -5,7 +5,7 @@ padded and the mask is all true. On MLX's CUDA backend the fused decode
 attention kernel (`sdpa_vector`) refuses array masks, so every layer of
 every step falls back to unfused attention: scale, matmul, mask, softmax,
 matmul, about six kernels in place of one. On an H200 (Llama-1B shape,
-B=16, docs/benchmarks.md, fourth pass) a step took 5.68 ms with
+B=16, docs/lab-notes/2026-11-29-h200-pass04.md) a step took 5.68 ms with
 `BatchKVCache` and 3.65 ms with this class, against 3.59 ms for a plain
 `KVCache` of 16 rows.
 

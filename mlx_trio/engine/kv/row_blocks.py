@@ -5,7 +5,7 @@ and hands each row its own caches back: a slice of every layer per row. The
 decode batch then joined those rows one by one, and every step of that is an
 operation per row per layer: a slot's `slice_update`, or mlx-lm's `merge`
 (H200, 1B shape: 27 rows into the batch took 58 ms, where the device has
-microseconds of copying to do; docs/benchmarks.md, eighteenth pass). Here the
+microseconds of copying to do; docs/lab-notes/2026-12-04-h200-pass18.md). Here the
 rows that join together from one cohort are copied out of the cohort's cache
 in one gather a layer (`take_rows`), or written into the batch's free slots
 in one scatter a layer (`write_block`), right-aligned as row_slots.py writes

@@ -43,17 +43,8 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv import batch_kv
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
-from mlx_trio.engine.switches import switched_on
-
-# Set to 1 for mlx-lm's filter / extend on every join and leave (the kill switch; benchmarks/churn.py's A/B).
-KILL_SWITCH = "MLX_TRIO_NO_ROW_SLOTS"
 # Cut the front every live row has as padding once it reaches this share of the batch's positions.
 TRIM_SHARE = 0.25
-
-
-def wanted() -> bool:
-    """Whether batches use row slots: unless `MLX_TRIO_NO_ROW_SLOTS=1`."""
-    return not switched_on(KILL_SWITCH)
 
 
 def supports_slots(caches: Sequence[Any]) -> bool:

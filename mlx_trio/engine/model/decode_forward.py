@@ -1,11 +1,10 @@
 """A decode step's forward (one token a row) with a third fewer graph nodes than mlx-lm's, same numbers.
 
-On CUDA a decode step is host-bound: the device finishes a step before the
-host has built and launched the next, and the host's time grows with the
-graph's primitives (about 1.1 µs each to build and 1.5 µs to launch on the
-H200: benchmarks/step_anatomy.py, docs/benchmarks.md "H200, thirteenth
-pass"). A fused llama layer (engine/model/fused_projections.py) makes 38
-primitives a step through mlx-lm's modules; 14 of them do no arithmetic:
+On CUDA a decode step is host-bound: the device finishes a step before the host has built and launched the
+next, and the host's time grows with the graph's primitives (about 1.1 µs each to build and 1.5 µs to
+launch on the H200: benchmarks/step_anatomy.py, docs/lab-notes/2026-12-01-h200-pass13.md). A fused llama
+layer (engine/model/fused_projections.py) makes 38 primitives a step through mlx-lm's modules; 14 of them
+do no arithmetic:
 
 - each `nn.Linear` call transposes its weight (`x @ weight.T`, a node per
   call): here every weight is transposed once, an evaluated view of the same

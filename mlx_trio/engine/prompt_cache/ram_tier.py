@@ -56,7 +56,7 @@ class CacheEntry:
         n = min(len(self.ids), len(ids))
         differ = self.ids[:n] != ids[:n]
         # The first True, without `flatnonzero`'s index array: 2.3x faster over 2.7k-token entries, and every
-        # lookup runs this once per entry on the Trio thread (docs/benchmarks.md, thirteenth pass, c=256).
+        # lookup runs this once per entry on the Trio thread (docs/lab-notes/2026-12-01-h200-pass13.md, c=256).
         first = int(differ.argmax()) if n else 0
         return first if n and differ[first] else n
 

@@ -3,7 +3,7 @@
 A decode batch's rows each have their own options (logit_bias, penalties,
 temperature, top-p/min-p/top-k, a seed, a grammar, logprobs). Sampling them
 row by row costs Python and graph-building per row per step (a 2-token
-`logit_bias` alone cost ~40 % of H200 throughput at B=64: docs/benchmarks.md).
+`logit_bias` alone cost ~40 % of H200 throughput at B=64: docs/lab-notes/).
 `BatchSampler` keeps each option as a per-row array, built when rows join or
 leave, and applies each feature as one batched operation, only while some row
 uses it; a row that does not use a feature gets its identity (a bias of 0, a

@@ -18,11 +18,11 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 def _origins(value: Iterable[str] | str | None) -> tuple[str, ...]:
-    """Accept mlx_lm.server's comma list as well as a sequence of origins."""
+    """Accept mlx_lm.server's comma list as well as a sequence of origins (each of which may be such a list)."""
     if value is None:
         return ()
-    items = value.split(",") if isinstance(value, str) else value
-    return tuple(o.strip().rstrip("/") for o in items if o.strip())
+    items = [value] if isinstance(value, str) else value
+    return tuple(o.strip().rstrip("/") for item in items for o in item.split(",") if o.strip())
 
 
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -83,3 +83,6 @@ class ServerConfig:
     api_server_count: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     # A listening socket to serve instead of binding host:port (a front process's inherited one).
     listen_fd: int | None = None
+    # (flag, value, source) of every `mlx-trio serve` setting (mlx_trio/settings.py), served by
+    # /health?settings=1; empty when the server was not started from the command line.
+    settings: tuple[tuple[str, Any, str], ...] = attrs.field(default=(), converter=tuple, eq=False, hash=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Quart, Response
+from quart import Quart, Response, request
 
 from mlx_trio.http.server.errors import model_not_found
 from mlx_trio.errors import MlxTrioError
@@ -27,6 +27,11 @@ def status_payload(state: AppState) -> dict[str, Any]:
         "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}}
 
 
+def _settings(state: AppState) -> dict[str, Any]:
+    return {"settings": [{"name": name, "value": value, "source": source}
+                         for name, value, source in state.config.settings]}
+
+
 def register_info(app: Quart, state: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
@@ -36,13 +41,17 @@ def register_info(app: Quart, state: AppState) -> None:
         (the prompt cache's SSD tier turned off by a hung disk; a KV budget shrunk
         because the device is short of memory: "degraded: memory ..." with the
         numbers), when anything does.
+        `?settings=1` adds `settings`: each `mlx-trio serve` flag's effective value
+        and where it came from (default, flag, environment); probes poll without it.
         """
+        extra = _settings(state) if request.args.get("settings") else {}
         if state.draining:
-            return json_response({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
+            return json_response({"status": "draining", "reason": "draining: the server is shutting down",
+                                  **extra}, 503)
         ok, reason = state.engine.health()
         details = _degraded(state)
         body = {"status": "ok"} if ok else {"status": "unavailable", "reason": reason}
-        return json_response({**body, "details": details} if details else body, 200 if ok else 503)
+        return json_response({**body, **({"details": details} if details else {}), **extra}, 200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:

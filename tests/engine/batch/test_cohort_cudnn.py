@@ -6,8 +6,7 @@ the routed attention then sends a `CohortKVCache`'s attention to
 the cohort's rows must end exactly where the same cohort ends without the
 switch, and like their solo prefills (as tests/engine/batch/test_cohort_prefill.py
 checks those). Where the routed attention does not cover the model, for long
-prompts, too many rows, or `MLX_TRIO_COHORTS_IN_SEQUENCE=1`, the rows prefill
-alone.
+prompts or too many rows, the rows prefill alone.
 """
 
 from __future__ import annotations
@@ -103,16 +102,13 @@ def test_short_prompts_share_their_forwards_off_cudnn_and_end_as_without_it(rout
             np.testing.assert_allclose(x, y, atol=1e-4)
 
 
-def test_where_a_cohort_keeps_prefilling_row_after_row(routed, cudnn_layout, monkeypatch) -> None:
+def test_where_a_cohort_keeps_prefilling_row_after_row(routed, cudnn_layout) -> None:
     short = [make() for make in _makers(routed)]
     assert not can_prefill_together(short)  # no model: the route cannot be checked
     unrouted = load(str(tiny_model(LLAMA)))[0]
     assert not can_prefill_together([make() for make in _makers(unrouted)], unrouted)
     long = [make() for make in _makers(routed, (7, cohort_prefill.COHORT_CUDNN_MAX_CONTEXT + 1))]
     assert not can_prefill_together(long, routed)
-    monkeypatch.setenv(cohort_prefill.IN_SEQUENCE_SWITCH, "1")
-    assert not can_prefill_together(short, routed)
-    monkeypatch.delenv(cohort_prefill.IN_SEQUENCE_SWITCH)
     assert can_prefill_together(short, routed)
     for row in [*short, *long]:
         row.close()

@@ -116,12 +116,12 @@ def test_covers_lone_rows_and_host_padded_batches_at_one_position() -> None:
     assert not compiled_step.covers([])
 
 
-def test_kill_switch_restores_the_uncompiled_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_decode_false_keeps_the_uncompiled_step() -> None:
+    """`--no-compile` (compile_decode=False) is the one way to turn the compiled step off."""
     model = _load("llama")
     assert DecodeBatch(model, compile_decode=True)._compiled is not None
     assert DecodeBatch(model)._compiled is None
-    monkeypatch.setenv(compiled_step.KILL_SWITCH, "1")
-    assert DecodeBatch(model, compile_decode=True)._compiled is None
+    assert DecodeBatch(model, compile_decode=False)._compiled is None
 
 
 def _prefilled(model: Any, n: int) -> list[Any]:

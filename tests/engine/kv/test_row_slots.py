@@ -213,12 +213,3 @@ def test_slots_grow_up_to_max_rows_and_compact_when_mostly_free() -> None:
     for i in range(4, 10):
         got = driver.tokens[f"r{i}"]
         assert tuple(got) == _solo_tokens("llama", i, 10 + i if i < 8 else i - 3, 50)[:len(got)], i
-
-
-def test_kill_switch_keeps_mlx_lm_filter_and_extend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(row_slots.KILL_SWITCH, "1")
-    driver = Driver()
-    driver.settle([], [(0, 40, 50), (1, 30, 50), (2, 20, 50)])
-    driver.step()
-    driver.settle(["r1"], [(3, 5, 50)])
-    assert driver.batch.row_slots == [0, 1, 2] and driver.batch._caches[0].keys.shape[0] == 3
