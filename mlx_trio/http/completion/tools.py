@@ -44,6 +44,13 @@ class ToolsRequest:
         """Tools go to the template and calls are parsed out of the output."""
         return bool(self.tools) and self.choice != "none"
 
+    @property
+    def call_names(self) -> tuple[str, ...]:
+        """The functions the model may call: the named one, or every tool's."""
+        if self.choice == "function" and self.function_name is not None:
+            return (self.function_name,)
+        return tuple(tool["function"]["name"] for tool in self.tools)
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [dict(t) for t in self.tools] if self.active else None
 

@@ -183,7 +183,8 @@ class ResponseEvents:
             events.append(self._event("response.function_call_arguments.done", **self._ids(),
                                       arguments=call.arguments))
             item["arguments"] = call.arguments
-        item["status"] = "completed"
+        # A call max_tokens cut: its item is "incomplete", as the response is (`finish`).
+        item["status"] = "completed" if call.complete else "incomplete"
         events.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=dict(item)))
         return events
 
