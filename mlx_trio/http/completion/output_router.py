@@ -89,7 +89,7 @@ class OutputRouter:
 
     def __init__(self, fmt: OutputFormat, *, prompt_ids: Sequence[int] = (), parse_tool_calls: bool = False,
                  tools: Sequence[Mapping[str, Any]] | None = None, call_names: Sequence[str] | None = None,
-                 id_prefix: str = "call_", id_seed: str | None = None) -> None:
+                 forced: bool = False, id_prefix: str = "call_", id_seed: str | None = None) -> None:
         # `id_seed` (the response id): each call's id follows from it and the call's index, so that a
         # resumed answer names its calls as the stream its client had (http/completion/front_link.py).
         self._fmt = fmt
@@ -99,6 +99,9 @@ class OutputRouter:
         # The functions the model may call (a named tool_choice: that one); they settle a cut call's name.
         self._call_names = tuple(call_names if call_names is not None else
                                  [t["function"]["name"] for t in self._tools or () if "function" in t])
+        # The grammar makes the answer a call ("required" / a named function): one cut before its first
+        # byte (by a think end the grammar wrote first, or a budget of one token) is still a cut call.
+        self._forced = forced and (self._parse or self._generic is not None)
         self._id_prefix = id_prefix
         self._id_seed = id_seed
         self._current = fmt.initial_state(prompt_ids)
@@ -135,6 +138,8 @@ class OutputRouter:
             self._after_call = None
         if self._generic is not None:
             pieces.extend(self._pieces(self._generic.finish()))
+        if self._forced and not self.num_tool_calls:
+            pieces.extend(self._cut_call("") or [])
         return pieces
 
     def _content(self, text: str) -> list[Piece]:

@@ -20,7 +20,9 @@ enum and a bounded integer: with room, the call closes.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -34,6 +36,7 @@ from mlx_trio.http import ServerConfig
 from mlx_trio.http.completion.cut_calls import partial_json
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
+from mlx_trio.testing.tiny_models import CHATML_TEMPLATE
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -45,11 +48,26 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 ROOM, CUT = 200, 6
 
 
-# generic: the tiny Llama's template has no tool format; native: the tiny Qwen3's Hermes `<tool_call>` JSON.
-@pytest.fixture(scope="module", params=["generic", "native"])
-def server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
-    model = LLAMA if request.param == "generic" else QWEN3_TOOLS
-    with ServerThread(EngineConfig(model=str(tiny_model(model)), defaults=SamplingParams(max_tokens=8)),
+def _thinking_without_tools(directory: Path) -> Path:
+    """The tiny Qwen3's vocabulary (`<think>` markers) under a ChatML template that opens `<think>` in the
+    generation prompt and has no tool format: the generic format, starting inside a think span."""
+    shutil.copytree(tiny_model(QWEN3_TOOLS), directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHATML_TEMPLATE.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+# generic: the tiny Llama's template has no tool format; native: the tiny Qwen3's Hermes `<tool_call>` JSON;
+# generic-in-think: no tool format, and the prompt opens a think span (before the fix the call was reasoning).
+@pytest.fixture(scope="module", params=["generic", "native", "generic-in-think"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    if request.param == "generic-in-think":
+        model = _thinking_without_tools(tmp_path_factory.mktemp("model") / "thinking")
+    else:
+        model = tiny_model(LLAMA if request.param == "generic" else QWEN3_TOOLS)
+    with ServerThread(EngineConfig(model=str(model), defaults=SamplingParams(max_tokens=8)),
                       ServerConfig(port=0)) as thread:
         yield thread
 

@@ -130,6 +130,12 @@ def test_a_call_cut_by_max_tokens_is_a_cut_call(tools_format: OutputFormat) -> N
     # The named function (tool_choice) settles it from the first token.
     named, _ = _route(tools_format, ["<tool_call>"], parse_tool_calls=True, tools=tools, call_names=["get_time"])
     assert _cut(named) == [("call", (0, "get_time", "", False))]
+    # A forced answer cut before its call's first byte (the grammar wrote a think end first) is still the call.
+    in_span = {"parse_tool_calls": True, "tools": [WEATHER_TOOL], "prompt_ids": tools_format.think_start_ids}
+    closed_span, _ = _route(tools_format, ["</think>"], forced=True, **in_span)
+    assert _cut(closed_span) == [("call", (0, "get_weather", "", False))]
+    unforced, _ = _route(tools_format, ["</think>"], **in_span)
+    assert unforced == []
 
 
 def test_whitespace_after_a_call_is_dropped_unless_text_follows(tools_format: OutputFormat) -> None:
