@@ -21,7 +21,8 @@ JSON_VALUES = st.recursive(
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=4), st.booleans(), st.data())
-def test_partial_json_reads_every_prefix_as_the_sdk_stream_reader(value: dict, compact: bool, data: st.DataObject) -> None:
+def test_partial_json_reads_every_prefix_as_the_sdk_stream_reader(value: dict, compact: bool,
+                                                                   data: st.DataObject) -> None:
     """A streamed cut tool_use and a whole one get the same `input`: jiter's `partial_mode=True` value."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":") if compact else None)
     cut = data.draw(st.integers(1, len(text)))
