@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from mlx_trio.events import Finished, Usage
+from mlx_trio.http.completion.cut_calls import partial_json
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning, ToolCallMade
 
 Event = dict[str, Any]
@@ -83,7 +84,9 @@ class MessageBlocks:
             block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
             events.append(self._start(block))
             events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
-            block["input"] = json.loads(call.arguments) if call.arguments.strip() else {}
+            # A cut call (max_tokens): its input is what the SDK's stream reader makes of the same text.
+            block["input"] = partial_json(call.arguments) if not call.complete or not call.arguments.strip() \
+                else json.loads(call.arguments)
             events.extend(self.close(force=True))
             return events
         kind, delta_type, field = _TEXT_BLOCKS[type(piece)]

@@ -7,6 +7,11 @@ once; an object is held back, and each call in its array comes out as soon
 as its own object closes (its arguments arrive with it, as one piece, not
 token by token).
 
+An object that max_tokens cut inside its calls ends in a `CutCall`: the
+text of the call being written (empty when its object had not begun), for
+the router to report as a cut call (`cut_calls.py`). The calls before it
+came out whole.
+
 Without the grammar (a `response_format` took its place) the reader is
 lenient: a lone `{"name": ..., "arguments": ...}` or `{"tool_call": {...}}`
 is a call too, and whatever does not parse is given back as text, so no
@@ -19,12 +24,23 @@ import json
 import re
 from typing import Any
 
+import attrs
+
 from mlx_trio.output_format import GENERIC_CALLS_KEY
 
-# Text, or one parsed call object ({"name": str, "arguments": ...}).
-Item = str | dict[str, Any]
+
+@attrs.frozen
+class CutCall:
+    """The start of a call that the answer's end cut: `text` is a prefix of its call object."""
+
+    text: str
+
+
+# Text, one parsed call object ({"name": str, "arguments": ...}), or a cut call.
+Item = str | dict[str, Any] | CutCall
 
 _CALLS_OPEN = re.compile(r'\{\s*"' + GENERIC_CALLS_KEY + r'"\s*:\s*\[\Z')
+_CALLS_OPENING = '{"' + GENERIC_CALLS_KEY + '":['  # blanks removed
 _SYNTAX = " \t\r\n,]}"  # what may be left of a call object after its last call
 
 
@@ -67,7 +83,13 @@ class GenericCallReader:
             return [self._buffer] if self._buffer else []
         if mode != "object":
             return []
+        if self._call_start >= 0:
+            return [CutCall(self._buffer[self._call_start:])]
         if not self._calls:
+            # The first call is due once the object opened as a call object (it holds one at least).
+            opened = "".join(self._buffer.split())
+            if self._in_calls or _CALLS_OPENING.startswith(opened):
+                return [CutCall("")]
             return [self._buffer]
         rest = self._buffer[self._read_to:].lstrip(" \t\r\n,")  # the calls before it came out whole
         return [rest] if rest.strip(_SYNTAX) else []

@@ -10,9 +10,16 @@ out whole once its end marker arrives, parsed by mlx-lm's tool parser for
 the model. Both the OpenAI and the Anthropic shapes, streamed or not, are
 built from the same `Piece`s.
 
-A call that does not parse (truncated by max_tokens, or malformed) is given
-back as content, markers included, so no generated text is lost; so is
-every call when the request did not ask for tool parsing.
+A call that max_tokens cut (the answer ended inside it) is still a call:
+`ToolCall.complete` False, its name settled by what was written (or by the
+only function the request may call), its arguments the JSON text written so
+far (`cut_calls.py`). Each wire API says it was cut by its own finish
+(`length`, `max_tokens`, `incomplete`). A cut call whose name is not settled
+yet (several functions could still follow) is call syntax only: dropped.
+A closed call that does not parse (malformed), or text after a call marker
+that is no call object, is given back as content, markers included, so no
+generated text is lost; so is every call when the request did not ask for
+tool parsing.
 
 A model in the generic tool format (no markers: its answer is text or one
 JSON call object) has its content read by a `GenericCallReader`, which
@@ -35,7 +42,8 @@ from typing import Any
 
 import attrs
 
-from mlx_trio.http.completion.generic_calls import GenericCallReader, Item
+from mlx_trio.http.completion.cut_calls import read_cut_call
+from mlx_trio.http.completion.generic_calls import CutCall, GenericCallReader, Item
 from mlx_trio.output_format import NORMAL, REASONING, TOOL, OutputFormat
 
 log = logging.getLogger("mlx_trio.http")
@@ -43,11 +51,16 @@ log = logging.getLogger("mlx_trio.http")
 
 @attrs.frozen
 class ToolCall:
-    """One parsed call; `arguments` is JSON text (OpenAI's `function.arguments`)."""
+    """One parsed call; `arguments` is JSON text (OpenAI's `function.arguments`).
+
+    `complete` False: max_tokens cut the call, and `arguments` is only a
+    prefix of a JSON object (`cut_calls.partial_json` reads it).
+    """
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 @attrs.frozen
@@ -75,14 +88,20 @@ class OutputRouter:
     """One per request: `feed` each text delta, then `finish` once; both return the new pieces."""
 
     def __init__(self, fmt: OutputFormat, *, prompt_ids: Sequence[int] = (), parse_tool_calls: bool = False,
-                 tools: Sequence[Mapping[str, Any]] | None = None, id_prefix: str = "call_",
-                 id_seed: str | None = None) -> None:
+                 tools: Sequence[Mapping[str, Any]] | None = None, call_names: Sequence[str] | None = None,
+                 forced: bool = False, id_prefix: str = "call_", id_seed: str | None = None) -> None:
         # `id_seed` (the response id): each call's id follows from it and the call's index, so that a
         # resumed answer names its calls as the stream its client had (http/completion/front_link.py).
         self._fmt = fmt
         self._parse = parse_tool_calls and fmt.has_tool_calling
         self._generic = GenericCallReader() if parse_tool_calls and fmt.generic_tools else None
         self._tools = [dict(t) for t in tools] if tools else None
+        # The functions the model may call (a named tool_choice: that one); they settle a cut call's name.
+        self._call_names = tuple(call_names if call_names is not None else
+                                 [t["function"]["name"] for t in self._tools or () if "function" in t])
+        # The grammar makes the answer a call ("required" / a named function): one cut before its first
+        # byte (by a think end the grammar wrote first, or a budget of one token) is still a cut call.
+        self._forced = forced and (self._parse or self._generic is not None)
         self._id_prefix = id_prefix
         self._id_seed = id_seed
         self._current = fmt.initial_state(prompt_ids)
@@ -119,6 +138,8 @@ class OutputRouter:
             self._after_call = None
         if self._generic is not None:
             pieces.extend(self._pieces(self._generic.finish()))
+        if self._forced and not self.num_tool_calls:
+            pieces.extend(self._cut_call("") or [])
         return pieces
 
     def _content(self, text: str) -> list[Piece]:
@@ -132,6 +153,10 @@ class OutputRouter:
         for item in items:
             if isinstance(item, str):
                 pieces.append(Content(item))
+                continue
+            if isinstance(item, CutCall):
+                cut = self._cut_call(item.text)
+                pieces.extend([Content(item.text)] if cut is None else cut)
                 continue
             try:
                 call = self._call(item, self.num_tool_calls)
@@ -171,8 +196,12 @@ class OutputRouter:
         raw = (self._fmt.tool_call_start or "") + body + ((self._fmt.tool_call_end or "") if closed else "")
         if not self._parse:
             return [Content(raw)]
-        calls = self._parsed(body)
+        cut_json = not closed and self._fmt.tool_parser_kind in _JSON_CALL_FORMATS
+        calls = self._parsed(body, quiet=cut_json)
         if calls is None:
+            cut = self._cut_call(body) if cut_json else None
+            if cut is not None:
+                return cut
             return [Content(raw)]
         pieces: list[Piece] = []
         for call in calls:
@@ -181,14 +210,28 @@ class OutputRouter:
         self._after_call = ""
         return pieces
 
-    def _parsed(self, body: str) -> list[ToolCall] | None:
+    def _cut_call(self, text: str) -> list[Piece] | None:
+        """A cut call's piece (none while its name is not settled); None when `text` is no call object's start."""
+        cut = read_cut_call(text, self._call_names)
+        if cut is None:
+            return None
+        name, arguments = cut
+        if name is None:
+            return []
+        unique = self._call_id({}, self.num_tool_calls)
+        piece = ToolCallMade(self.num_tool_calls, ToolCall(unique, name, arguments, complete=False))
+        self.num_tool_calls += 1
+        return [piece]
+
+    def _parsed(self, body: str, *, quiet: bool = False) -> list[ToolCall] | None:
         assert self._fmt.parse_tool_call is not None  # `_parse` is only set for formats with a parser
         try:
             parsed = self._fmt.parse_tool_call(body, self._tools)
             items = parsed if isinstance(parsed, list) else [parsed]
             return [self._call(item, self.num_tool_calls + i) for i, item in enumerate(items)]
         except Exception as exc:  # noqa: BLE001  (mlx-lm's parsers raise whatever their parsing hits)
-            log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
+            if not quiet:
+                log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
             return None
 
     def _call(self, item: Any, index: int) -> ToolCall:
@@ -199,7 +242,15 @@ class OutputRouter:
             json.loads(arguments)  # arguments must be JSON text; a ValueError makes the call content
         else:
             arguments = json.dumps(arguments, ensure_ascii=False)
-        call_id = item.get("id") if isinstance(item.get("id"), str) else None
+        return ToolCall(self._call_id(item, index), name, arguments)
+
+    def _call_id(self, item: Mapping[str, Any], index: int) -> str:
+        if isinstance(item.get("id"), str):
+            return item["id"]
         unique = uuid.uuid4() if self._id_seed is None else uuid.uuid5(uuid.NAMESPACE_URL,
                                                                        f"{self._id_seed}/{index}")
-        return ToolCall(call_id or f"{self._id_prefix}{unique.hex[:24]}", name, arguments)
+        return f"{self._id_prefix}{unique.hex[:24]}"
+
+
+# Native formats whose call body is one `{"name": ..., "arguments": ...}` JSON object (`tool_choice.py`).
+_JSON_CALL_FORMATS = frozenset({"json_tools"})

@@ -35,6 +35,7 @@ from mlx_trio.http.completion.call import CompletionCall
 from mlx_trio.http.completion.front_link import NO_LINK, Link, link_of, lost_response
 from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
+from mlx_trio.http.completion.tool_choice import lark_marker
 from mlx_trio.http.server.admin import handler_fault_point
 from mlx_trio.http.server.drain import Drain
 from mlx_trio.http.server.errors import INTERNAL_ERROR, ApiError, api_error, draining
@@ -42,7 +43,7 @@ from mlx_trio.http.server.info import DEFAULT_MODEL_ALIAS
 from mlx_trio.http.server.metrics import RequestLog
 from mlx_trio.http.server.sse import HEADERS as SSE_HEADERS
 from mlx_trio.http.server.state import AppState, HandlerCrashes, closing
-from mlx_trio.output_format import PLAIN
+from mlx_trio.output_format import PLAIN, REASONING
 from mlx_trio.profiling import request_phase
 from mlx_trio.supervision.faults import Faults
 
@@ -92,7 +93,9 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
     # Text completions are not split: their output is shown as the model wrote it, markers included.
     router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
                           prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
-                          tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
+                          tools=call.tools.template_tools(), call_names=call.tools.call_names,
+                          forced=call.tools.forced,
+                          id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
     events = state.engine.stream(prepared, **link.replay())
@@ -126,11 +129,29 @@ async def prepare(state: AppState, call: CompletionCall) -> Any:
     `--strict-max-tokens` (then a 400, as a prompt that alone fills the context is).
     """
     try:
-        return await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call),
-                                                   **model_kwargs(state, call),
-                                                   clamp_max_tokens=not state.config.strict_max_tokens)
+        prepared = await state.engine.prepare_off_loop(call.prompt, **call.prepare_kwargs(), **tool_kwargs(state, call),
+                                                       **model_kwargs(state, call),
+                                                       clamp_max_tokens=not state.config.strict_max_tokens)
     except RequestError as exc:
         raise call.in_wire_terms(exc) from None
+    return _closing_reasoning(state, call, prepared)
+
+
+def _closing_reasoning(state: AppState, call: CompletionCall, prepared: Any) -> Any:
+    """`prepared`, its forced call's grammar made to close the think span its prompt leaves open first.
+
+    Without it, on a template that opens `<think>` in the generation prompt, the
+    call would be written inside the span and read as reasoning (the generic
+    format has no marker of its own to leave it by). Only the prompt says
+    whether the span is open, so the grammar is rebuilt once it is known.
+    """
+    fmt = state.engine.output_format
+    if not (call.chat and call.tools.forced and fmt.think_end is not None
+            and fmt.initial_state(getattr(prepared, "prompt_ids", ())) == REASONING):
+        return prepared
+    closing = call.tools.constraint(fmt.tool_parser_kind,
+                                    close_reasoning=lark_marker(fmt.think_end, fmt.think_end_ids))
+    return attrs.evolve(prepared, params=attrs.evolve(prepared.params, constraint=closing))
 
 
 def model_kwargs(state: AppState, call: CompletionCall) -> dict[str, Any]:

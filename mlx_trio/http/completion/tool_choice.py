@@ -16,6 +16,12 @@ the others are refused with a 400 for "required" and named functions,
 never silently downgraded to "auto". Each tool's parameters travel with the
 grammar labelled by their field (`Constraint.schemas`), so a schema the
 grammar engine cannot enforce is a 400 naming that tool.
+
+A forced call starts at once: nothing may come before it. On a prompt that
+leaves the model inside a think span (templates that open `<think>` in the
+generation prompt), `close_reasoning` makes the grammar write the think end
+first, so that the call is read as a call, not as reasoning
+(`completion/serve.py` decides, from the prepared prompt).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str | None, parser_kind: str | None, *,
                            function_name: str | None = None, parallel: bool = True,
-                           schema_fields: Sequence[str] = ()) -> Constraint | None:
+                           schema_fields: Sequence[str] = (), close_reasoning: str | None = None) -> Constraint | None:
     """The constraint that enforces `tool_choice`, or None when nothing needs enforcing.
 
     `tool_choice` is "auto", "none", "required" or "function" (then
@@ -44,6 +50,7 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str 
     `OutputFormat.tool_parser_kind`. `parallel` False allows one call only
     (a named function always gets exactly one). `schema_fields` labels each
     tool's schema for errors (default `tools[i].function.parameters`).
+    `close_reasoning` (a lark item: `lark_marker`'s) goes before a forced call.
     Raises `InvalidParameter` (field `tool_choice`) when the model's format
     cannot be enforced.
     """
@@ -68,7 +75,14 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: str 
         source = _generic_grammar(calls, text=tool_choice == "auto", parallel=parallel)
     else:
         source = _hermes_grammar(calls, parallel=parallel)
+    if close_reasoning is not None and tool_choice != "auto":
+        source = source.replace("\nstart: ", f"\nstart: {close_reasoning} ", 1)
     return Constraint("lark", source, schemas=schemas)
+
+
+def lark_marker(text: str, token_ids: Sequence[int]) -> str:
+    """A marker as a lark item: its special token when it is one (`<[id]>`), else its text."""
+    return f"<[{token_ids[0]}]>" if len(token_ids) == 1 else json.dumps(text)
 
 
 def _generic_grammar(functions: Sequence[Mapping[str, Any]], *, text: bool, parallel: bool) -> str:

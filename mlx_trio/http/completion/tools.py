@@ -44,14 +44,27 @@ class ToolsRequest:
         """Tools go to the template and calls are parsed out of the output."""
         return bool(self.tools) and self.choice != "none"
 
+    @property
+    def call_names(self) -> tuple[str, ...]:
+        """The functions the model may call: the named one, or every tool's."""
+        if self.choice == "function" and self.function_name is not None:
+            return (self.function_name,)
+        return tuple(tool["function"]["name"] for tool in self.tools)
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [dict(t) for t in self.tools] if self.active else None
 
-    def constraint(self, parser_kind: str | None) -> Constraint | None:
+    @property
+    def forced(self) -> bool:
+        """The answer must be a call ("required" or a named function)."""
+        return self.active and self.choice in ("required", "function")
+
+    def constraint(self, parser_kind: str | None, *, close_reasoning: str | None = None) -> Constraint | None:
         if not self.active:
             return None
         return tool_choice_constraint(self.tools, self.choice, parser_kind, function_name=self.function_name,
-                                      parallel=self.parallel, schema_fields=self.schema_fields)
+                                      parallel=self.parallel, schema_fields=self.schema_fields,
+                                      close_reasoning=close_reasoning)
 
 
 NO_TOOLS = ToolsRequest()

@@ -77,9 +77,10 @@ class ResponseEvents:
 
     def finish(self, finished: Finished) -> list[Event]:
         """Close what is open; `response.completed`, or `response.incomplete` when max_output_tokens cut it."""
-        events = self._close()
+        cut = finished.finish_reason == "length"
+        events = self._close(status="incomplete" if cut else "completed")  # the item max_output_tokens cut
         usage = usage_object(finished.usage)
-        if finished.finish_reason == "length":
+        if cut:
             self.response = self.shape.response("incomplete", self.output, usage=usage,
                                                 incomplete_reason="max_output_tokens")
             return [*events, self._event("response.incomplete", response=self.response)]
@@ -146,8 +147,8 @@ class ResponseEvents:
                                   logprobs=shaped))
         return events
 
-    def _close(self) -> list[Event]:
-        """Close the open message or reasoning item, if any."""
+    def _close(self, status: str = "completed") -> list[Event]:
+        """Close the open message or reasoning item, if any, with `status`."""
         if not self._open:
             return []
         self._open = False
@@ -158,7 +159,7 @@ class ResponseEvents:
                                logprobs=list(part["logprobs"]))
         else:
             done = self._event("response.reasoning_text.done", **self._ids(), content_index=0, text=part["text"])
-        item["status"] = "completed"
+        item["status"] = status
         return [done, self._event("response.content_part.done", **self._ids(), content_index=0, part=dict(part)),
                 self._event("response.output_item.done", output_index=len(self.output) - 1, item=_copy(item))]
 
@@ -183,7 +184,8 @@ class ResponseEvents:
             events.append(self._event("response.function_call_arguments.done", **self._ids(),
                                       arguments=call.arguments))
             item["arguments"] = call.arguments
-        item["status"] = "completed"
+        # A call max_tokens cut: its item is "incomplete", as the response is (`finish`).
+        item["status"] = "completed" if call.complete else "incomplete"
         events.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=dict(item)))
         return events
 

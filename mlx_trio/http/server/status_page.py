@@ -66,8 +66,9 @@ def register_root(app: Quart, state: AppState) -> None:
     async def root() -> Response:
         if request.method == "HEAD":
             return Response(b"", status=200)  # Claude Code sends `HEAD /` to warm a connection up
-        # Browsers name text/html; curl and SDKs send */* and get the JSON.
-        if "text/html" in request.headers.get("Accept", ""):
+        # By the Accept header's qualities (RFC 9110 §12.5.1): browsers prefer text/html and get the page;
+        # curl and the SDKs send */* (JSON listed first wins a tie) or JSON and get the index.
+        if request.accept_mimetypes.best_match(["application/json", "text/html"]) == "text/html":
             return redirect(STATUS_PATH, 302)
         return json_response({"object": "mlx-trio", "model": state.model_name(), "status_page": STATUS_PATH,
                               "endpoints": served_endpoints(app)})

@@ -60,14 +60,39 @@ def test_any_cut_into_deltas_reads_the_same_calls(cuts: list[int]) -> None:
     assert _content(pieces) == ""
 
 
-def test_a_cut_object_gives_its_unfinished_call_back_as_content() -> None:
-    """max_tokens inside call 1: call 0 stands, call 1's text is content; inside call 0, the whole text is."""
-    cut = CALLS[:CALLS.index('"get_time"') + 5]
-    pieces = [p for step in _feed([cut]) for p in step]
-    assert _calls(pieces) == [(0, "get_weather", {"city": "Pa}ri\"s", "tags": ["[x"]})]
-    assert _content(pieces) == '{"name":"get_'
-    early = CALLS[:20]
-    assert _content([p for step in _feed([early]) for p in step]) == early
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+         for name in ("get_weather", "get_time")]
+
+
+def _cut_calls(pieces: list[Piece]) -> list[tuple[int, str, str, bool]]:
+    return [(p.index, p.call.name, p.call.arguments, p.call.complete) for p in pieces if isinstance(p, ToolCallMade)]
+
+
+def test_a_cut_object_reports_its_unfinished_call_as_a_cut_call() -> None:
+    """max_tokens inside call 1: call 0 stands, call 1 is a cut call (its name settled), no text.
+
+    Before (issue #44, point 3), the cut call's text came back as content.
+    """
+    cut = CALLS[:CALLS.index('"get_time"') + 7]
+    pieces = [p for step in _feed([cut], tools=TOOLS) for p in step]
+    assert _cut_calls(pieces) == [(0, "get_weather", json.dumps({"city": "Pa}ri\"s", "tags": ["[x"]}), True),
+                                  (1, "get_time", "", False)]
+    assert _content(pieces) == ""
+    inside = CALLS[:CALLS.index('"Pa}') + 4]
+    assert _cut_calls([p for step in _feed([inside], tools=TOOLS) for p in step]) == [
+        (0, "get_weather", '{"city":"Pa}', False)]
+
+
+def test_a_cut_before_the_name_settles_is_dropped_unless_one_function_is_callable() -> None:
+    """`{"tool_c`: a call is due (the object holds one at least) but which one is not written yet."""
+    early = CALLS[:8]
+    assert [p for step in _feed([early], tools=TOOLS) for p in step] == []
+    one = [p for step in _feed([early], tools=TOOLS, call_names=["get_time"]) for p in step]
+    assert _cut_calls(one) == [(0, "get_time", "", False)] and _content(one) == ""
+    # After a whole call and its comma, no other call began: nothing more.
+    after = CALLS[:CALLS.index(',{"name":"get_time"') + 1]
+    assert _cut_calls([p for step in _feed([after], tools=TOOLS) for p in step]) == [
+        (0, "get_weather", json.dumps({"city": "Pa}ri\"s", "tags": ["[x"]}), True)]
 
 
 def test_without_the_grammar_a_lone_call_object_and_trailing_text_are_read() -> None:

@@ -92,13 +92,50 @@ def test_calls_are_content_when_the_request_asked_for_no_tool_parsing(tools_form
     assert router.num_tool_calls == 0
 
 
-def test_truncated_or_malformed_call_is_given_back_as_content(tools_format: OutputFormat) -> None:
-    """A call cut by max_tokens, or one that is not JSON, comes back as content so no text is lost."""
-    truncated, router = _route(tools_format, ["x", CALL_F[:30]], parse_tool_calls=True)
-    assert _merged(truncated) == [("content", "x" + CALL_F[:30])]
-    assert router.num_tool_calls == 0
-    bad, _ = _route(tools_format, ["<tool_call>not json</tool_call>done"], parse_tool_calls=True)
+def test_a_malformed_call_is_given_back_as_content(tools_format: OutputFormat) -> None:
+    """A closed call that is not JSON, or a cut one that is no call object, comes back as content: no text is lost."""
+    bad, router = _route(tools_format, ["<tool_call>not json</tool_call>done"], parse_tool_calls=True)
     assert _merged(bad) == [("content", "<tool_call>not json</tool_call>done")]
+    cut, _ = _route(tools_format, ["x<tool_call>not json"], parse_tool_calls=True, tools=[WEATHER_TOOL])
+    assert _merged(cut) == [("content", "x<tool_call>not json")]
+    assert router.num_tool_calls == 0
+
+
+def _cut(pieces: list[Piece]) -> list[tuple[str, object]]:
+    """Pieces as `_merged`, a call as (index, name, arguments text, complete)."""
+    return [("call", (p.index, p.call.name, p.call.arguments, p.call.complete)) if isinstance(p, ToolCallMade)
+            else ("content" if isinstance(p, Content) else "reasoning", p.text) for p in pieces]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def test_a_call_cut_by_max_tokens_is_a_cut_call(tools_format: OutputFormat) -> None:
+    """The answer ends inside a call: it is still that call (complete False), its arguments as far as written.
+
+    Before (issue #44, point 3), its text came back as content: a forced call cut by max_tokens read as text.
+    """
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    in_name, router = _route(tools_format, ["x", CALL_F[:30]], parse_tool_calls=True, tools=tools)
+    assert CALL_F[:30].endswith('"get_weat')
+    assert _cut(in_name) == [("content", "x"), ("call", (0, "get_weather", "", False))]
+    assert router.num_tool_calls == 1
+    in_arguments, _ = _route(tools_format, [CALL_G, "\n", CALL_F[:CALL_F.index("Paris") + 5]],
+                             parse_tool_calls=True, tools=tools)
+    assert _cut(in_arguments)[1] == ("call", (1, "get_weather", '{"city": "Paris', False))
+    # Before the name tells the two tools apart, the call cannot be named: syntax only, dropped.
+    unsettled, router = _route(tools_format, ['<tool_call>\n{"name": "get_'], parse_tool_calls=True, tools=tools)
+    assert unsettled == [] and router.num_tool_calls == 0
+    # The named function (tool_choice) settles it from the first token.
+    named, _ = _route(tools_format, ["<tool_call>"], parse_tool_calls=True, tools=tools, call_names=["get_time"])
+    assert _cut(named) == [("call", (0, "get_time", "", False))]
+    # A forced answer cut before its call's first byte (the grammar wrote a think end first) is still the call.
+    in_span = {"parse_tool_calls": True, "tools": [WEATHER_TOOL], "prompt_ids": tools_format.think_start_ids}
+    closed_span, _ = _route(tools_format, ["</think>"], forced=True, **in_span)
+    assert _cut(closed_span) == [("call", (0, "get_weather", "", False))]
+    unforced, _ = _route(tools_format, ["</think>"], **in_span)
+    assert unforced == []
 
 
 def test_whitespace_after_a_call_is_dropped_unless_text_follows(tools_format: OutputFormat) -> None:

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlx_trio.errors import InvalidParameter
-from mlx_trio.http.completion.tool_choice import tool_choice_constraint
+from mlx_trio.http.completion.tool_choice import lark_marker, tool_choice_constraint
 from mlx_trio.params import Constraint
 from mlx_trio.testing import LLAMA, QWEN3_TOOLS, tiny_model
 
@@ -150,3 +150,22 @@ def test_every_grammar_labels_its_tool_schemas_by_field() -> None:
         assert json.loads(constraint.schemas[1][1]) == {"type": "object"}
     named = tool_choice_constraint(TOOLS, "function", "generic", function_name="get_time")
     assert named is not None and [field for field, _ in named.schemas] == ["tools[1].function.parameters"]
+
+
+@pytest.mark.parametrize("kind", ["json_tools", "generic"])
+def test_a_forced_call_can_close_an_open_think_span_first(ll_tokenizer: llguidance.LLTokenizer, kind: str) -> None:
+    """`close_reasoning`: the think end, then the call at once; no reasoning, no text. "auto" is left alone."""
+    hf = AutoTokenizer.from_pretrained(str(tiny_model(QWEN3_TOOLS)))
+    think_end = hf.convert_tokens_to_ids("</think>")
+    marker = lark_marker("</think>", [think_end])
+    assert marker == f"<[{think_end}]>" and lark_marker("</think>", [7, 8]) == '"</think>"'
+    constraint = tool_choice_constraint(TOOLS, "required", kind, close_reasoning=marker)
+    assert constraint is not None
+    call = ('<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>' if kind == "json_tools"
+            else '{"tool_calls":[{"name":"get_time","arguments":{}}]}')
+    assert _accepts(ll_tokenizer, constraint, "</think>" + call)
+    assert not _accepts(ll_tokenizer, constraint, call)
+    assert not _accepts(ll_tokenizer, constraint, "</think>\n\n" + call)
+    assert not _accepts(ll_tokenizer, constraint, "Let me think.</think>" + call)
+    auto = tool_choice_constraint(TOOLS, "auto", "generic", close_reasoning=marker)
+    assert auto == tool_choice_constraint(TOOLS, "auto", "generic")

@@ -92,6 +92,8 @@ def test_max_output_tokens_ends_incomplete_and_a_fault_ends_failed() -> None:
     incomplete = valid_response(events[-1]["response"])
     assert incomplete.status == "incomplete" and incomplete.incomplete_details is not None
     assert incomplete.incomplete_details.reason == "max_output_tokens" and incomplete.output_text == "a"
+    # The message max_output_tokens cut is itself incomplete (it said "completed" before, issue #44, 3).
+    assert incomplete.output[0].status == "incomplete" and events[-2]["item"]["status"] == "incomplete"
     renderer = _renderer()
     events = [*renderer.start(), *renderer.pieces([Content("a")]),
               *renderer.fail(ApiError(500, "the decoder died", "server_error", "actor_crashed"))]

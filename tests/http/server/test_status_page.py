@@ -56,6 +56,29 @@ async def test_root_sends_browsers_to_the_page_and_answers_other_clients() -> No
         assert head.status_code == 200
 
 
+@pytest.mark.parametrize(("accept", "page"), [
+    ("text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,*/*;q=0.8", True),  # Chrome, Firefox
+    ("text/html", True),
+    ("application/json", False),
+    ("application/json, text/html;q=0.5", False),  # a JSON client that takes a page only as a fallback
+    ("text/html;q=0.1, application/json", False),
+    ("*/*", False),  # curl, the SDKs
+    ("", False),
+])
+async def test_root_follows_the_accept_header_by_its_qualities(accept: str, page: bool) -> None:
+    """The page when text/html is preferred to JSON (RFC 9110 §12.5.1: by quality), else the JSON index."""
+    async with serve_fake() as (_, client):
+        response = await client.get("/", headers={"Accept": accept})
+        if page:
+            assert response.status_code == 302 and response.headers["location"].endswith("/status")
+            followed = await client.get(response.headers["location"], headers={"Accept": accept})
+            assert followed.headers["content-type"].startswith("text/html")
+        else:
+            assert response.status_code == 200 and response.headers["content-type"].startswith("application/json")
+            index = response.json()
+            assert index["object"] == "mlx-trio" and "/v1/chat/completions" in str(index["endpoints"])
+
+
 async def test_behind_a_key_the_page_is_public_but_its_data_is_not() -> None:
     """The page and / need no key (the page asks for it); the event stream does; the key is never in the page."""
     async with serve_fake(api_key=KEY) as (_, client):
