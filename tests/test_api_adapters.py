@@ -78,15 +78,19 @@ SIX_ROWS = st.lists(st.tuples(st.sampled_from([None, "qv", "dora"]), st.integers
 
 
 @settings(max_examples=10, deadline=None)
-@given(batch=st.sampled_from([1, 2, 3, 4, 8]), rows=SIX_ROWS, order=st.permutations(range(6)), salt=st.integers(0, 10_000))
-async def test_six_requests_on_two_adapters_and_the_base_each_equal_mlx_lm(batch: int, rows, order, salt: int) -> None:
+@given(batch=st.sampled_from([1, 2, 3, 4, 8]), rows=SIX_ROWS, order=st.permutations(range(6)), salt=st.integers(0, 10_000),
+       max_loras=st.sampled_from([1, 2]), prompt_lookup=st.booleans())
+async def test_six_requests_on_two_adapters_and_the_base_each_equal_mlx_lm(batch: int, rows, order, salt: int,
+                                                                          max_loras: int, prompt_lookup: bool) -> None:
     """Issue #44: every mix of adapters, prompt lengths (some sharing a long prefix across adapters), arrival orders
-    and `--batch`; each request's tokens are mlx-lm's for its adapter. The same six again then find the first
-    wave's prompt-cache entries, each only its own adapter's (another's KV would change the tokens)."""
+    and `--batch` (with one adapter slot or two, speculating or not); each request's tokens are mlx-lm's for its
+    adapter. The same six again then find the first wave's prompt-cache entries, each only its own adapter's
+    (another's KV would change the tokens)."""
     plan = [(name, (LONG_PREFIX if shared else ()) + prompt_of(salt + i, length, False), delay, max_tokens)
             for i, (name, length, shared, delay, max_tokens) in enumerate(rows)]
     got: list[dict[int, tuple[int, ...]]] = [{}, {}]
-    async with open_engine(str(tiny_model(LLAMA)), batch=batch, lora_modules=_modules("qv", "dora")) as engine:
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, lora_modules=_modules("qv", "dora"),
+                           max_loras=max_loras, prompt_lookup=prompt_lookup) as engine:
         for wave in range(2):
 
             async def one(i: int, wave: int = wave) -> None:
