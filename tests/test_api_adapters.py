@@ -101,8 +101,10 @@ async def test_six_requests_on_two_adapters_and_the_base_each_equal_mlx_lm(batch
             async with trio.open_nursery() as nursery:
                 for i in order:
                     nursery.start_soon(one, i)
-        with trio.fail_after(10):  # every row gave its adapter's slot back
-            while any(engine.status()["adapters"]["resident"].values()):
+        lane = engine.actors.lane
+        with trio.fail_after(10):  # back to idle: every row gave its adapter's slot, its place and its KV back
+            while (any(engine.status()["adapters"]["resident"].values()) or lane.in_flight()
+                   or lane.admission.statistics().reserved_bytes):
                 await trio.sleep(0.01)
     for i, (name, prompt, _, max_tokens) in enumerate(plan):
         want = reference_tokens(name, prompt)[:max_tokens]
