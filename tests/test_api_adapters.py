@@ -14,11 +14,14 @@ from functools import cache
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 
 from mlx_trio import open_engine
 from mlx_trio.errors import AdapterError, ModelNotFound
 from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
+from tests.engine.adapters.test_adapter_mixes import prompt_of, reference_tokens
 from tests.engine.adapters.test_row_lora import MAX_TOKENS, _adapter_dir, _mlx_lm_tokens, _prompt
 
 
@@ -65,6 +68,48 @@ async def test_requests_name_adapters_and_each_equals_mlx_lm(batch: int) -> None
         # The base model keeps its own name (and "default").
         assert await _tokens(engine, _prompt(2), engine.model_id) == _want(None, _prompt(2))
         assert await _tokens(engine, _prompt(2), "default") == _want(None, _prompt(2))
+
+
+# A prefix long enough for the prompt cache to keep (a snapshot, a batched row's finish-time entry: 256 tokens).
+LONG_PREFIX = tuple((3 * j + 2) % 500 + 3 for j in range(260))
+SIX_ROWS = st.lists(st.tuples(st.sampled_from([None, "qv", "dora"]), st.integers(1, 40), st.booleans(),
+                              st.sampled_from([0.0, 0.0, 0.002, 0.02]), st.integers(1, MAX_TOKENS)),
+                    min_size=6, max_size=6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.sampled_from([1, 2, 3, 4, 8]), rows=SIX_ROWS, order=st.permutations(range(6)), salt=st.integers(0, 10_000),
+       max_loras=st.sampled_from([1, 2]), prompt_lookup=st.booleans())
+async def test_six_requests_on_two_adapters_and_the_base_each_equal_mlx_lm(batch: int, rows, order, salt: int,
+                                                                          max_loras: int, prompt_lookup: bool) -> None:
+    """Issue #44: every mix of adapters, prompt lengths (some sharing a long prefix across adapters), arrival orders
+    and `--batch` (with one adapter slot or two, speculating or not); each request's tokens are mlx-lm's for its
+    adapter. The same six again then find the first wave's prompt-cache entries, each only its own adapter's
+    (another's KV would change the tokens)."""
+    plan = [(name, (LONG_PREFIX if shared else ()) + prompt_of(salt + i, length, False), delay, max_tokens)
+            for i, (name, length, shared, delay, max_tokens) in enumerate(rows)]
+    got: list[dict[int, tuple[int, ...]]] = [{}, {}]
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, lora_modules=_modules("qv", "dora"),
+                           max_loras=max_loras, prompt_lookup=prompt_lookup) as engine:
+        for wave in range(2):
+
+            async def one(i: int, wave: int = wave) -> None:
+                name, prompt, delay, max_tokens = plan[i]
+                await trio.sleep(delay)
+                got[wave][i] = await _tokens(engine, prompt, name, max_tokens)
+
+            async with trio.open_nursery() as nursery:
+                for i in order:
+                    nursery.start_soon(one, i)
+        lane = engine.actors.lane
+        with trio.fail_after(10):  # back to idle: every row gave its adapter's slot, its place and its KV back
+            while (any(engine.status()["adapters"]["resident"].values()) or lane.in_flight()
+                   or lane.admission.statistics().reserved_bytes):
+                await trio.sleep(0.01)
+    for i, (name, prompt, _, max_tokens) in enumerate(plan):
+        want = reference_tokens(name, prompt)[:max_tokens]
+        want = want[:-1] if want and want[-1] in _eos() else want  # the engine's tokens do not show the EOS
+        assert (got[0][i], got[1][i]) == (want, want), (i, name, len(prompt))
 
 
 async def test_an_engine_that_serves_adapters_never_compiles_its_decode_step() -> None:

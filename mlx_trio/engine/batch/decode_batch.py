@@ -523,8 +523,16 @@ class DecodeBatch:
         return self._forward_slots(padded[row_of])[slots]
 
     def _forward_slots(self, inputs: mx.array) -> mx.array:
-        """One step's logits `[slots, V]`: compiled where it covers the caches, else the lean or the model's own graph."""
+        """One step's logits `[slots, V]`: compiled where it covers the caches, else the lean or the model's own graph.
+
+        While a row holds an adapter, the model's own graph: a compiled trace keeps the adapter selection it
+        was traced under as a constant (replayed for another mix of rows at the same shapes, it gave a row
+        another row's adapter, or none), and the lean forward holds the layers it was built over (a layer
+        wrapped since is not called). Traces of base rows only stay right: unselected, a wrapper is its layer.
+        """
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
+        if self._selected is not BASE_ROWS:
+            return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
         if (self._compiled is not None and (self._compile_batches or self._solo)
                 and compiled_step.covers(self._caches)):
             logits = self._compiled(inputs, self._caches)

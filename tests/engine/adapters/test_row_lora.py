@@ -102,6 +102,23 @@ def test_two_adapters_and_base_rows_batched_with_join_and_leave(spec_name: str) 
     assert not resident.in_use("qv") and not resident.in_use("dora")
 
 
+@pytest.mark.parametrize("compile_decode", [None, True])
+def test_a_compiled_decode_step_never_serves_rows_with_adapters(compile_decode: bool | None) -> None:
+    """A compiled trace holds the selection it was traced under: replayed for another mix of rows (same shapes) it
+    gave a row another row's adapter. Rows with adapters step uncompiled (lone rows too: None compiles those)."""
+    model, resident, tokenizer = _served("llama", ["qv", "dora"])
+    # Lone rows one after another (base, qv, base: the same shapes), then the mixed batch of the test above.
+    plan = [(None, 0, 4), ("qv", 6, 4), (None, 12, 4), ("qv", 18, MAX_TOKENS), (None, 18, MAX_TOKENS),
+            ("dora", 20, MAX_TOKENS), ("qv", 21, 6), (None, 23, 9), ("dora", 24, MAX_TOKENS)]
+    arrivals = [Arrival(f"r{i}", at, _prompt(i), SamplingParams(max_tokens=m)) for i, (_, at, m) in enumerate(plan)]
+    adapter_of = {f"r{i}": name for i, (name, _, _) in enumerate(plan)}
+    out = run_schedule(model, arrivals, eos=tokenizer.eos_token_ids, compile_decode=compile_decode,
+                       adapter_of=lambda rid: resident.acquire(adapter_of[rid]) if adapter_of[rid] else None)
+    for i, (name, _, max_tokens) in enumerate(plan):
+        assert tuple(out[f"r{i}"].tokens) == _mlx_lm_tokens("llama", name, _prompt(i))[:max_tokens], (i, name)
+    assert not resident.in_use("qv") and not resident.in_use("dora")
+
+
 def test_cohort_prefill_of_mixed_adapters_then_one_batch() -> None:
     model, resident, tokenizer = _served("llama", ["qv", "mlp"])
     names = ["qv", None, "mlp", "qv"]
