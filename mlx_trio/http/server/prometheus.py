@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from quart import Quart, Response, request
 
 from mlx_trio.events import Usage
+from mlx_trio.http.server.fresh_status import fresh_status
 
 if TYPE_CHECKING:
     from mlx_trio.http.server.state import AppState
@@ -146,4 +147,5 @@ def register_metrics(app: Quart, state: AppState) -> None:
 
     @app.get("/metrics")
     async def scrape() -> Response:
+        await fresh_status(state.engine)  # the collector reads `status()`: a front's copy is made current first
         return Response(metrics.exposition(), status=200, content_type=CONTENT_TYPE_LATEST)
