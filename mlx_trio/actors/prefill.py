@@ -614,7 +614,7 @@ class PrefillActor:
         log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
         if hit is not None and self._lane.caching is not None:
             self._lane.caching.discard(hit, exc)
-        return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc)
+        return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc, own=True)
 
     async def _hand_on(self, cmd: Generate, row: SoloRow) -> None:
         """Send token 0, then end the request there or pass the row to the decoder; frees what does not join."""

@@ -71,8 +71,8 @@ async def test_restarts_while_a_request_only_queues_do_not_count_as_its_fruitles
     """More than MAX_RESUMES admission crashes while a request waits behind a running row: it still completes.
 
     With `--batch 1` the running row holds the only slot; each resubmission of the queued request
-    crashes admission (rest_for_one: the running row is untouched). Those attempts never left the
-    queue, so they count against MAX_QUEUED_RESUMES, not MAX_RESUMES.
+    crashes admission (rest_for_one: the running row is untouched). Those are the lane's failures,
+    not the request's own, so they never count against MAX_RESUMES (the resume rule).
     """
     async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
         undisturbed = (await engine.complete(PROMPTS[1], max_tokens=8)).token_ids
