@@ -44,7 +44,8 @@ _ENGINE_GAUGES = {
     "lease_queue_depth": ("lease_queue_depth", "Jobs waiting for the GPU lease thread"),
 }
 
-# engine.status()["counters"] key → (counter name, help): totals since the decoder started.
+# engine.status()["counters"] key → (counter name, help): totals since the engine started
+# (across actor restarts: actors/engine_tree.py `RetiredCounts`).
 _ENGINE_COUNTERS = {
     "decode_steps": ("decode_steps", "Model forwards of decode steps (a speculative step is one)"),
     "decoded_tokens": ("decoded_tokens", "Tokens the decode steps emitted"),
