@@ -89,9 +89,11 @@ def test_each_response_is_counted_before_the_next_read(server: tuple[ServerThrea
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the repeat hit the prompt cache
 
 
-def test_a_cohort_of_concurrent_prompts_is_counted_whole(server: tuple[ServerThread, str]) -> None:
+@pytest.mark.parametrize("length", [30, 3 * STEP + 8], ids=["cohort", "interleaved-chunks"])
+def test_eight_concurrent_prompts_are_counted_whole(server: tuple[ServerThread, str], length: int) -> None:
+    """Short prompts arriving together prefill as a cohort; long ones chunk by chunk, interleaved."""
     served, _ = server
-    prompts = [_prompt(100 + i, 30 + i) for i in range(8)]
+    prompts = [_prompt(100 + length + i, length + i) for i in range(8)]
     before = _stats(served.url)
     start = threading.Barrier(len(prompts))
 
