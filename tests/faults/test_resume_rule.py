@@ -10,6 +10,7 @@ ends it (tests/actors/test_session.py), as an `EngineRestarted`: a typed, retrya
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,14 +82,15 @@ async def _streams(engine: Any, actor: str) -> list[tuple[int, ...]]:
     return [tuple(ids) for ids in got]
 
 
-@pytest.mark.parametrize("actor", ["prefill", "gpu-lease", "decode-step", "admission"])
-async def test_faults_in_a_row_in_other_actors_never_end_a_stream(unfaulted: list[tuple[int, ...]],
-                                                                  actor: str) -> None:
-    async with open_engine(str(tiny_model(LLAMA)), **OPTIONS) as engine:
+@pytest.mark.parametrize("actor", ["prefill", "gpu-lease", "decode-step", "admission", "cache-persistence"])
+async def test_faults_in_a_row_in_other_actors_never_end_a_stream(unfaulted: list[tuple[int, ...]], actor: str,
+                                                                  tmp_path: Path) -> None:
+    async with open_engine(str(tiny_model(LLAMA)), **OPTIONS, prompt_cache_dir=str(tmp_path)) as engine:
         streams = await _streams(engine, actor)
         fired = len(engine.faults.fired)
         # prefill and gpu-lease faults fire at the long prompt's next chunk; decode-step's at the next step of a
-        # short row beside it, and admission's when a queued one is admitted (neither may come again in time).
+        # short row beside it, admission's when a queued one is admitted, cache-persistence's at the next SSD
+        # write (none of these may come again before the streams end).
         assert fired == FAULTS if actor in ("prefill", "gpu-lease") else fired >= 1, engine.faults.fired
         with trio.fail_after(20):
             while not engine.health()[0] or engine.status()["counters"]["kv_bytes"]:
