@@ -363,8 +363,7 @@ class Engine:
             else:
                 # A session that crashed (no failure of the lane's) is the request's own, as is its own prefill's.
                 own += actor.failure is None or actor.own_failure
-            # This failure too, so a resume always waits (20 ms at least): submitted at once, the next attempt (same
-            # request id) raced the lane's release of this one's row (a repeated token in tests/actors/test_session.py).
+            # This failure too: a resume waits 20 ms at least, for the restarting actors.
             stalled += 1
             cause = actor.failure or ActorCrashed("its session crashed")
             if own > MAX_RESUMES:

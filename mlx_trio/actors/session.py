@@ -173,7 +173,10 @@ class SessionActor:
             request.params.max_tokens + len(request.prompt_ids) + done + 4
         )
         command = Generate(
-            request.request_id, request.prompt_ids + tuple(self.generated),
+            # A resumed attempt under an id of its own: the lane may still hold the last attempt's row (it lets go
+            # at its next step), and the lane keys rows, reservations and cache puts by id.
+            request.request_id if not self.resumes else f"{request.request_id}.{self.resumes}",
+            request.prompt_ids + tuple(self.generated),
             attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
             send, rng_draws=done, resumed_tokens=done, snapshot_at=request.snapshot_at, adapter=request.adapter,
         )
