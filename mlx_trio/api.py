@@ -49,13 +49,14 @@ from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
 
-# Attempts in a row that bring no new token before a request fails with EngineRestarted.
-# Progress resets the count: a long request may live through many restarts.
+# Attempts in a row that bring no new token and fail for a cause of the request's own (its session
+# crashed, or its own prefill failed) before it fails with EngineRestarted. Progress resets the count.
+# Attempts that the lane failed under (an engine actor crashed under every request it held) never
+# count: those are not the request's fault, however often they come (docs/supervision.md, "The
+# resume rule"); they are bounded by time instead, `EngineConfig.resume_timeout_s` without a new token.
 MAX_RESUMES = 3
-# Attempts that end while the request still waits in admission's queue are counted apart, with a
-# larger bound: a restart then says nothing about the request (it never reached the model), and
-# under sustained faults a request deep in the queue sees many before its turn comes.
-MAX_QUEUED_RESUMES = 30
+# A resume waits 10 ms, doubled after each attempt in a row that brought no token, up to this.
+MAX_RESUME_DELAY_S = 1.0
 # The root never gives up: the engine subtree retries itself (`Retrying`), and the sessions
 # supervisor and the HTTP child restart as often as they fail, a crash loop slowed to at most
 # one restart a second. Only SIGTERM or a model that cannot load ends the process.
@@ -311,23 +312,28 @@ class Engine:
         Each attempt is one session actor. If it ends without `Finished`
         (the lane failed under it, or it crashed itself), a new one carries
         on from the tokens the old one had received, so the caller still
-        sees one uninterrupted stream; `EngineRestarted` after `MAX_RESUMES`
-        attempts in a row that brought no new token (`MAX_QUEUED_RESUMES` for
-        attempts that ended while the request still waited in admission's queue).
+        sees one uninterrupted stream. `EngineRestarted` only after more than
+        `MAX_RESUMES` attempts in a row that brought no new token and failed for
+        a cause of the request's own (its session crashed, its prefill failed),
+        or after `resume_timeout_s` without a new token while the lane kept
+        failing under it; a fault in any other actor is resumed from however
+        often it comes.
         """
         down = self.actors.retrying.down
         if down is not None:  # the engine gave up: refuse at once rather than wait out resume_timeout_s
             raise EngineDown(f"the engine is down after too many restarts ({down.reason}); it starts again in "
                              f"{down.retry_in_s():.0f} s", retry_after_s=down.retry_in_s())
         actor: SessionActor | None = None
-        stalled = 0  # attempts in a row that brought no new token
-        queued = 0  # of those, attempts that ended while still waiting in admission's queue
+        stalled = 0  # failed attempts since the last that brought a token (that one included), whatever failed
+        own = 0  # of those, attempts that failed for a cause of the request's own
+        progressed_at = trio.current_time()  # the request's start, or its last attempt that brought a token
         first_text = True  # until the stream's first text (the profile's request timeline)
         while True:
             send, recv = trio.open_memory_channel[SessionOutput](0)  # rendezvous: the session waits for us
             # A resume waits a moment for the restarting actors; longer after each fruitless try.
             actor = SessionActor(request, get_target=self._healthy_target, model=self.model, out=send,
-                                 faults=self.faults, resume_from=actor, delay_s=0.01 * 2**stalled if stalled else 0.0,
+                                 faults=self.faults, resume_from=actor,
+                                 delay_s=min(0.01 * 2**stalled, MAX_RESUME_DELAY_S) if stalled else 0.0,
                                  replay=replay if actor is None else ())
             try:
                 await self._sessions.start_child(
@@ -355,15 +361,20 @@ class Engine:
                     # frees the request at its next chunk or step.
                     actor.cancel()
             if len(actor.generated) > actor.generated_at_start:
-                stalled, queued = 1, 0
-            elif actor.left_queue:
-                stalled += 1
+                stalled, own, progressed_at = 0, 0, trio.current_time()
             else:
-                queued += 1
+                # A session that crashed (no failure of the lane's) is the request's own, as is its own prefill's.
+                own += actor.failure is None or actor.own_failure
+            # This failure too: a resume waits 20 ms at least, for the restarting actors.
+            stalled += 1
             cause = actor.failure or ActorCrashed("its session crashed")
-            if stalled > MAX_RESUMES or queued > MAX_QUEUED_RESUMES:
-                raise EngineRestarted(f"request {request.request_id} failed {stalled} times in a row without "
-                                      f"progress; last: {cause!r}") from cause
+            if own > MAX_RESUMES:
+                raise EngineRestarted(f"request {request.request_id} failed {own} times in a row without progress, "
+                                      f"each time on its own; last: {cause!r}") from cause
+            if trio.current_time() - progressed_at > self.config.resume_timeout_s:
+                raise EngineRestarted(f"request {request.request_id}: the engine failed under it {stalled} times in "
+                                      f"{self.config.resume_timeout_s:.0f} s without a new token; last: {cause!r}"
+                                      ) from cause
             log.warning("request %s: %r; resuming after %d tokens", request.request_id, cause, len(actor.generated))
 
     async def _healthy_target(self) -> object:

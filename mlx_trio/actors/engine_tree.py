@@ -75,12 +75,42 @@ class LeaseWedged(EngineFailure):
     """A lease job ran past the step watchdog; the lease thread was abandoned."""
 
 
+@attrs.define
+class RetiredCounts:
+    """What the lane's earlier actor incarnations counted: each actor's own counts start from 0 when it
+    restarts, so its successor's are added to these (`EngineActors.counters`), and no total goes back."""
+
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    prefill_tokens: int = 0
+    snapshots: int = 0
+    submitted: int = 0
+
+    def retire(self, lane: Lane, actor: str) -> None:
+        """Keep the counts of `lane`'s `actor` ("decode-step", "prefill" or "admission"), about to be replaced."""
+        if actor == "decode-step" and lane.decode_step is not None:
+            decode = lane.decode_step.statistics()
+            self.decode_steps += decode.decode_steps
+            self.decoded_tokens += decode.tokens_decoded
+            self.proposed += decode.proposed
+            self.accepted += decode.accepted
+        elif actor == "prefill" and lane.prefill is not None:
+            prefill = lane.prefill.statistics()
+            self.prefill_tokens += prefill.prefill_tokens
+            self.snapshots += prefill.snapshots
+        elif actor == "admission" and lane.admission is not None:
+            self.submitted += lane.admission.statistics().submitted
+
+
 class EngineActors:
     """Builds, supervises and exposes the engine subtree (`supervisor`) and its `lane`."""
 
     def __init__(self, config: EngineConfig, faults: Faults) -> None:
         self.config = config
         self.lane = Lane(config, faults)
+        self._retired = RetiredCounts()
         self._budget: int | None = None
         world = current_world()
         # Scale-out only: rank 0's heartbeat over its followers (actors/rank_watch.py); last, so under
@@ -172,8 +202,10 @@ class EngineActors:
 
         `mode` is "batch" when rows may share steps, "serial" when the lane
         runs one row at a time (`--batch 1`, or a model whose caches cannot merge).
+        The totals (submitted rows, decode steps, tokens, proposals) count since the
+        engine started, across actor restarts (`RetiredCounts`).
         """
-        lane = self.lane
+        lane, retired = self.lane, self._retired
         lease = lane.lease.statistics() if lane.lease is not None else None
         decode = lane.decode_step.statistics() if lane.decode_step is not None else None
         prefill = lane.prefill.statistics() if lane.prefill is not None else None
@@ -182,15 +214,15 @@ class EngineActors:
             "configured": self.config.batch, "mode": "batch" if lane.row_cap > 1 else "serial",
             "active_rows": (decode.active_rows if decode else 0) + (1 if prefill and prefill.active_request else 0),
             "pending_rows": admission.mailbox_depth if admission else 0,
-            "submitted_rows": admission.submitted if admission else 0,
+            "submitted_rows": retired.submitted + (admission.submitted if admission else 0),
             "kv_bytes": (decode.kv_bytes if decode else 0) + (prefill.active_kv_bytes if prefill else 0),
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
-            "decode_steps": decode.decode_steps if decode else 0,
-            "decoded_tokens": decode.tokens_decoded if decode else 0,
-            "speculative_proposed": decode.proposed if decode else 0,
-            "speculative_accepted": decode.accepted if decode else 0,
+            "decode_steps": retired.decode_steps + (decode.decode_steps if decode else 0),
+            "decoded_tokens": retired.decoded_tokens + (decode.tokens_decoded if decode else 0),
+            "speculative_proposed": retired.proposed + (decode.proposed if decode else 0),
+            "speculative_accepted": retired.accepted + (decode.accepted if decode else 0),
             # Prefill-only cuDNN: shapes planned so far, and whether idle time still plans more (actors/plan_warmup.py).
             "cudnn_plans": prefill.cudnn_plans if prefill else 0,
             "cudnn_plans_pending": prefill.cudnn_plans_pending if prefill else False,
@@ -209,8 +241,8 @@ class EngineActors:
         return {
             "enabled": lane.caching is not None, **attrs.asdict(stats),
             "last_divergence": attrs.asdict(last) if last is not None else None,
-            "prefill_tokens": prefill.prefill_tokens if prefill else 0,
-            "snapshots": prefill.snapshots if prefill else 0,
+            "prefill_tokens": self._retired.prefill_tokens + (prefill.prefill_tokens if prefill else 0),
+            "snapshots": self._retired.snapshots + (prefill.snapshots if prefill else 0),
             "ssd": {
                 "enabled": ssd.enabled, "degraded": ssd.degraded, "entries": ssd.entries, "bytes": ssd.bytes,
                 "reads": ssd.ssd_reads, "writes": ssd.ssd_writes, "errors": ssd.ssd_errors,
@@ -252,18 +284,21 @@ class EngineActors:
     async def _run_decode_step(self, *, task_status: trio.TaskStatus[DecodeStepActor] = trio.TASK_STATUS_IGNORED) -> None:
         lane = self.lane
         assert lane.lease is not None  # rest_for_one: the lease started first
+        self._retired.retire(lane, "decode-step")
         lane.decode_step = DecodeStepActor(lane, lane.lease)
         await lane.decode_step.run(task_status=task_status)
 
     async def _run_prefill(self, *, task_status: trio.TaskStatus[PrefillActor] = trio.TASK_STATUS_IGNORED) -> None:
         lane = self.lane
         assert lane.lease is not None and lane.decode_step is not None
+        self._retired.retire(lane, "prefill")
         lane.prefill = PrefillActor(lane, lane.lease, join=lane.decode_step.join_send)
         await lane.prefill.run(task_status=task_status)
 
     async def _run_admission(self, *, task_status: trio.TaskStatus[AdmissionActor] = trio.TASK_STATUS_IGNORED) -> None:
         lane = self.lane
         assert lane.prefill is not None
+        self._retired.retire(lane, "admission")
         lane.admission = AdmissionActor(lane, lane.prefill.inbox_send, self._admission_limits)
         await lane.admission.run(task_status=task_status)
 

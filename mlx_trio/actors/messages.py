@@ -65,11 +65,15 @@ class GenerationEnded:
 
     `reason` is STOP (an EOS token), LENGTH (max_tokens) or ERROR (then
     `error` holds the exception, already logged by the actor that sent it).
+    `own` marks an error of this request alone (its own prefill failed), which
+    counts against its resumes (`Engine.stream`); without it the error is the
+    lane's (an actor failed under every request it held), which never does.
     """
 
     request_id: str
     reason: FinishReason
     error: BaseException | None = None
+    own: bool = False
 
 
 DecodeEvent = PrefillProgressed | TokensDecoded | GenerationEnded

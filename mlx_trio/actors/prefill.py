@@ -672,7 +672,7 @@ class PrefillActor:
         log.error("prefill of %s failed", cmd.request_id, exc_info=exc)
         if hit is not None and self._lane.caching is not None:
             self._lane.caching.discard(hit, exc)
-        return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc)
+        return GenerationEnded(cmd.request_id, FinishReason.ERROR, exc, own=True)
 
     def _ran_out_of_memory(self, what: str, exc: Exception) -> None:
         """The device's memory ran out prefilling `what`: shrink the KV budget below what the lane holds."""

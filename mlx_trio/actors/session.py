@@ -68,6 +68,8 @@ class SessionActor:
 
     `failure` says why an attempt ended without `Finished` or an error (the
     lane failed under it); None while it runs or if it crashed itself.
+    `own_failure` is True when that failure was this request's alone (the
+    lane said so: its own prefill failed), False when the lane failed under it.
     """
 
     def __init__(self, request: Request, *, get_target: GetTarget, model: object,
@@ -105,9 +107,7 @@ class SessionActor:
         # What this session started from: a crash with nothing added is a resume that stalled.
         self.generated_at_start = len(self.generated)
         self.failure: BaseException | None = None
-        # Whether the lane took this attempt past admission's queue (prefill sent an event): an
-        # attempt that only waited in the queue cannot be the request that makes the lane fail.
-        self.left_queue = False
+        self.own_failure = False
         self._scope = trio.CancelScope()
 
     def statistics(self) -> SessionStatistics:
@@ -173,7 +173,10 @@ class SessionActor:
             request.params.max_tokens + len(request.prompt_ids) + done + 4
         )
         command = Generate(
-            request.request_id, request.prompt_ids + tuple(self.generated),
+            # A resumed attempt under an id of its own: the lane may still hold the last attempt's row (it lets go
+            # at its next step), and the lane keys rows, reservations and cache puts by id.
+            request.request_id if not self.resumes else f"{request.request_id}.{self.resumes}",
+            request.prompt_ids + tuple(self.generated),
             attrs.evolve(request.params, max_tokens=request.params.max_tokens - done),
             send, rng_draws=done, resumed_tokens=done, snapshot_at=request.snapshot_at, adapter=request.adapter,
         )
@@ -192,7 +195,6 @@ class SessionActor:
                      offset: int) -> BaseException | None:
         async for first in replies:
             for event in _coalesced(first, replies):
-                self.left_queue = True
                 # Before the event changes any state: a crash here loses nothing a resume can't redo.
                 self._faults.check(self._id)
                 ended = await self._handle(event, text, offset=offset)
@@ -220,6 +222,7 @@ class SessionActor:
                 if isinstance(error, (RequestError, Overloaded)):
                     # The caller's to see: bad input, or no room now (a 503 with Retry-After), not a lane failure.
                     raise error
+                self.own_failure = event.own
                 return error if error is not None else ActorCrashed("unknown error")
             await self._end(text, event.reason)
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from mlx_trio import open_engine
+from mlx_trio import api, open_engine
 from mlx_trio.actors.messages import Generate, TokensDecoded
 from mlx_trio.actors.session import SessionActor
 from mlx_trio.api import MAX_RESUMES
@@ -36,6 +36,19 @@ async def test_a_crashed_session_resumes_and_the_stream_stays_exact(batch: int) 
         resumed = await _stream(engine, PROMPTS[2], 30, crash_after=5)
         assert engine.faults.fired
     assert resumed == undisturbed and len(undisturbed[0]) == 30
+
+
+@pytest.mark.parametrize("crash_after", [5, 6, 7, 8])
+async def test_a_resume_submitted_at_once_never_gets_the_last_attempts_tokens(
+        monkeypatch: pytest.MonkeyPatch, crash_after: int) -> None:
+    """With no resume delay the lane may still hold the crashed attempt's row when the next one joins: each
+    attempt has an id of its own, so its tokens never reach the other's row (they did: a repeated token)."""
+    monkeypatch.setattr(api, "MAX_RESUME_DELAY_S", 0.0)
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        undisturbed = await _stream(engine, PROMPTS[2], 30)
+        resumed = await _stream(engine, PROMPTS[2], 30, crash_after=crash_after)
+        assert engine.faults.fired
+    assert resumed == undisturbed
 
 
 async def test_sessions_that_crash_without_progress_give_up_with_engine_restarted() -> None:
@@ -71,8 +84,8 @@ async def test_restarts_while_a_request_only_queues_do_not_count_as_its_fruitles
     """More than MAX_RESUMES admission crashes while a request waits behind a running row: it still completes.
 
     With `--batch 1` the running row holds the only slot; each resubmission of the queued request
-    crashes admission (rest_for_one: the running row is untouched). Those attempts never left the
-    queue, so they count against MAX_QUEUED_RESUMES, not MAX_RESUMES.
+    crashes admission (rest_for_one: the running row is untouched). Those are the lane's failures,
+    not the request's own, so they never count against MAX_RESUMES (the resume rule).
     """
     async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
         undisturbed = (await engine.complete(PROMPTS[1], max_tokens=8)).token_ids

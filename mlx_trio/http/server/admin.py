@@ -30,6 +30,7 @@ from quart import Quart, Response, request
 from mlx_trio.http.server.body import decode_json_object
 from mlx_trio.http.server.errors import invalid_value
 from mlx_trio.http.server.info import json_response
+from mlx_trio.http.server.fresh_status import fresh_status
 from mlx_trio.http.server.state import AppState
 from mlx_trio.supervision.faults import ArmedFault, FaultKind, Faults, InjectedFault
 
@@ -75,9 +76,7 @@ def register_admin(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/admin/faults")
     async def list_faults() -> Response:
-        refresh = getattr(state.engine, "refresh_status", None)  # an engine in another process: its lists now
-        if refresh is not None:
-            await refresh()
+        await fresh_status(state.engine)  # an engine in another process: its lists now
         faults = state.engine.faults
         return json_response({"armed": [fault_object(f) for f in faults.armed()],
                               "fired": [fault_object(f) for f in faults.fired]})

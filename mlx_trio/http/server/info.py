@@ -9,6 +9,7 @@ from quart import Quart, Response, request
 
 from mlx_trio.http.server.errors import model_not_found
 from mlx_trio.errors import MlxTrioError
+from mlx_trio.http.server.fresh_status import fresh_status
 from mlx_trio.http.server.state import AppState
 
 # The name every client may use for the one served model.
@@ -20,9 +21,9 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(json.dumps(payload, default=str), status=status, mimetype="application/json")
 
 
-def status_payload(state: AppState) -> dict[str, Any]:
-    """What `GET /v1/status` answers: `Engine.status()` plus the HTTP layer's counters."""
-    return {**state.engine.status(), "http": {
+def status_payload(state: AppState, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `GET /v1/status` answers: `status` (default `Engine.status()`) plus the HTTP layer's counters."""
+    return {**(status if status is not None else state.engine.status()), "http": {
         "submitted_rows": state.submitted_rows, "draining": state.draining,
         "in_flight": state.drain.in_flight, "cut_by_drain": state.drain.cut_requests}}
 
@@ -70,14 +71,15 @@ def register_info(app: Quart, state: AppState) -> None:
 
     @app.get("/v1/status")
     async def status() -> Response:
-        """The live supervision tree and engine counters (`Engine.status()`), plus HTTP counters."""
-        return json_response(status_payload(state))
+        """The live supervision tree and engine counters (`Engine.status()`, as of now), plus HTTP counters."""
+        return json_response(status_payload(state, await fresh_status(state.engine)))
 
     @app.get("/stats")
     async def stats() -> Response:
         """`{"batch": {...}, "prompt_cache": {...}, "speculative": {...}}`: the engine's counters where it reports
-        them, else the HTTP layer's view. `speculative.acceptance` is accepted / proposed (0 before any proposal)."""
-        status = state.engine.status()
+        them, else the HTTP layer's view. `speculative.acceptance` is accepted / proposed (0 before any proposal).
+        As of now: a response its client already has is counted, whichever process answers (`fresh_status`)."""
+        status = await fresh_status(state.engine)
         counters = status.get("counters", {})
         fallback = {
             "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,

@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from quart import Quart, Response, request
 
 from mlx_trio.events import Usage
+from mlx_trio.http.server.fresh_status import fresh_status
 
 if TYPE_CHECKING:
     from mlx_trio.http.server.state import AppState
@@ -43,7 +44,8 @@ _ENGINE_GAUGES = {
     "lease_queue_depth": ("lease_queue_depth", "Jobs waiting for the GPU lease thread"),
 }
 
-# engine.status()["counters"] key → (counter name, help): totals since the decoder started.
+# engine.status()["counters"] key → (counter name, help): totals since the engine started
+# (across actor restarts: actors/engine_tree.py `RetiredCounts`).
 _ENGINE_COUNTERS = {
     "decode_steps": ("decode_steps", "Model forwards of decode steps (a speculative step is one)"),
     "decoded_tokens": ("decoded_tokens", "Tokens the decode steps emitted"),
@@ -146,4 +148,5 @@ def register_metrics(app: Quart, state: AppState) -> None:
 
     @app.get("/metrics")
     async def scrape() -> Response:
+        await fresh_status(state.engine)  # the collector reads `status()`: a front's copy is made current first
         return Response(metrics.exposition(), status=200, content_type=CONTENT_TYPE_LATEST)

@@ -26,6 +26,9 @@ class EngineLike(Protocol):
     An engine may also have a `responses_store` (http/responses/store.py `Responses`): a front
     process's `RemoteEngine` does (the one store in the engine's process, shared by every front);
     the Responses endpoint uses it instead of a store of its own. `Engine` and the fakes have none.
+    Likewise `async refresh_status()`: an engine whose `status()` is a copy (a `RemoteEngine`) fetches
+    it anew there; `fresh_status` (fresh_status.py) awaits it before every read a client may compare with what it
+    was just answered.
     """
 
     # Armed by tests and POST /v1/admin/faults; the HTTP child checks "http" at each request.
