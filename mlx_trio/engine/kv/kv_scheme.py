@@ -25,7 +25,7 @@ exactly that (engine/kv/layout.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -62,6 +62,48 @@ class KvScheme:
     def key(self) -> str:
         """A name for the prompt-cache identity: '' for bf16 (so bf16 keys stay what they were), else e.g. 'q8g64s5000'."""
         return f"q{self.bits}g{self.group_size}s{self.start}" if self.bits is not None else ""
+
+    def conversion_point(self, prompt_len: int, step_size: int) -> int | None:
+        """The token count at which mlx-lm's serial `generate_step` converts a row of `prompt_len` tokens
+        prefilled in chunks of `step_size`; None without `bits`.
+
+        `generate_step` checks after each forward: its prefill chunks end at `step_size`, `2 step_size`, ...
+        and at `prompt_len - 1` (the last prompt token is the first sampling step's input), then every step
+        adds one token. A layer converts at the first of those ends that reaches `start`. Which tokens were
+        attended in float and which quantized depends on exactly that point, so a row that splits its prefill
+        elsewhere (a snapshot boundary, a prompt-cache hit, a smaller chunk) must still convert there, and
+        nowhere else, to be token-identical (docs/design.md §6.4).
+        """
+        if self.bits is None:
+            return None
+        last = prompt_len - 1  # the prefill's end; then one token a step
+        whole = step_size * max(1, -(-self.start // step_size))  # the first full chunk's end >= start
+        if whole < last:
+            return whole
+        return last if 0 < last and self.start <= last else max(self.start, prompt_len)
+
+    def usable_hit(self, usable: int, quantized: bool, prompt_len: int, step_size: int) -> int:
+        """How many of a prompt-cache hit's first `usable` tokens a row of `prompt_len` tokens may start from
+        and still attend what mlx-lm's serial run attends (0: none).
+
+        A bf16 entry serves up to the row's conversion point (beyond it mlx-lm's KV is already
+        quantized; the row trims back and converts there). A quantized entry serves only from the
+        conversion point on: below it, mlx-lm would still compute the next tokens over bf16 KV, which a
+        quantized entry no longer has. (An entry quantized at another point than this row's, say a
+        shorter earlier turn's, still differs: docs/design.md §6.4.)
+        """
+        at = self.conversion_point(prompt_len, step_size)
+        if at is None:
+            return usable
+        if quantized:
+            return usable if usable >= at else 0
+        return min(usable, at)
+
+    def hit_limit(self, prompt_len: int, step_size: int) -> Callable[[bool, int], int] | None:
+        """`usable_hit` for one prompt, as the prompt cache's lookup takes it (None: no limit, bf16)."""
+        if self.bits is None:
+            return None
+        return lambda quantized, usable: self.usable_hit(usable, quantized, prompt_len, step_size)
 
     def convert_due(self, caches: list[Any]) -> None:
         """mlx-lm's `maybe_quantize_kv_cache` on one row's serial caches, in place: layers at offset >= `start`."""
