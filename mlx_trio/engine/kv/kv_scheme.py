@@ -3,9 +3,11 @@
 mlx-lm's serial rule (`maybe_quantize_kv_cache`, called by `generate_step`
 after every forward: each prefill chunk and each decode step): a layer
 converts to `QuantizedKVCache` once its offset reaches `start`. A solo row
-(engine/batch/solo_row.py) follows exactly that rule, so a lone row is
-token-identical to `generate_step(kv_bits=..., kv_group_size=...,
-quantized_kv_start=...)` with the same prefill chunks.
+(engine/batch/solo_row.py) converts at the very token count where
+`generate_step`'s chunks of the same step size would (`conversion_point`),
+whatever else splits its prefill (snapshots, chunk limits, prompt-cache
+hits: `usable_hit`), so a lone row is token-identical to
+`generate_step(kv_bits=..., kv_group_size=..., quantized_kv_start=...)`.
 
 A batch holds one format per layer (docs/design.md, "Quantized KV"): it is
 quantized as soon as any of its rows has reached `start`, or a quantized row
