@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
-from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
+from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
@@ -33,19 +33,6 @@ from mlx_trio.engine.sampling.row_sampler import RowSampler
 from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
-
-
-def _exact_part(hit: CacheHit, scheme: KvScheme, prompt_len: int, step_size: int) -> CacheHit | None:
-    """The part of `hit` that keeps a quantized row converting where mlx-lm's serial run does (None: none).
-
-    `KvScheme.usable_hit` says how much; a bf16 entry that cannot be trimmed to it is not used.
-    """
-    usable = scheme.usable_hit(hit.usable, is_quantized(hit.caches), prompt_len, step_size)
-    if usable == hit.usable:
-        return hit
-    if usable == 0 or not cache_clone.trimmable(hit.caches):
-        return None
-    return CacheHit(hit.entry, usable, hit.caches)
 
 
 class SoloRow:
@@ -74,7 +61,8 @@ class SoloRow:
         kv_scheme: KvScheme = KvScheme(),
         adapter: AdapterUse | None = None,
     ) -> None:
-        # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
+        # `hit`: start from a prompt-cache entry (cloned, never consumed); with a quantized `kv_scheme`, one the
+        # lookup cut with `kv_scheme.hit_limit`, or the row may not convert where mlx-lm does. `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
         # `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.constraint`
         # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a
@@ -88,8 +76,6 @@ class SoloRow:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
             raise ValueError("a cache hit must leave the last prompt token to compute")
-        if hit is not None and kv_scheme.quantized:
-            hit = _exact_part(hit, kv_scheme, len(prompt_ids), prefill_step_size)
         self.adapter = adapter
         self._model = adapted(model, adapter)
         self.request_id = request_id

@@ -89,7 +89,7 @@ class KvScheme:
         and still attend what mlx-lm's serial run attends (0: none).
 
         A bf16 entry serves up to the row's conversion point (beyond it mlx-lm's KV is already
-        quantized; the row trims back and converts there). A quantized entry serves only from the
+        quantized; the hit is trimmed there and the row converts at once). A quantized entry serves only from the
         conversion point on: below it, mlx-lm would still compute the next tokens over bf16 KV, which a
         quantized entry no longer has. (An entry quantized at another point than this row's, say a
         shorter earlier turn's, still differs: docs/design.md §6.4.)

@@ -223,11 +223,12 @@ class PromptCache:
         self._nbytes += entry.nbytes
         self._puts += 1
         if entry.trimmable:
-            # A trimmable entry serves every prefix of itself: shorter entries only cost bytes. Not a bf16
-            # one's, if it is quantized: a quantized row may start from bf16 KV where it may not from quantized.
+            # A trimmable entry serves every prefix of itself: shorter entries of its format only cost bytes.
+            # (Of the other format they may serve what it cannot: a quantized row takes bf16 KV only up to its
+            # conversion point and quantized KV only from there, `HitLimit`.)
             for shorter in [e for e in self._lru.values()
                             if len(e.tokens) < len(entry.tokens) and e.shared_prefix(entry.ids) == len(e.tokens)
-                            and (e.quantized or not entry.quantized)]:
+                            and e.quantized == entry.quantized]:
                 self._drop(shorter)
         self.trim_to(self.max_bytes)
         return entry.tokens in self._lru

@@ -341,9 +341,8 @@ def test_a_hit_restored_before_or_after_the_start_equals_the_run_that_stored_it(
 
 
 def test_a_row_extracted_from_a_quantized_batch_restores_to_its_own_continuation() -> None:
-    """cache_entry of a batched row after its batch converted: a serial QuantizedKVCache entry. A row of its
-    prompt + tokens does not start from it (issue #44): it is quantized where mlx-lm's serial run of that prompt
-    still attends bf16 KV, so the row prefills afresh and its next token is that run's."""
+    """cache_entry of a batched row after its batch converted: a serial QuantizedKVCache entry whose hit
+    continues exactly as the row did (its prompt + tokens, one more step)."""
     from mlx_trio.engine.batch.decode_batch import DecodeBatch
     from mlx_trio.engine.batch.solo_row import SoloRow
     from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
@@ -372,17 +371,13 @@ def test_a_row_extracted_from_a_quantized_batch_restores_to_its_own_continuation
     assert entry is not None and type(entry.caches[0]) is QuantizedKVCache
     batch.close()
     resumed = SoloRow(model, "again", held + (tokens["r1"][-1],), SamplingParams(), kv_scheme=scheme,
-                      hit=CacheHit(entry, len(held)), prefill_step_size=STEP)
-    assert resumed.cached_tokens == 0
-    while resumed.prefill_chunk():
-        pass
+                      hit=CacheHit(entry, len(held)))
     following = resumed.first_token()
     resumed.close()
     # r0 reached 20 after 4 steps, when r1 held 11 + 4 tokens: r1's oracle converts at 15.
     n = len(tokens["r1"])
     oracle = _serial(model, _prompt(1, 11), n + 1, (), scheme, start=15)
-    assert tokens["r1"] == oracle[:n]
-    assert following == _serial(model, held + (tokens["r1"][-1],), 1, (), scheme)[0]
+    assert tokens["r1"] == oracle[:n] and following == oracle[n]
 
 
 def test_hybrid_rows_join_and_leave_across_the_start() -> None:

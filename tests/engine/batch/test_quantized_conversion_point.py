@@ -39,10 +39,14 @@ def _prompt(n: int, salt: int = 0) -> tuple[int, ...]:
 
 
 def _serial(prompt: tuple[int, ...], step: int, scheme: KvScheme) -> tuple[int, list[Any]]:
-    """generate_step's token 0 and its caches (they then also hold token 0's KV: the next step runs ahead)."""
+    """generate_step's token 0 and its caches (they then also hold token 0's KV: the next step runs ahead).
+
+    When mlx-lm converts only after that next step, its bf16 run stands in: the same KV up to there.
+    """
     caches = make_prompt_cache(_model())
+    bits = scheme.bits if scheme.conversion_point(len(prompt), step) <= len(prompt) else None
     token, _ = next(generate_step(mx.array(prompt), _model(), prompt_cache=caches, prefill_step_size=step,
-                                  kv_bits=scheme.bits, kv_group_size=scheme.group_size,
+                                  kv_bits=bits, kv_group_size=scheme.group_size,
                                   quantized_kv_start=scheme.start))
     return int(token), caches
 
