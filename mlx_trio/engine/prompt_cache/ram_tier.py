@@ -72,8 +72,9 @@ class CacheEntry:
         return shared if self.trimmable else 0
 
 
-# What a lookup may use of an entry, given whether it is quantized and the tokens it shares (less: trimmed there).
-HitLimit = Callable[[bool, int], int]
+# What a lookup may use of an entry, given whether it is quantized, the tokens it holds and those it shares
+# (less: trimmed there).
+HitLimit = Callable[[bool, int, int], int]
 
 
 @attrs.frozen
@@ -173,7 +174,7 @@ class PromptCache:
         for known, entry in pairs:
             usable = entry.usable_for(ids, known)
             if usable and limit is not None:
-                cut = limit(entry.quantized, usable)
+                cut = limit(entry.quantized, len(entry.tokens), usable)
                 usable = cut if cut == usable or entry.trimmable else 0
             if usable and (best is None or (usable, -len(entry.tokens)) > (best.usable, -len(best.entry.tokens))):
                 best = CacheHit(entry, usable)

@@ -104,7 +104,41 @@ def test_a_row_from_a_prompt_cache_hit_equals_generate_step(n: int, stored: int,
     shared = next((i for i, (a, b) in enumerate(zip(entry.tokens, prompt)) if a != b), min(len(entry.tokens), n))
     usable = min(shared, n - 1)
     limit = scheme.hit_limit(n, step)
-    usable = limit(entry.quantized, usable) if usable else 0
+    usable = limit(entry.quantized, len(entry.tokens), usable) if usable else 0
     hit = CacheHit(entry, usable) if usable else None
     row = _row(prompt, step, scheme, [], hit=hit)
     _assert_serial(row, prompt, step, scheme)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 30), steps=st.integers(1, 8), extra=st.integers(1, 8), step=st.sampled_from([5, 16, 2048]),
+       scheme=st.sampled_from(SCHEMES))
+@example(n=12, steps=8, extra=3, step=16, scheme=SCHEMES[0])  # the turn that crosses mlx-lm's first full chunk
+def test_a_follow_up_turn_from_a_finished_rows_entry_equals_generate_step(n: int, steps: int, extra: int, step: int,
+                                                                         scheme: KvScheme) -> None:
+    """A row decodes, leaves, and its entry (cut by `entry_cut`) serves the next turn, its prompt + answer + more,
+    through the lookup's `hit_limit`: that turn's KV is still generate_step's."""
+    from mlx_trio.engine.batch.decode_batch import DecodeBatch
+    from mlx_trio.engine.prompt_cache.ram_tier import PromptCache
+
+    prompt = _prompt(n)
+    row = _row(prompt, step, scheme, [])
+    batch = DecodeBatch(_model(), scheme)
+    batch.join_many([(row, row.first_token())])
+    answer = [row.token0]
+    for _ in range(steps):
+        decoded = batch.step_decoded()
+        if decoded is not None:
+            answer += decoded.token_ids
+    answer += batch.flush_decoded().token_ids
+    held = prompt + tuple(answer[:-1])
+    entry = batch.cache_entry("r", held)
+    batch.close()
+    cut = scheme.entry_cut(n, step)
+    assert entry is not None and entry.quantized == (scheme.conversion_point(n, step) <= len(held))
+    assert len(entry.tokens) == (len(held) if cut is None or not entry.quantized else cut)
+    cache = PromptCache(max_bytes=2**40, max_entries=4)
+    cache.put(entry)
+    follow_up = held + (answer[-1],) + _prompt(extra, salt=5)[:extra]
+    hit = cache.lookup(follow_up, limit=scheme.hit_limit(len(follow_up), step))
+    _assert_serial(_row(follow_up, step, scheme, [], hit=hit), follow_up, step, scheme)

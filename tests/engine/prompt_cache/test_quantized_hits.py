@@ -28,9 +28,23 @@ def test_a_quantized_entry_below_the_conversion_point_is_skipped_for_a_bf16_one(
     assert _lookup(_entry(PROMPT[:15] + (99, 98), quantized=True)) == 0
 
 
-def test_a_quantized_entry_serves_from_the_conversion_point() -> None:
-    """The same prompt again: its entry holds the 19 tokens mlx-lm converted at."""
-    assert _lookup(_entry(PROMPT + (7, 7), quantized=True)) == 19
+def test_a_quantized_entry_serves_rows_converting_at_or_before_its_point() -> None:
+    """Entries are cut where they converted (`KvScheme.entry_cut`): a 19-token one (a 20-token prompt's) serves
+    the same prompt again, and a shorter prompt up to that prompt's own point, but no longer one."""
+    entry = _entry(PROMPT[:19], quantized=True)
+    assert _lookup(entry) == 19
+    assert _lookup(entry, prompt=PROMPT[:10]) == 9
+    assert _lookup(entry, prompt=PROMPT + (5, 6, 7)) == 0
+
+
+def test_a_quantized_entry_past_the_first_full_chunk_serves_all_it_shares() -> None:
+    """With chunks of 16 an entry longer than 16 converted at 16, as does every prompt longer than 17."""
+    prompt = PROMPT + tuple(range(100, 140))
+    cache = PromptCache(max_bytes=1000, max_entries=10)
+    cache.put(_entry(prompt[:40], quantized=True))
+    limit = KvScheme(8, 64, 0).hit_limit
+    assert cache.lookup(prompt, limit=limit(len(prompt), 16)).usable == 40
+    assert cache.lookup(prompt[:12], limit=limit(12, 16)).usable == 11
 
 
 def test_a_bf16_entry_is_cut_to_the_conversion_point() -> None:
