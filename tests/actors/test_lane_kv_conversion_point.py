@@ -122,3 +122,23 @@ async def test_concurrent_long_prompts_equal_generate_step(bits: int) -> None:
             for i in range(4):
                 nursery.start_soon(one, i)
     assert [got[i] for i in range(4)] == [_serial(p, 60, bits) for p in prompts]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_a_multi_turn_conversation_equals_generate_step_every_turn(bits: int) -> None:
+    """Three turns, each the last one's chat + its answer + a new question: every answer == generate_step's for
+    that turn's whole prompt, though turns hit the prompt cache (an earlier turn's bf16 snapshot or cut entry)."""
+    path = tiny_model(LLAMA_Q)
+    chat: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    got, expected, cached = [], [], []
+    async with open_engine(str(path), batch=4, kv_bits=bits, kv_group_size=64, quantized_kv_start=0) as engine:
+        for question in PROMPTS[:3]:
+            chat.append({"role": "user", "content": question})
+            ids = list(engine.model.encode(chat))
+            done = await engine.complete(chat, max_tokens=40)
+            got.append(done.token_ids)
+            expected.append(_serial(ids, 40, bits))
+            cached.append(done.usage.cached_tokens)
+            chat.append({"role": "assistant", "content": done.text})
+    assert got == expected
+    assert cached[0] == 0 and all(c > 800 for c in cached[1:])
