@@ -472,7 +472,8 @@ class PrefillActor:
         shared = False  # the cohort shares its forwards under prefill-only cuDNN (`_shares_forwards`)
         for i, cmd in enumerate(list(self._backlog)):
             caching = self._caching(cmd)
-            hit = await caching.lookup(cmd.prompt_ids) if caching is not None else None
+            limit = self._model.kv_scheme.hit_limit(len(cmd.prompt_ids), self._prefill_step_size)
+            hit = await caching.lookup(cmd.prompt_ids, limit=limit) if caching is not None else None
             first_hit = hit if i == 0 else first_hit
             cached = hit.usable if hit is not None else 0
             uncached = len(cmd.prompt_ids) - 1 - cached

@@ -29,7 +29,7 @@ import trio
 from mlx_trio.engine.kv import cache_clone
 from mlx_trio.engine.prompt_cache.divergence import Divergences
 from mlx_trio.engine.prompt_cache.namespace import in_namespace
-from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, PromptCache, PromptCacheStatistics
+from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit, HitLimit, PromptCache, PromptCacheStatistics
 
 if TYPE_CHECKING:
     from mlx_trio.actors.lane import Lane
@@ -76,13 +76,14 @@ class PromptCaching:
         if event is not None:
             event.set()
 
-    async def lookup(self, prompt: Sequence[int], *, text: bool = True) -> CacheHit | None:
+    async def lookup(self, prompt: Sequence[int], *, text: bool = True,
+                     limit: HitLimit | None = None) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`; on a RAM miss, what the SSD tier can restore.
 
         Waits first (at most `PENDING_PUT_WAIT_S` in all) for pending puts
         that would serve it better than the cache does now, then for queued
         SSD writes that would. `text` False (namespaced keys, `AdapterCaching`):
-        no divergence report, since those tokens are not the tokenizer's.
+        no divergence report, since those tokens are not the tokenizer's. `limit`: `PromptCache.lookup`'s.
         """
         deadline = trio.current_time() + PENDING_PUT_WAIT_S
         awaited = self.cache.awaited_by(prompt)
@@ -97,7 +98,7 @@ class PromptCaching:
         shared = self.cache.shared_prefixes(prompt)  # one pass over the entries for both
         if text:
             self.divergences.note((), prompt, shared=shared)
-        hit = self.cache.lookup(prompt, shared=shared)
+        hit = self.cache.lookup(prompt, shared=shared, limit=limit)
         if hit is not None:
             return hit
         persistence, lease = self._lane.persistence, self._lane.lease
@@ -112,7 +113,7 @@ class PromptCaching:
         entry = await lease.run(cache_clone.entry, tuple(prompt[:length]), caches)
         if not self.cache.put(entry):
             return None
-        hit = self.cache.lookup(prompt)
+        hit = self.cache.lookup(prompt, limit=limit)
         self._fit()  # after the lookup: the hit holds its entry even if the ceiling evicts it
         return hit
 
@@ -172,8 +173,8 @@ class AdapterCaching:
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
         return in_namespace(tokens, self._namespace)
 
-    async def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
-        return await self._caching.lookup(self._key(prompt), text=False)
+    async def lookup(self, prompt: Sequence[int], *, limit: HitLimit | None = None) -> CacheHit | None:
+        return await self._caching.lookup(self._key(prompt), text=False, limit=limit)
 
     def has(self, tokens: Sequence[int]) -> bool:
         return self._caching.has(self._key(tokens))

@@ -4,7 +4,8 @@ The solo prefill of a row (`SoloRow`, engine/batch/solo_row.py) feeds its
 prompt through this: the same chunk sizes, the same `mx.eval` of the cache
 state and the same allocator clearing as mlx-lm's `generate_step`, which is
 what keeps a lone row token-identical to mlx-lm; with a quantized KV scheme,
-also its conversion after each chunk (engine/kv/kv_scheme.py).
+also its conversion, at the very token count where mlx-lm's chunks convert it
+(`KvScheme.conversion_point`), however this prefill is split.
 
 **The shape grid** (`grid` > 0; on by default on a GPU, `--prefill-grid`).
 MLX's CUDA backend pays for each attention shape it has not run before:
@@ -142,6 +143,10 @@ class ChunkedPrefill:
             split_at = split_at // self._grid * self._grid if split_at is not None else None
         self.fed = start
         self._split_at = split_at if split_at is not None and start < split_at < len(prompt_ids) else None
+        # Where mlx-lm's generate_step converts this prompt's KV (None: never in prefill). No chunk straddles
+        # it and nothing converts before it, whatever splits the prefill (engine/kv/kv_scheme.py).
+        self._convert_at = kv_scheme.conversion_point(len(prompt_ids), step_size)
+        self._convert_if_due()
         # Invariant: pending holds the prompt tokens whose KV is not yet in the caches
         # (prompt_ids[fed:]).
         self.pending = mx.array(list(prompt_ids[start:]))  # int32, as mlx-lm builds it
@@ -189,6 +194,8 @@ class ChunkedPrefill:
         stretch = self.remaining
         if self._split_at is not None and self.fed < self._split_at:
             stretch = min(stretch, self._split_at - self.fed)
+        if self._convert_at is not None and self.fed < self._convert_at:
+            stretch = min(stretch, self._convert_at - self.fed)
         most = min(self._step_size, stretch)
         n = min(most, limit or self._step_size)
         if n == 0:
@@ -213,13 +220,18 @@ class ChunkedPrefill:
                 c.trim(pad)
         else:
             self._model(chunk[None], cache=self._caches)
-        self._kv_scheme.convert_due(self._caches)  # where generate_step calls maybe_quantize_kv_cache
+        self._convert_if_due()
         if not evaluate:
             mx.async_eval([c.state for c in self._caches])
             return chunk
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk
+
+    def _convert_if_due(self) -> None:
+        """The caches to the scheme's format once they hold the tokens mlx-lm converts at (idempotent)."""
+        if self._convert_at is not None and self.fed >= self._convert_at:
+            self._kv_scheme.convert_all(self._caches)
 
     def take(self, n: int) -> mx.array:
         """The next `n` prompt tokens, counted as fed: the caller runs them into the caches now.

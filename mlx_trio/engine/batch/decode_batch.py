@@ -115,6 +115,9 @@ class BatchRow:
     # Tokens in this row's KV cache less the batch's steps (`DecodeBatch._fed_steps`): a step feeds
     # every row one token, so it is counted once for the batch, not once a row.
     fed_offset: int
+    # Quantized KV: the tokens its prompt-cache entry keeps (`KvScheme.entry_cut`: where the row converted, unless
+    # at the first full chunk); None: all.
+    kv_cut: int | None = None
 
 
 @attrs.frozen
@@ -277,6 +280,11 @@ class DecodeBatch:
             raise ValueError(f"requests already in the batch or given twice: {ids}")
         if not rows:
             return
+        # Where each joiner's entry is cut if the batch is quantized once it joined (a bf16 joiner then converted
+        # at its prompt's end). Quantized rows never prefill as a cohort, so `caches` cuts nothing out of a block.
+        scheme = self._kv_scheme
+        cuts = [scheme.entry_cut(row.num_prompt_tokens, row.prefill_step_size) if is_quantized(row.caches)
+                else row.num_prompt_tokens for row in rows] if scheme.quantized else [None] * len(rows)
         self._convert_for_join(rows)
         block = self._block_of(rows)
         copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
@@ -314,8 +322,10 @@ class DecodeBatch:
             self._speculator.join([
                 (row.request_id, (*row.prompt_ids, token0), row.params.speculative)
                 for row, token0 in joiners])
-        for row in rows:
-            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._fed_steps))
+        quantized = self.is_quantized
+        for row, cut in zip(rows, cuts, strict=True):
+            self._rows.append(BatchRow(row.request_id, row.num_prompt_tokens - self._fed_steps,
+                                       cut if quantized else None))
             self._adapters.append(row.adapter)
             row.caches = []  # owned by the batch now (adopted or copied by merge)
             row.block = None
@@ -547,8 +557,14 @@ class DecodeBatch:
         if self._convert_at is None or self._fed_steps < self._convert_at:
             return
         self._kv_scheme.convert_all(self._caches)
+        self._cut_where_converted()
         batch_kv.share_offsets(self._caches)
         self._settle_conversion()
+
+    def _cut_where_converted(self) -> None:
+        """The batch's rows converted now (early, each at its own count): their entries keep only that much."""
+        for row in self._rows:
+            row.kv_cut = self._num_fed(row)
 
     def _num_fed(self, row: BatchRow) -> int:
         return row.fed_offset + self._fed_steps
@@ -571,6 +587,8 @@ class DecodeBatch:
             return
         solo_caches = [row.caches for row in rows]
         if self.is_quantized or any(is_quantized(c) for c in solo_caches):
+            if not self.is_quantized:
+                self._cut_where_converted()
             for caches in [self._caches, *solo_caches]:
                 scheme.convert_all(caches)  # in place: a row's list is its prefill's too
 
@@ -738,7 +756,7 @@ class DecodeBatch:
         leaves next, and nothing writes them again. A batched row is
         extracted (a pure slice + copy of its unpadded KV) before the filter.
         A row fed tokens its caller never saw (a step queued before the row
-        finished) is trimmed back to `tokens`; None when that cannot be done.
+        finished) is trimmed back to `tokens`, and a quantized row to its `kv_cut`; None when that cannot be done.
         """
         index = self._index(request_id)
         num_fed = self._num_fed(self._rows[index])
@@ -746,13 +764,15 @@ class DecodeBatch:
             caches = list(self._caches)
         else:
             caches = [batch_caches.extract_layer(c, self._slot(index)) for c in self._caches]
-        excess = num_fed - len(tokens)
+        row = self._rows[index]
+        kept = min(num_fed, len(tokens), row.kv_cut if row.kv_cut is not None else num_fed)
+        excess = num_fed - kept
         if excess > 0:
             if not cache_clone.trimmable(caches):
                 return None
             for cache in caches:
                 cache.trim(excess)
-        return cache_clone.entry(tokens[:num_fed], caches)
+        return cache_clone.entry(tokens[:kept], caches)
 
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""

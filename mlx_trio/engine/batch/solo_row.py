@@ -61,7 +61,8 @@ class SoloRow:
         kv_scheme: KvScheme = KvScheme(),
         adapter: AdapterUse | None = None,
     ) -> None:
-        # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
+        # `hit`: start from a prompt-cache entry (cloned, never consumed); with a quantized `kv_scheme`, one the
+        # lookup cut with `kv_scheme.hit_limit`, or the row may not convert where mlx-lm does. `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
         # `grammar_tokenizer`: the model's llguidance tokenizer, needed when `params.constraint`
         # is set. `resumed_tokens`: the tail of `prompt_ids` this request generated before a

@@ -55,7 +55,8 @@ def take(caches: Sequence[Cache], trim: int) -> list[Cache]:
 def entry(tokens: Sequence[int], caches: list[Cache]) -> CacheEntry:
     """`caches` (holding exactly `tokens`), evaluated, as a prompt-cache entry. Takes them over."""
     mx.eval([c.state for c in caches])
-    return CacheEntry(tuple(tokens), caches, nbytes(caches), trimmable(caches))
+    return CacheEntry(tuple(tokens), caches, nbytes(caches), trimmable(caches),
+                      quantized=any(hasattr(c, "bits") for c in caches))
 
 
 def snapshot(tokens: Sequence[int], caches: Sequence[Cache]) -> CacheEntry:

@@ -3,9 +3,12 @@
 mlx-lm's serial rule (`maybe_quantize_kv_cache`, called by `generate_step`
 after every forward: each prefill chunk and each decode step): a layer
 converts to `QuantizedKVCache` once its offset reaches `start`. A solo row
-(engine/batch/solo_row.py) follows exactly that rule, so a lone row is
+(engine/batch/solo_row.py) converts at the very token count where
+`generate_step`'s chunks of the same step size would (`conversion_point`),
+whatever else splits its prefill (snapshots, chunk limits, prompt-cache
+hits: `usable_hit`, over entries cut by `entry_cut`), so a lone row is
 token-identical to `generate_step(kv_bits=..., kv_group_size=...,
-quantized_kv_start=...)` with the same prefill chunks.
+quantized_kv_start=...)`.
 
 A batch holds one format per layer (docs/design.md, "Quantized KV"): it is
 quantized as soon as any of its rows has reached `start`, or a quantized row
@@ -25,7 +28,7 @@ exactly that (engine/kv/layout.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -62,6 +65,66 @@ class KvScheme:
     def key(self) -> str:
         """A name for the prompt-cache identity: '' for bf16 (so bf16 keys stay what they were), else e.g. 'q8g64s5000'."""
         return f"q{self.bits}g{self.group_size}s{self.start}" if self.bits is not None else ""
+
+    def conversion_point(self, prompt_len: int, step_size: int) -> int | None:
+        """The token count at which mlx-lm's serial `generate_step` converts a row of `prompt_len` tokens
+        prefilled in chunks of `step_size`; None without `bits`.
+
+        `generate_step` checks after each forward: its prefill chunks end at `step_size`, `2 step_size`, ...
+        and at `prompt_len - 1` (the last prompt token is the first sampling step's input), then every step
+        adds one token. A layer converts at the first of those ends that reaches `start`. Which tokens were
+        attended in float and which quantized depends on exactly that point, so a row that splits its prefill
+        elsewhere (a snapshot boundary, a prompt-cache hit, a smaller chunk) must still convert there, and
+        nowhere else, to be token-identical (docs/design.md §6.4).
+        """
+        if self.bits is None:
+            return None
+        last = prompt_len - 1  # the prefill's end; then one token a step
+        whole = self._whole_chunk(step_size)
+        if whole < last:
+            return whole
+        return last if 0 < last and self.start <= last else max(self.start, prompt_len)
+
+    def _whole_chunk(self, step_size: int) -> int:
+        """The first end of a full prefill chunk at or past `start`: where every prompt longer than it converts."""
+        return step_size * max(1, -(-self.start // step_size))
+
+    def entry_cut(self, prompt_len: int, step_size: int) -> int | None:
+        """How many tokens a quantized prompt-cache entry of this row may keep (None: all of them).
+
+        Entries keep one shape, so that a lookup can tell where one converted from its length alone
+        (`usable_hit`): a row converted at the first full chunk keeps everything; any other keeps
+        only the tokens it held when it converted, all of them computed over bf16 KV. The tokens
+        after those could serve no row exactly: a row of another prompt converts elsewhere.
+        """
+        at = self.conversion_point(prompt_len, step_size)
+        return None if at is None or at == self._whole_chunk(step_size) else at
+
+    def usable_hit(self, usable: int, quantized: bool, held: int, prompt_len: int, step_size: int) -> int:
+        """How many of the first `usable` tokens of a prompt-cache entry holding `held` a row of `prompt_len`
+        tokens may start from and still attend exactly what mlx-lm's serial run attends (0: none).
+
+        A bf16 entry serves up to the row's conversion point (beyond it mlx-lm's KV is already
+        quantized; the hit is trimmed there and the row converts at once). A quantized entry (cut by
+        `entry_cut`) converted at `min(held, first full chunk)`: its tokens before that were
+        computed over bf16 KV, those after over quantized KV. It serves a row converting at the same
+        point, all of what it shares; a row converting earlier, up to that row's point; a row
+        converting later, nothing (mlx-lm computes those tokens over bf16 KV, which the entry no
+        longer has).
+        """
+        at = self.conversion_point(prompt_len, step_size)
+        if at is None or not quantized:
+            return usable if at is None else min(usable, at)
+        converted = min(held, self._whole_chunk(step_size))
+        if usable < at or at > converted:
+            return 0
+        return usable if at == converted else at
+
+    def hit_limit(self, prompt_len: int, step_size: int) -> Callable[[bool, int, int], int] | None:
+        """`usable_hit` for one prompt, as the prompt cache's lookup takes it (None: no limit, bf16)."""
+        if self.bits is None:
+            return None
+        return lambda quantized, held, usable: self.usable_hit(usable, quantized, held, prompt_len, step_size)
 
     def convert_due(self, caches: list[Any]) -> None:
         """mlx-lm's `maybe_quantize_kv_cache` on one row's serial caches, in place: layers at offset >= `start`."""

@@ -46,6 +46,9 @@ class CacheEntry:
     caches: list[Any] = attrs.field(eq=False, repr=False)
     nbytes: int
     trimmable: bool
+    # Whether the KV is stored quantized (`--kv-bits`): a quantized row can use such an entry only from
+    # its conversion point on (`HitLimit`, engine/kv/kv_scheme.py).
+    quantized: bool = False
     ids: np.ndarray = attrs.field(eq=False, repr=False, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -67,6 +70,11 @@ class CacheEntry:
         if shared == len(self.ids):
             return shared
         return shared if self.trimmable else 0
+
+
+# What a lookup may use of an entry, given whether it is quantized, the tokens it holds and those it shares
+# (less: trimmed there).
+HitLimit = Callable[[bool, int, int], int]
 
 
 @attrs.frozen
@@ -139,13 +147,15 @@ class PromptCache:
         ids = np.asarray(prompt[:-1], dtype=np.int64)
         return [(entry.shared_prefix(ids), entry) for entry in self._lru.values()] if len(ids) else []
 
-    def lookup(self, prompt: Sequence[int], *,
-               shared: list[tuple[int, CacheEntry]] | None = None) -> CacheHit | None:
+    def lookup(self, prompt: Sequence[int], *, shared: list[tuple[int, CacheEntry]] | None = None,
+               limit: HitLimit | None = None) -> CacheHit | None:
         """The longest usable cached prefix of `prompt`, leaving its last token to compute; counts hit/miss.
 
         `shared`: `shared_prefixes(prompt)` taken since the cache last changed, so it is not computed twice.
+        `limit`: cuts what each entry offers (a quantized KV scheme's exactness rule); an entry that cannot be
+        trimmed to the cut offers nothing.
         """
-        hit = self._best(list(prompt[:-1]), shared)
+        hit = self._best(list(prompt[:-1]), shared, limit)
         if hit is None:
             self._misses += 1
             return None
@@ -154,7 +164,8 @@ class PromptCache:
         self._lru.move_to_end(hit.entry.tokens)
         return hit
 
-    def _best(self, target: list[int], shared: list[tuple[int, CacheEntry]] | None = None) -> CacheHit | None:
+    def _best(self, target: list[int], shared: list[tuple[int, CacheEntry]] | None = None,
+              limit: HitLimit | None = None) -> CacheHit | None:
         if not target or not self._lru:
             return None
         ids = np.asarray(target, dtype=np.int64)
@@ -162,6 +173,9 @@ class PromptCache:
         pairs = shared if shared is not None else [(None, entry) for entry in self._lru.values()]
         for known, entry in pairs:
             usable = entry.usable_for(ids, known)
+            if usable and limit is not None:
+                cut = limit(entry.quantized, len(entry.tokens), usable)
+                usable = cut if cut == usable or entry.trimmable else 0
             if usable and (best is None or (usable, -len(entry.tokens)) > (best.usable, -len(best.entry.tokens))):
                 best = CacheHit(entry, usable)
         return best
@@ -210,9 +224,12 @@ class PromptCache:
         self._nbytes += entry.nbytes
         self._puts += 1
         if entry.trimmable:
-            # A trimmable entry serves every prefix of itself: shorter entries only cost bytes.
+            # A trimmable entry serves every prefix of itself: shorter entries of its format only cost bytes.
+            # (Of the other format they may serve what it cannot: a quantized row takes bf16 KV only up to its
+            # conversion point and quantized KV only from there, `HitLimit`.)
             for shorter in [e for e in self._lru.values()
-                            if len(e.tokens) < len(entry.tokens) and e.shared_prefix(entry.ids) == len(e.tokens)]:
+                            if len(e.tokens) < len(entry.tokens) and e.shared_prefix(entry.ids) == len(e.tokens)
+                            and e.quantized == entry.quantized]:
                 self._drop(shorter)
         self.trim_to(self.max_bytes)
         return entry.tokens in self._lru

@@ -341,8 +341,8 @@ def test_a_hit_restored_before_or_after_the_start_equals_the_run_that_stored_it(
 
 
 def test_a_row_extracted_from_a_quantized_batch_restores_to_its_own_continuation() -> None:
-    """cache_entry of a batched row after its batch converted: a serial QuantizedKVCache entry whose hit
-    continues exactly as the row did (its prompt + tokens, one more step)."""
+    """cache_entry of a batched row after its batch converted: a serial QuantizedKVCache entry of the tokens the row
+    held when it converted (`KvScheme.entry_cut`), whose hit continues exactly as the row did from there."""
     from mlx_trio.engine.batch.decode_batch import DecodeBatch
     from mlx_trio.engine.batch.solo_row import SoloRow
     from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
@@ -368,16 +368,16 @@ def test_a_row_extracted_from_a_quantized_batch_restores_to_its_own_continuation
     assert batch.is_quantized
     held = _prompt(1, 11) + tuple(tokens["r1"][:-1])  # the last token read is not fed yet
     entry = batch.cache_entry("r1", held)
-    assert entry is not None and type(entry.caches[0]) is QuantizedKVCache
+    # r0 reached 20 after 4 steps, when r1 held 11 + 4 tokens: r1's oracle converts at 15, and its entry keeps those.
+    assert entry is not None and type(entry.caches[0]) is QuantizedKVCache and entry.tokens == held[:15]
     batch.close()
-    resumed = SoloRow(model, "again", held + (tokens["r1"][-1],), SamplingParams(), kv_scheme=scheme,
-                      hit=CacheHit(entry, len(held)))
+    resumed = SoloRow(model, "again", held[:15] + (tokens["r1"][4],), SamplingParams(), kv_scheme=scheme,
+                      hit=CacheHit(entry, 15))
     following = resumed.first_token()
     resumed.close()
-    # r0 reached 20 after 4 steps, when r1 held 11 + 4 tokens: r1's oracle converts at 15.
     n = len(tokens["r1"])
-    oracle = _serial(model, _prompt(1, 11), n + 1, (), scheme, start=15)
-    assert tokens["r1"] == oracle[:n] and following == oracle[n]
+    oracle = _serial(model, _prompt(1, 11), n, (), scheme, start=15)
+    assert tokens["r1"] == oracle and following == oracle[5]
 
 
 def test_hybrid_rows_join_and_leave_across_the_start() -> None:
