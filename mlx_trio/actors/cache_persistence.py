@@ -361,8 +361,10 @@ class CachePersistenceActor:
 
 
 def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]], directory: str | Path,
-                 max_bytes: int) -> OpenStore:
+                 max_bytes: int, step_size: int) -> OpenStore:
     """An `OpenStore` for the served model: waits for it, then derives its `CacheIdentity`.
+
+    `step_size`: `--prefill-step-size`, part of a quantized KV format's identity (`KvScheme.stored_key`).
 
     The cache layout and shapes need mlx-lm's `make_prompt_cache` (lease);
     hashing the model's files is plain IO (worker thread).
@@ -370,7 +372,7 @@ def store_opener(lease: GpuLease, get_model: Callable[[], Awaitable[LoadedModel]
     async def open_store() -> tuple[CacheFileStore, CacheShapes]:
         loaded = await get_model()
         scheme = loaded.kv_scheme
-        shapes = await lease.run(cache_shapes, loaded.model, scheme.key(),
+        shapes = await lease.run(cache_shapes, loaded.model, scheme.stored_key(step_size),
                                  (scheme.bits, scheme.group_size) if scheme.bits is not None else None)
         identity = await trio.to_thread.run_sync(identity_of_directory, loaded.path, shapes.layout)
         return CacheFileStore(directory, max_bytes=max_bytes, identity=identity), shapes

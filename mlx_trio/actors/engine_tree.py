@@ -305,7 +305,8 @@ class EngineActors:
     async def _run_persistence(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
         lane, directory = self.lane, self.config.prompt_cache_dir
         assert lane.lease is not None
-        opener = (store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes)
+        opener = (store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes,
+                                self.config.prefill_step_size)
                   if directory is not None and not self.config.prompt_cache_off else None)
         lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults,
                                                  io_timeout_s=self.config.prompt_cache_io_timeout_s)

@@ -65,7 +65,7 @@ def _actor(lease: GpuLease, model: LoadedModel, directory: Path | None, *, fault
     async def get_model() -> LoadedModel:
         return model
 
-    opener = store_opener(lease, get_model, directory, max_bytes) if directory is not None else None
+    opener = store_opener(lease, get_model, directory, max_bytes, 2048) if directory is not None else None
     return CachePersistenceActor(lease, opener, faults=faults, max_queue=max_queue, io_timeout_s=io_timeout_s)
 
 

@@ -66,6 +66,13 @@ class KvScheme:
         """A name for the prompt-cache identity: '' for bf16 (so bf16 keys stay what they were), else e.g. 'q8g64s5000'."""
         return f"q{self.bits}g{self.group_size}s{self.start}" if self.bits is not None else ""
 
+    def stored_key(self, step_size: int) -> str:
+        """The KV format as the SSD tier names it: `key()`, and for quantized KV the prefill step size and the
+        entry shape too. A quantized entry is cut where its row converted (`conversion_point`), which depends on
+        the step size, so a restart with another `--prefill-step-size` must miss the files stored under the old
+        one; "e2" names that cut (2026-12-05), so files stored before it are missed as well. bf16: ''."""
+        return f"{self.key()}p{step_size}e2" if self.bits is not None else ""
+
     def conversion_point(self, prompt_len: int, step_size: int) -> int | None:
         """The token count at which mlx-lm's serial `generate_step` converts a row of `prompt_len` tokens
         prefilled in chunks of `step_size`; None without `bits`.

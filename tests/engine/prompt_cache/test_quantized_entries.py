@@ -62,3 +62,11 @@ def test_the_identity_names_the_kv_format_and_bf16_keys_are_unchanged() -> None:
     assert len(layouts) == 4 and bf16 not in layouts
     keys = {CacheIdentity("m", "t", layout).key(PROMPT) for layout in layouts | {bf16}}
     assert len(keys) == 5
+
+
+def test_a_quantized_stored_format_names_the_step_size_and_the_entry_cut() -> None:
+    """A quantized entry is cut where its row converted, which moves with --prefill-step-size: a restart with
+    another step size (or files stored before the cut, keyed by `key()` alone) must miss."""
+    formats = {SCHEME.stored_key(2048), SCHEME.stored_key(512), SCHEME.key()}
+    assert len(formats) == 3 and "" not in formats
+    assert KvScheme().stored_key(2048) == ""  # bf16 keys stay what they were
