@@ -12,7 +12,7 @@ from mlx_trio.errors import Overloaded
 from mlx_trio.events import TextDelta
 from mlx_trio.supervision.faults import InjectedFault, InjectedOutOfMemory
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
-from tests.prompts import PROMPTS
+from tests.prompts import PROMPTS, solo_tokens
 
 MAX_TOKENS = 16
 
@@ -67,11 +67,7 @@ def test_the_budget_follows_the_free_memory_the_device_reports() -> None:
 
 @pytest.fixture(scope="module")
 def solo() -> list[tuple[int, ...]]:
-    async def main() -> list[tuple[int, ...]]:
-        async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
-            return [(await engine.complete(p, max_tokens=MAX_TOKENS)).token_ids for p in PROMPTS]
-
-    return trio.run(main)
+    return solo_tokens(MAX_TOKENS)
 
 
 async def _streams(engine, prompts, arm=None) -> list[tuple[int, ...]]:

@@ -6,8 +6,9 @@ import pytest
 import trio
 
 from mlx_trio import open_engine
-from mlx_trio.events import Finished, TextDelta
+from mlx_trio.events import Finished
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
+from tests.prompts import run_to_end
 
 SYSTEM = "You are a careful agent. Read the sea story and answer in plain words. " * 30
 
@@ -16,27 +17,17 @@ def _chat(task: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
 
 
-async def _run(engine, prompt, max_tokens: int = 8) -> tuple[tuple[int, ...], Finished]:
-    ids: list[int] = []
-    async for event in engine.generate(prompt, max_tokens=max_tokens):
-        if isinstance(event, TextDelta):
-            ids.extend(event.token_ids)
-        elif isinstance(event, Finished):
-            return tuple(ids), event
-    raise AssertionError("no Finished event")
-
-
 @pytest.mark.parametrize("spec", [LLAMA, LLAMA_SWA], ids=["full", "rotating"])
 async def test_a_shared_system_prompt_is_served_from_the_cache_with_identical_tokens(spec) -> None:
     tasks = ["Tell me about the ship.", "What is the capital of the sea?", "Tell me about the ship and the shore."]
     async with open_engine(str(tiny_model(spec)), batch=4, prompt_cache_bytes=0) as engine:
         assert engine.status()["prompt_cache"]["enabled"] is False
-        uncached = [await _run(engine, _chat(task)) for task in tasks]
+        uncached = [await run_to_end(engine, _chat(task)) for task in tasks]
         assert all(finished.usage.cached_tokens == 0 for _, finished in uncached)
     async with open_engine(str(tiny_model(spec)), batch=4) as engine:
         boundary = engine.prepare(_chat(tasks[0])).snapshot_at
         assert boundary is not None and boundary > 500  # the system prompt's tokens
-        cached = [await _run(engine, _chat(task)) for task in tasks]
+        cached = [await run_to_end(engine, _chat(task)) for task in tasks]
         stats = engine.status()["prompt_cache"]
     assert [ids for ids, _ in cached] == [ids for ids, _ in uncached]
     assert cached[0][1].usage.cached_tokens == 0
@@ -52,7 +43,7 @@ async def test_eight_concurrent_requests_prefill_the_shared_system_prompt_once()
         lengths = [len(engine.prepare(_chat(task)).prompt_ids) for task in tasks]
 
         async def one(i: int) -> None:
-            results[i] = (await _run(engine, _chat(tasks[i]), max_tokens=4))[1]
+            results[i] = (await run_to_end(engine, _chat(tasks[i]), max_tokens=4))[1]
 
         async with trio.open_nursery() as nursery:
             for i in range(8):
@@ -78,7 +69,7 @@ async def test_the_cache_gives_way_when_live_rows_need_the_bytes() -> None:
     budget = need + int(entry * 1.5)
     async with open_engine(path, batch=2, kv_budget_bytes=budget, prompt_cache_bytes=budget) as engine:
         for chat in chats:
-            ids, finished = await _run(engine, chat)
+            ids, finished = await run_to_end(engine, chat)
             assert finished.finish_reason in ("stop", "length")
             assert engine.actors.lane.caching.nbytes + engine.actors.lane.admission.statistics().reserved_bytes <= budget
         stats = engine.status()["prompt_cache"]
@@ -97,9 +88,9 @@ async def test_a_ram_entry_whose_row_fails_is_dropped_and_its_requests_run_uncac
     instead of failing on it four times (a 503), the entry is gone and counted, the next one runs too."""
     tasks = ["Tell me about the ship.", "What is the capital of the sea?"]
     async with open_engine(str(tiny_model(LLAMA)), batch=4, prompt_cache_bytes=0) as engine:
-        uncached = [(await _run(engine, _chat(task)))[0] for task in tasks]
+        uncached = [(await run_to_end(engine, _chat(task)))[0] for task in tasks]
     async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
-        first, _ = await _run(engine, _chat(tasks[0]))
+        first, _ = await run_to_end(engine, _chat(tasks[0]))
         caching = engine.actors.lane.caching
         with trio.fail_after(10):
             while caching.cache.pending:  # the first row's finish-time put is in
@@ -108,8 +99,8 @@ async def test_a_ram_entry_whose_row_fails_is_dropped_and_its_requests_run_uncac
         assert entries
         for entry in entries:
             await engine.actors.lane.lease.run(_break_head_dim, entry.caches)
-        second, _ = await _run(engine, _chat(tasks[1]))
-        third, _ = await _run(engine, _chat(tasks[1]))
+        second, _ = await run_to_end(engine, _chat(tasks[1]))
+        third, _ = await run_to_end(engine, _chat(tasks[1]))
         stats = engine.status()["prompt_cache"]
     assert [first, second] == uncached and third == second
     assert stats["restore_failures"] >= 1 and all(entry.tokens not in caching.cache for entry in entries)

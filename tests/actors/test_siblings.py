@@ -11,6 +11,7 @@ from mlx_trio import open_engine
 from mlx_trio.actors.siblings import common_prefix, shared_with, sibling_point
 from mlx_trio.events import Finished, TextDelta
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from tests.prompts import run_to_end
 from mlx_trio.actors.messages import Generate
 from mlx_trio.params import SamplingParams
 
@@ -49,22 +50,12 @@ def test_a_sibling_point_needs_a_long_enough_stretch_the_same_adapter_and_stops_
     assert sibling_point(base, [sibling, generate("s2", sibling.prompt_ids + (4,)), far], start=0, minimum=256) == 600
 
 
-async def _tokens(engine, prompt: str, max_tokens: int) -> tuple[tuple[int, ...], Finished]:
-    ids: list[int] = []
-    async for event in engine.generate(prompt, max_tokens=max_tokens):
-        if isinstance(event, TextDelta):
-            ids.extend(event.token_ids)
-        elif isinstance(event, Finished):
-            return tuple(ids), event
-    raise AssertionError("no Finished event")
-
-
 async def _alone(prompts: list[str], max_tokens: int) -> list[tuple[int, ...]]:
     """Each prompt on an engine of its own, no prompt cache: the tokens a sibling must get."""
     out = []
     for prompt in prompts:
         async with open_engine(str(tiny_model(LLAMA)), batch=1, prompt_cache_bytes=0) as engine:
-            out.append((await _tokens(engine, prompt, max_tokens))[0])
+            out.append((await run_to_end(engine, prompt, max_tokens))[0])
     return out
 
 
@@ -87,7 +78,7 @@ async def test_eight_siblings_arriving_together_prefill_their_shared_prefix_once
         assert prefix > 1000 and engine.prepare(prompts[0]).snapshot_at is None  # no message boundary to help
 
         async def one(i: int) -> None:
-            results[i] = await _tokens(engine, prompts[i], 6)
+            results[i] = await run_to_end(engine, prompts[i], 6)
 
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
@@ -121,7 +112,7 @@ async def test_a_sibling_arriving_while_the_first_prefills_waits_for_its_prefix(
 
         async def second() -> None:
             await started.wait()
-            results[1] = await _tokens(engine, prompts[1], 6)
+            results[1] = await run_to_end(engine, prompts[1], 6)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(first)

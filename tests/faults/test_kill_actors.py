@@ -14,7 +14,7 @@ from mlx_trio import open_engine
 from mlx_trio.errors import EngineDown, MlxTrioError
 from mlx_trio.events import TextDelta
 from mlx_trio.params import Constraint
-from tests.prompts import PROMPTS
+from tests.prompts import PROMPTS, solo_tokens
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
 MAX_TOKENS = 24
@@ -23,12 +23,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def solo() -> list[tuple[int, ...]]:
     """Each prompt's undisturbed greedy tokens at --batch 1 (alone: no other request shares a step)."""
-
-    async def main() -> list[tuple[int, ...]]:
-        async with open_engine(str(tiny_model(LLAMA)), batch=1) as engine:
-            return [(await engine.complete(p, max_tokens=MAX_TOKENS)).token_ids for p in PROMPTS]
-
-    return trio.run(main)
+    return solo_tokens(MAX_TOKENS)
 
 
 def _node(tree: dict[str, Any], node_id: str) -> dict[str, Any] | None:
