@@ -29,7 +29,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread
+from tests.http.http_helpers import ServerThread
 
 from mlx_trio.config import EngineConfig
 from mlx_trio.http import ServerConfig
@@ -70,18 +70,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     with ServerThread(EngineConfig(model=str(model), defaults=SamplingParams(max_tokens=8)),
                       ServerConfig(port=0)) as thread:
         yield thread
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def claude(server: ServerThread) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as sdk:
-        yield sdk
 
 
 def _valid(name: str, arguments: Any) -> None:

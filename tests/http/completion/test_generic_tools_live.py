@@ -52,18 +52,6 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerThread) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def claude(server: ServerThread) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
 def http(server: ServerThread) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as sdk:
         yield sdk

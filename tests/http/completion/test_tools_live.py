@@ -48,18 +48,6 @@ def tokenizer() -> Any:
     return load(tiny_model(QWEN3_TOOLS))
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def claude(server: ServerThread) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as sdk:
-        yield sdk
-
-
 def _bias(tokenizer: Any, token: str) -> dict[str, int]:
     return {str(tokenizer.convert_tokens_to_ids(token)): 100}
 
