@@ -10,7 +10,6 @@ mlx-lm itself is deterministic (same call, same tokens), so the engine was the o
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
