@@ -44,7 +44,10 @@ async def test_four_concurrent_http_requests_on_two_ranks_give_the_one_process_t
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: _complete(url, p), PROMPTS[:4]))
         assert got == expected
-        status = httpx.get(f"{url}/v1/status", timeout=10).json()
+        deadline = time.monotonic() + 10  # a front's copy of the status is refreshed once read
+        while (status := httpx.get(f"{url}/v1/status", timeout=10).json())["ranks"][1]["state"] != "up":
+            assert time.monotonic() < deadline, status["ranks"]
+            time.sleep(0.1)
         assert [(r["id"], r["backend"], r["state"]) for r in status["ranks"]] == [(0, "ring", "up"), (1, "ring", "up")]
         assert all(r["last_heartbeat"] is not None for r in status["ranks"])
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
