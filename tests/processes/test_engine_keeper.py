@@ -132,3 +132,22 @@ async def test_a_group_that_never_became_ready_ends_the_keeper_with_the_engines_
         await keeper.run()
     assert keeper.failed == "the model failed to load: nope" and keeper.generation == 1
     assert all(p.returncode is not None for p in keeper.processes)
+
+
+async def test_the_launcher_ends_a_generation_whose_rank_0_reports_its_group_lost() -> None:
+    """A hung follower exits nothing: the launcher reads rank 0's `group_lost` over its own link and ends it."""
+    from types import SimpleNamespace
+
+    from mlx_trio.processes.launcher import Launcher
+
+    lost: list[str] = []
+    watch = SimpleNamespace(group_lost=None)
+    launcher = SimpleNamespace(watch=watch, keeper=SimpleNamespace(lose=lost.append))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(Launcher._watch_group, launcher)  # type: ignore[arg-type]
+        await trio.sleep(0.2)
+        assert lost == []
+        watch.group_lost = "a follower did not answer the heartbeat within the 2 s collective timeout"
+        await _until(lambda: lost, 1.0)
+        nursery.cancel_scope.cancel()
+    assert lost[0] == "rank 0 lost its group (a follower did not answer the heartbeat within the 2 s collective timeout)"
