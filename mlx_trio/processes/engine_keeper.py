@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import trio
@@ -71,7 +72,7 @@ class EngineKeeper:
         self.generation = 0
         self.ready_once = False  # set by the launcher once the engine answered healthy
         self.failed: str | None = None  # why the first generation never became ready
-        self.lost: list[tuple[float, str]] = []  # (time.monotonic(), why) of each generation lost
+        self.lost: deque[tuple[float, str]] = deque(maxlen=32)  # (time.monotonic(), why) of the last ones lost
         self.stopping = False
         self._end = trio.Event()  # set to end the current generation (`lose`, `stop`)
         self._why = ""
@@ -89,7 +90,7 @@ class EngineKeeper:
 
     async def run(self, *, task_status: trio.TaskStatus[EngineKeeper] = trio.TASK_STATUS_IGNORED) -> None:
         """Generations until stopped, or until the first never became ready (`failed`)."""
-        while True:
+        while not self.stopping:
             self._error_path.unlink(missing_ok=True)
             self._end = trio.Event()
             why = await self._one_generation(task_status)
