@@ -286,6 +286,17 @@ def test_the_front_side_and_the_launcher_import_no_mlx_no_engine_no_api(path: Pa
                 if _top(n) in {"mlx", "mlx_lm"} or n.startswith(("mlx_trio.engine", "mlx_trio.actors", "mlx_trio.api"))}
 
 
+# What of the HTTP stack the launcher's own modules may read: the server's settings and the drain's report.
+LAUNCHER_READS_OF_HTTP = frozenset({"mlx_trio.http.server.config", "mlx_trio.http.server.drain"})
+
+
+@pytest.mark.parametrize("path", [p for p in _files("processes") if p.name not in ("front_process.py",)],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_launcher_side_reads_only_plain_values_of_the_http_stack(path: Path) -> None:
+    """Only a front process's main runs the HTTP app; the launcher, keeper and pool read its settings only."""
+    assert {n for n in _imported_modules(path) if n.startswith("mlx_trio.http")} <= LAUNCHER_READS_OF_HTTP
+
+
 def test_a_front_process_and_the_launcher_load_no_mlx() -> None:
     """Importing what a front process or the launcher runs pulls no MLX in (the engine's output format may, once unpickled)."""
     code = ("import sys, mlx_trio.processes.front_process, mlx_trio.processes.launcher, mlx_trio.cli; "
