@@ -351,7 +351,11 @@ class RemoteEngine:
         `Finished` cancels it there (its KV is freed)."""
         chunks = [tuple(chunk) for chunk in replay]  # every chunk the caller has had (or was given to replay)
         attempt = stalled = 0
-        started = self._prepared.pop(id(request), None) if not chunks else None
+        started = self._prepared.pop(id(request), None)
+        if started is not None and chunks:  # to be replayed: that stream began without the chunks
+            self._waiting.pop(started[0], None)
+            self._cancel(started[0])
+            started = None
         link = 0  # the connection of this attempt: a resume waits for a newer one
         while True:
             if started is not None:  # `generate` started it with the prepare: its events are on their way
