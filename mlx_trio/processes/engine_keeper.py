@@ -14,8 +14,9 @@ whole generation is then killed (SIGKILL: a rank cannot re-form a group
 inside its process, and a collective waiting on a dead or hung peer cannot
 be cancelled, so every rank of a lost group must end; nothing of it is worth
 a grace: the fronts resume every stream on the next one) and a new one is
-started after `RESTART_DELAY_S`. That is the same restart a crash of the
-one engine process gets, so a front cannot tell them apart.
+started (at once; after a growing delay when losses come in a row:
+`restart_delay`). That is the same restart a crash of the one engine
+process gets, so a front cannot tell them apart.
 
 A generation that never became ready (`ready_once` unset: the model cannot
 load, a flag the group refuses) ends the keeper with `failed` set to the
@@ -42,7 +43,11 @@ from mlx_trio.config import EngineConfig
 
 log = logging.getLogger("mlx_trio.processes")
 
+# A first loss is started again at once (the fronts' streams wait on it); losses in a row within
+# `LOSS_WINDOW_S` wait RESTART_DELAY_S, doubling each time, up to MAX_RESTART_DELAY_S (a crash loop).
 RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 30.0
+LOSS_WINDOW_S = 60.0
 STOP_GRACE_S = 35.0  # the engine's SSD flush (engine_process.FLUSH_LIMIT_S) and a margin
 # How long the followers may take to exit once rank 0 stopped them (they see STOP at their next receive).
 FOLLOWER_EXIT_S = 10.0
@@ -99,10 +104,13 @@ class EngineKeeper:
             if not self.ready_once:
                 self.failed = self._error_path.read_text() if self._error_path.exists() else why
                 return
-            self.lost.append((time.monotonic(), why))
-            log.error("the engine was lost (%s); starting %s again: the fronts resume its streams", why,
-                      "its process" if self.ranks == 1 else f"its {self.ranks} ranks")
-            await trio.sleep(RESTART_DELAY_S)
+            now = time.monotonic()
+            self.lost.append((now, why))
+            delay = restart_delay([at for at, _ in self.lost], now)
+            log.error("the engine was lost (%s); starting %s again%s: the fronts resume its streams", why,
+                      "its process" if self.ranks == 1 else f"its {self.ranks} ranks",
+                      f" in {delay:g} s" if delay else "")
+            await trio.sleep(delay)
 
     def lose(self, why: str) -> None:
         """End the current generation (its group is lost), as if one of its processes had died."""
@@ -169,6 +177,12 @@ async def _kill(processes: list[trio.Process]) -> None:
             process.kill()
     for process in processes:
         await process.wait()
+
+
+def restart_delay(losses: list[float], now: float) -> float:
+    """Seconds to wait before starting again, given the times of the losses so far (the last one now)."""
+    in_a_row = sum(1 for at in losses if now - at < LOSS_WINDOW_S)
+    return 0.0 if in_a_row <= 1 else min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** (in_a_row - 2))
 
 
 def free_ports(count: int) -> list[int]:

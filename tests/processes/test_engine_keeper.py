@@ -151,3 +151,13 @@ async def test_the_launcher_ends_a_generation_whose_rank_0_reports_its_group_los
         await _until(lambda: lost, 1.0)
         nursery.cancel_scope.cancel()
     assert lost[0] == "rank 0 lost its group (a follower did not answer the heartbeat within the 2 s collective timeout)"
+
+
+def test_a_first_loss_restarts_at_once_and_losses_in_a_row_back_off() -> None:
+    from mlx_trio.processes.engine_keeper import MAX_RESTART_DELAY_S, RESTART_DELAY_S, restart_delay
+
+    assert restart_delay([100.0], 100.0) == 0.0
+    assert restart_delay([0.0, 100.0], 100.0) == 0.0  # the earlier one is long past
+    assert restart_delay([90.0, 100.0], 100.0) == RESTART_DELAY_S
+    assert restart_delay([80.0, 90.0, 100.0], 100.0) == 2 * RESTART_DELAY_S
+    assert restart_delay([99.0 + i / 100 for i in range(40)], 100.0) == MAX_RESTART_DELAY_S
