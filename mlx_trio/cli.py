@@ -430,7 +430,8 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig, *, ran
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         # MLX_TRIO_PROFILE=PATH: docs/benchmarks.md ("Server-side profile"); with front processes the engine's
-        # process profiles itself (mlx_trio/processes/engine_process.py), and this one, the launcher, forwards the marks.
+        # process profiles itself (mlx_trio/processes/engine_process.py), and this one, the launcher, forwards
+        # the marks.
         environ = os.environ if server_config.api_server_count == 0 else {}
         with profiling.from_environment(environ):
             trio.run(partial(serve_until_signalled, engine_config, server_config, ranks=ranks, pipeline=pipeline))

@@ -150,7 +150,8 @@ async def test_the_launcher_ends_a_generation_whose_rank_0_reports_its_group_los
         watch.group_lost = "a follower did not answer the heartbeat within the 2 s collective timeout"
         await _until(lambda: lost, 1.0)
         nursery.cancel_scope.cancel()
-    assert lost[0] == "rank 0 lost its group (a follower did not answer the heartbeat within the 2 s collective timeout)"
+    assert lost[0] == ("rank 0 lost its group (a follower did not answer the heartbeat within the 2 s collective "
+                       "timeout)")
 
 
 def test_a_first_loss_restarts_at_once_and_losses_in_a_row_back_off() -> None:
