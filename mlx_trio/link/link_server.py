@@ -18,7 +18,9 @@ It listens on a Unix socket and serves each front process that connects
 
 and what it pushes unasked: `facts` (id 0), the values the HTTP layer reads
 synchronously (health, model id, context length, output format, adapters,
-the scale-out group's loss), at connect and whenever they change.
+the scale-out group's loss), at connect and whenever they change. The output
+format travels pickled on its own (bytes): unpickling it imports mlx-lm, which
+a front does at its first read and the launcher's link never does.
 
 A stream that fails once rank 0 lost its scale-out group ends with `lost`, not
 its error: the launcher is about to start the group again, and the front
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -235,7 +238,9 @@ class _FrontSession:
         while True:
             facts = engine_facts(self._engine)
             if facts != told:
-                await self._outbox.put(("facts", 0, facts))
+                fmt = facts["output_format"]
+                await self._outbox.put(("facts", 0, {**facts, "output_format": None if fmt is None else
+                                                     pickle.dumps(fmt)}))
                 told = facts
             await trio.sleep(FACTS_EVERY_S)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import pickle
 import weakref
 from functools import partial
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -105,9 +106,11 @@ class RemoteEngine:
         self._status_wanted = trio.Event()
         self._engine_faults: dict[str, list[ArmedFault]] = {}
         self.connected = trio.Event()  # set at the first connection (tests, the front's start)
-        # Set at the first facts that name a model: their output format, unpickled, imported mlx-lm's tool
-        # parser (mlx-lm, MLX, transformers: most of a front's long-lived objects; front_process freezes them).
+        # Set at the first facts that name a model. Their output format comes pickled and is unpickled at its
+        # first read: that imports mlx-lm's tool parser (mlx-lm, MLX, transformers: most of a front's long-lived
+        # objects; front_process reads it, then freezes them), which the launcher's own link never reads.
         self.model_known = trio.Event()
+        self._format: tuple[bytes, OutputFormat] | None = None  # the last pickled format read, and it
         self._up = trio.Event()  # set while connected; a new one after each break
         self._links = 0  # connections made so far (a resume after `lost` waits for a newer one)
         # Streams `generate` started for a request `prepare_off_loop` returned, until `stream` takes them.
@@ -276,7 +279,10 @@ class RemoteEngine:
 
     @property
     def output_format(self) -> OutputFormat:
-        return self._fact("output_format")
+        raw: bytes = self._fact("output_format")
+        if self._format is None or self._format[0] != raw:
+            self._format = (raw, pickle.loads(raw))
+        return self._format[1]
 
     @property
     def context_length(self) -> int | None:

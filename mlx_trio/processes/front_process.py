@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import trio
 
+from mlx_trio.errors import EngineFailure
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.http_server import HttpServer
 from mlx_trio.processes.orphan import until_orphaned
@@ -81,6 +82,10 @@ async def _freeze_when_known(engine: RemoteEngine) -> None:
     of the front (docs/benchmarks.md, twentieth pass).
     """
     await engine.model_known.wait()
+    try:
+        engine.output_format  # noqa: B018  (unpickled here, so what it imports is frozen with the rest)
+    except EngineFailure:  # the link broke meanwhile: freeze what there is
+        pass
     gc.freeze()
 
 

@@ -433,3 +433,11 @@ async def test_a_stream_of_a_lost_group_resumes_on_the_next_engine_with_no_error
             nursery.cancel_scope.cancel()
     assert [i for e in seen if isinstance(e, TextDelta) for i in e.token_ids] == list(range(12))
     assert engine.ids == ["req-1"] and nxt.ids == ["req-1.r1"]
+
+
+async def test_the_output_format_crosses_pickled_and_is_unpickled_only_when_read(tmp_path: Path) -> None:
+    """Unpickling a real model's format imports mlx-lm: the launcher's link, which never reads it, holds no MLX."""
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, _, _):
+        assert isinstance(remote._facts["output_format"], bytes) and remote._format is None
+        assert remote.output_format == engine.output_format

@@ -162,3 +162,26 @@ def test_a_first_loss_restarts_at_once_and_losses_in_a_row_back_off() -> None:
     assert restart_delay([90.0, 100.0], 100.0) == RESTART_DELAY_S
     assert restart_delay([80.0, 90.0, 100.0], 100.0) == 2 * RESTART_DELAY_S
     assert restart_delay([99.0 + i / 100 for i in range(40)], 100.0) == MAX_RESTART_DELAY_S
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc")
+def test_a_serving_launcher_has_loaded_no_mlx(tmp_path: Path) -> None:
+    """The launcher's own link reads health and the model's name, never the output format (whose unpickling
+    imports mlx-lm and MLX: 90 MB and seconds of its start on the 2-core box, before this)."""
+    import subprocess
+
+    from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+    process = subprocess.Popen([sys.executable, "-m", "mlx_trio.cli", "serve", "--model", str(tiny_model(LLAMA)),
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("mlx-trio: serving"):
+                break
+        maps = Path(f"/proc/{process.pid}/maps").read_text()
+        assert "libmlx" not in maps and "mlx/core" not in maps
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
