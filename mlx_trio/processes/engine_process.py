@@ -102,8 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rank > 0:
                 return 0  # a follower's whole life ran in joined_group
             return _serve(config, args)
-    except RuntimeError as exc:  # a follower whose rank 0 is gone: the keeper starts a new group
+    except RuntimeError as exc:  # the group did not form, or a follower's rank 0 is gone
         log.error("this rank leaves its group: %s", exc)
+        error = Path(args.error_file)
+        if not error.exists():  # the launcher's words if the group never served (the first rank's to fail)
+            error.write_text(f"rank {os.environ.get(scale_out.RANK_ENV)}: {exc}")
         return 1
 
 
