@@ -306,7 +306,7 @@ class Engine:
         """Run an already prepared request (see `prepare`); the one resume loop.
 
         `replay`: tokens an earlier process generated for this request, as the chunks its client got
-        them in (the scale-out front resumes it: docs/scale-out.md "Recovery"). They come first, one
+        them in (a front process resumes it after the engine was lost: link/remote_engine.py). They come first, one
         `TextDelta` per chunk, as they came then, and the generation carries on after them.
 
         Each attempt is one session actor. If it ends without `Finished`

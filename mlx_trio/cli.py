@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,7 @@ import trio
 from mlx_trio import __version__, profiling, scale_out, settings
 from mlx_trio.bench import cli as bench_cli
 from mlx_trio.config import EngineConfig
-from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
-from mlx_trio.front.protocol import SECRET_ENV as FRONT_SECRET_ENV
+from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError, error_leaves
 from mlx_trio.http.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -89,17 +89,19 @@ def check_port(host: str, port: int) -> None:
         probe.bind(address)
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, ranks: int = 1, pipeline: bool = False,
                 task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the engine with the HTTP server as its child until cancelled (with `api_server_count` > 0: the
-    launcher of the engine's process and the front processes, mlx_trio/link/launcher.py).
+    launcher of the engine's process, or of its `ranks` rank processes, and of the front processes,
+    mlx_trio/processes/launcher.py).
 
     `started(server)` once the model is loaded and the server listens. Raises
     `ModelLoadError` if the model cannot be loaded (after stopping the tree).
     """
     if server_config.api_server_count > 0:  # the engine and HTTP in processes of their own; none here
-        await _serve_from_fronts(engine_config, server_config, task_status=task_status)
+        await _serve_from_fronts(engine_config, server_config, ranks=ranks, pipeline=pipeline, task_status=task_status)
         return
+    assert ranks == 1, "ranks are served only from front processes"
     # Here, not at the top: these load MLX, mlx-lm and quart (seconds), which `main` checks the port before.
     from mlx_trio.api import Engine  # noqa: PLC0415
     from mlx_trio.http.server.http_server import HttpServer  # noqa: PLC0415
@@ -116,22 +118,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *,
             nursery.cancel_scope.cancel()
             raise
         profiling.watch_counters(engine.actors.counters)  # MLX_TRIO_PROFILE's steps, tokens, requests
-        if os.environ.get(FRONT_SECRET_ENV):  # rank 0 behind the front: the front's line is the "serving" one
-            print(f"mlx-trio: rank 0 ready behind the front at {server.url} ({engine.model_id})", flush=True)
-        else:
-            print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
-                  f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
+        print(f"mlx-trio: serving {engine.model_id} at {server.url}/v1 "
+              f"(status page: {server.url}/status, health: {server.url}/health)", flush=True)
         task_status.started(server)
 
 
-async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerConfig, *,
+async def _serve_from_fronts(engine_config: EngineConfig, server_config: ServerConfig, *, ranks: int, pipeline: bool,
                              task_status: trio.TaskStatus[Any]) -> None:
-    """`serve` as a launcher (mlx_trio/link/launcher.py): the engine in a process of its own, HTTP in
-    `--api-server-count` front processes; `started(launcher)` once the model is ready."""
-    from mlx_trio.link.launcher import Launcher  # noqa: PLC0415
+    """`serve` as a launcher (mlx_trio/processes/launcher.py): the engine in a process of its own (or `ranks`),
+    HTTP in `--api-server-count` front processes; `started(launcher)` once the model is ready."""
+    from mlx_trio.processes.launcher import Launcher  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="mlx-trio-link-") as workdir:
-        await Launcher(engine_config, server_config, Path(workdir)).run(task_status=task_status)
+        await Launcher(engine_config, server_config, Path(workdir), ranks=ranks,
+                       pipeline=pipeline).run(task_status=task_status)
 
 
 async def _wait_ready_with_progress(engine: Engine) -> None:
@@ -148,7 +148,8 @@ async def _wait_ready_with_progress(engine: Engine) -> None:
     log.info("model %s ready in %.1f s", engine.model_id, trio.current_time() - start_s)
 
 
-async def serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+async def serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig, *, ranks: int = 1,
+                                pipeline: bool = False) -> None:
     """`serve` until SIGINT or SIGTERM, then drain, flush and stop the tree; a second signal stops at once.
 
     A signal while the model still loads stops at once: nothing is running yet.
@@ -158,7 +159,8 @@ async def serve_until_signalled(engine_config: EngineConfig, server_config: Serv
             ready: list[HttpServer] = []
 
             async def start() -> None:
-                ready.append(await nursery.start(serve, engine_config, server_config))
+                ready.append(await nursery.start(partial(serve, engine_config, server_config, ranks=ranks,
+                                                         pipeline=pipeline)))
                 # Everything loaded by now (model, tokenizer, libraries: ~100k objects) lives as long
                 # as the process. Frozen, the collector stops scanning it: a full collection, which
                 # holds the GIL and so stalls every stream, fell from 45 ms to nothing (SmolLM2, this
@@ -222,8 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     ranks = max(args.tensor_parallel, args.pipeline_parallel)
     if ranks > 1 and not scale_out.launched():
-        return scale_out.launch_local_ranks(ranks, list(argv if argv is not None else sys.argv[1:]),
-                                            host=args.host, port=args.port, label=args.model or "the model")
+        # The launcher keeps the N ranks as the fronts' engine (mlx_trio/processes/engine_keeper.py).
+        refused = scale_out.refusal(ranks, ranks, engine_config)
+        if server_config.api_server_count == 0:
+            refused = ("--api-server-count 0 serves HTTP in the engine's process, which a lost scale-out group "
+                       "ends; --tensor-parallel and --pipeline-parallel serve from front processes (1 or more)")
+        if refused is not None:
+            print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
+            return 2
+        return _serve_main(engine_config, server_config, ranks=ranks, pipeline=args.pipeline_parallel > 1)
     if scale_out.launched():
         with scale_out.joined_group(stop_timeout_s=args.collective_timeout,
                                     pipeline=args.pipeline_parallel > 1) as (rank, size):
@@ -233,12 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if refused is not None:
                 print(f"mlx-trio: invalid option: {refused}", file=sys.stderr)
                 return 2
-            # Rank 0 serves its front (mlx_trio/front/) in its own process, as it always has.
+            # Under mlx.launch, which starts no lost group again, rank 0 serves HTTP in its own process.
             return _serve_main(engine_config, attrs.evolve(server_config, api_server_count=0))
     return _serve_main(engine_config, server_config)
 
 
-def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def _serve_main(engine_config: EngineConfig, server_config: ServerConfig, *, ranks: int = 1,
+                pipeline: bool = False) -> int:
     try:
         check_port(server_config.host, server_config.port)
     except OSError as exc:
@@ -247,10 +257,11 @@ def _serve_main(engine_config: EngineConfig, server_config: ServerConfig) -> int
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         # MLX_TRIO_PROFILE=PATH: docs/profiling.md; with front processes the engine's
-        # process profiles itself (mlx_trio/link/engine_process.py), and this one, the launcher, forwards the marks.
+        # process profiles itself (mlx_trio/processes/engine_process.py), and this one, the launcher,
+        # forwards the marks.
         environ = os.environ if server_config.api_server_count == 0 else {}
         with profiling.from_environment(environ):
-            trio.run(serve_until_signalled, engine_config, server_config)
+            trio.run(partial(serve_until_signalled, engine_config, server_config, ranks=ranks, pipeline=pipeline))
     except KeyboardInterrupt:
         log.info("stopped")
         return 0
@@ -278,18 +289,6 @@ def _describe(exc: BaseException, config: ServerConfig) -> str:
 
 def _cannot_listen(config: ServerConfig, error: OSError) -> str:
     return f"cannot listen on {config.host}:{config.port}: {error.strerror or error}"
-
-
-def error_leaves(exc: BaseException) -> Any:
-    """Every error inside `exc`: the leaves of its exception groups, each followed by its causes."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from error_leaves(inner)
-    else:
-        # Supervisors wrap a child's failure; its cause is the useful part.
-        yield exc
-        if exc.__cause__ is not None:
-            yield from error_leaves(exc.__cause__)
 
 
 if __name__ == "__main__":

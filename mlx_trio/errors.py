@@ -8,6 +8,8 @@ layer maps them to status codes in exactly one place (`mlx_trio/http/server/erro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class MlxTrioError(Exception):
     """Base of every error raised on purpose by mlx-trio.
@@ -114,3 +116,15 @@ class EngineDown(EngineFailure):
 
 class ModelLoadError(EngineFailure):
     """The model could not be found, converted or loaded."""
+
+
+def error_leaves(exc: BaseException) -> Iterator[BaseException]:
+    """Every error inside `exc`: the leaves of its exception groups, each followed by its causes."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from error_leaves(inner)
+    else:
+        # Supervisors wrap a child's failure; its cause is the useful part.
+        yield exc
+        if exc.__cause__ is not None:
+            yield from error_leaves(exc.__cause__)

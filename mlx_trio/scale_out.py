@@ -1,12 +1,13 @@
 """How one `mlx-trio serve` process takes its place in an mlx.distributed group (docs/scale-out.md).
 
 Three cases, decided before anything binds a port or loads a model:
-* not launched, `--tensor-parallel 1`: one process, nothing changes;
-* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): start N local ranks of this same
-  command (the ring backend over loopback), launch them again whenever the group is lost
-  (mlx_trio/local_group.py), and serve HTTP in front of them (mlx_trio/front/);
-* launched (by that, or by `mlx.launch`: any backend, any hosts): join the group; rank 0 serves
-  (the actor tree and HTTP), a rank > 0 runs only the follower loop (engine/distributed/follower.py).
+* not launched, `--tensor-parallel 1`: one engine process, nothing changes;
+* not launched, `--tensor-parallel N` (or `--pipeline-parallel N`): the launcher (mlx_trio/processes/)
+  keeps N local rank processes (the ring backend over loopback) as the engine its front processes
+  serve, and starts them again whenever the group is lost, as it restarts a crashed engine process;
+* launched by `mlx.launch` (any backend, any hosts): join the group; rank 0 serves (the actor tree
+  and HTTP, in its process), a rank > 0 runs only the follower loop (engine/distributed/follower.py);
+  nothing starts a lost group again.
 
 MLX is imported only on the launched path (the CLI reports a bad flag before it imports MLX).
 """
@@ -17,11 +18,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
-
-from mlx_trio.local_group import REFORM_ENV, REFORM_EXIT
 
 if TYPE_CHECKING:
     from mlx_trio.config import EngineConfig
@@ -31,46 +30,6 @@ RANK_ENV = "MLX_RANK"  # set by mlx.launch for every rank it starts (engine/dist
 
 def launched() -> bool:
     return RANK_ENV in os.environ
-
-
-def launch_local_ranks(ranks: int, argv: Sequence[str], *, host: str, port: int, label: str) -> int:
-    """Run this `mlx-trio` command as `ranks` local ranks (ring backend), launched again whenever the group
-    is lost (mlx_trio/local_group.py), behind the front on `host`:`port` (mlx_trio/front/); rank 0's last
-    exit code.
-
-    SIGINT or SIGTERM here goes to every rank as SIGINT: rank 0 drains its requests and stops the
-    followers, which ignore the signal itself, and nothing is launched again. The front then stops.
-    `label` names the model in the front's "serving" line.
-    """
-    import secrets
-
-    from mlx_trio.front.group_state import GroupState
-    from mlx_trio.front.proxy import Front
-    from mlx_trio.front.thread import FrontThread
-    from mlx_trio.local_group import LocalGroup
-
-    group = GroupState()
-    secret = secrets.token_hex(16)
-    url: list[str] = []
-
-    def serving(generation: Any) -> None:
-        if generation.number == 1:
-            print(f"mlx-trio: serving {label} at {url[0]}/v1 (the front of {ranks} ranks; health: {url[0]}/health)",
-                  flush=True)
-        else:
-            print(f"mlx-trio: the {ranks} ranks serve again (generation {generation.number})", file=sys.stderr,
-                  flush=True)
-
-    front = FrontThread(Front(group, secret, on_serving=serving), host, port)
-    try:
-        url.append(front.start())
-    except Exception as exc:  # noqa: BLE001 - a CLI says why it cannot start (e.g. the port is taken)
-        print(f"mlx-trio: cannot listen on {host}:{port}: {exc!r}", file=sys.stderr)
-        return 1
-    try:
-        return LocalGroup(ranks, list(argv), front=group, secret=secret).run()
-    finally:
-        front.stop()
 
 
 def refusal(ranks: int, size: int, config: EngineConfig) -> str | None:
@@ -97,13 +56,16 @@ def refusal(ranks: int, size: int, config: EngineConfig) -> str | None:
 
 
 @contextmanager
-def joined_group(*, stop_timeout_s: float, pipeline: bool = False) -> Iterator[tuple[int, int]]:
+def joined_group(*, stop_timeout_s: float, pipeline: bool = False,
+                 relayed_output: bool = True) -> Iterator[tuple[int, int]]:
     """Join mlx.launch's group for the block: yields (rank, size). Rank 0 stops the followers on exit.
     With `pipeline`, the model is split by layers (mlx-lm's `pipeline()`), not tensor parallel.
 
     A rank > 0 runs its whole life (the follower loop) inside the `with`, then yields: callers
     check `rank` and return. When the followers do not take rank 0's stop within
     `stop_timeout_s` (one is hung: an MLX collective cannot be cancelled), rank 0 exits at once.
+    `relayed_output`: the rank's output goes through mlx.launch's pipes (not under mlx-trio's launcher,
+    whose ranks write straight to its own output).
     """
     from mlx_trio.engine.distributed.follower import serve_follower
     from mlx_trio.engine.distributed.leader import leader_for
@@ -123,7 +85,7 @@ def joined_group(*, stop_timeout_s: float, pipeline: bool = False) -> Iterator[t
     # are dropped instead (measured: the ring backend's "socket closed" flood filled it).
     # (Not under mlx-trio's own launcher: there the ranks write straight to its output, which they
     # share, and the flag would be set on the launcher's descriptors too.)
-    if not os.environ.get(REFORM_ENV):
+    if relayed_output:
         os.set_blocking(sys.stdout.fileno(), False)
         os.set_blocking(sys.stderr.fileno(), False)
     try:
@@ -133,7 +95,7 @@ def joined_group(*, stop_timeout_s: float, pipeline: bool = False) -> Iterator[t
             # The group is gone: a stop sent over it would wait on a collective that never completes.
             print(f"mlx-trio: rank 0 exits, the scale-out group was lost ({leader.lost})", file=sys.stderr,
                   flush=True)
-            os._exit(REFORM_EXIT if os.environ.get(REFORM_ENV) else 1)
+            os._exit(1)
         if leader is not None:
             stopper = threading.Thread(target=_stop, args=(leader,), name="stop-followers", daemon=True)
             stopper.start()

@@ -36,8 +36,9 @@ APP_MODULES = {"mlx_trio.http.server.app": "http/server/app", "mlx_trio.http.ser
 HTTP_BELOW_WIRE = frozenset({"http/server", "http/completion"})
 HTTP_ABOVE_WIRE = frozenset({"http", "http/server/app"})
 
-# Which room of engine/ and http/ imports which (a flat module is a room of its own; "engine" and "http"
-# are the packages' own __init__). It matches the import graph exactly and has no cycle.
+# Which room of engine/, http/, link/ and processes/ imports which (a flat module is a room of its own;
+# "engine", "http" and "processes" are the packages' own __init__; link/, the engine link's protocol, is one
+# room). It matches the import graph exactly and has no cycle. `cli` is a room no other may import.
 ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "engine": frozenset(),
     "engine/lease_thread": frozenset({"engine/kv"}),  # prefill-only cuDNN turns decode's KV layout on
@@ -65,7 +66,20 @@ ROOM_IMPORTS: dict[str, frozenset[str]] = {
     "http/responses": frozenset({"http/server", "http/completion"}),
     "http/server": frozenset(),  # the plumbing: every other http room builds on it
     "http/completion": frozenset({"http/server"}),  # the shared path frames SSE, maps errors, logs requests
+    # The protocol: the engine's side keeps the fronts' one /v1/responses store; the front's side is an EngineLike.
+    "link": frozenset({"http/responses", "http/server"}),
+    # The process layer (mlx_trio/processes/): the launcher keeps the engine (keeper) and the fronts (pool);
+    # only a front process's main runs the HTTP app, and the launcher reads only plain values of http/server.
+    "processes": frozenset(),
+    "processes/launcher": frozenset({"link", "processes/engine_keeper", "processes/front_pool", "http/server"}),
+    "processes/engine_keeper": frozenset(),
+    "processes/engine_process": frozenset({"link", "processes/orphan"}),
+    "processes/front_pool": frozenset({"http/server"}),
+    "processes/front_process": frozenset({"link", "processes/orphan", "http/server", "http/server/app"}),
+    "processes/orphan": frozenset(),
 }
+# The layers whose modules are sorted into rooms (the rest of the package stands outside the table).
+ROOMED_LAYERS = ("engine", "http", "link", "processes")
 
 # Imports that break a room rule today, each to go (issue #16): (importing module, imported module) -> why.
 # An entry whose import is gone fails `test_known_crossings_are_still_there`: delete it then.
@@ -119,11 +133,15 @@ def _top(name: str) -> str:
 
 
 def _room(module: str, package: Path = PACKAGE) -> str | None:
-    """The room of engine/ or http/ that holds `module`, or None outside those two layers."""
+    """The room of `ROOMED_LAYERS` that holds `module` ("cli" for the CLI), or None outside them."""
     if module in APP_MODULES:
         return APP_MODULES[module]
     parts = module.split(".")
-    if len(parts) < 2 or parts[0] != package.name or parts[1] not in ("engine", "http"):
+    if len(parts) < 2 or parts[0] != package.name:
+        return None
+    if parts[1] in ("cli", "link"):
+        return parts[1]
+    if parts[1] not in ROOMED_LAYERS:
         return None
     return "/".join(parts[1:3])
 
@@ -131,7 +149,7 @@ def _room(module: str, package: Path = PACKAGE) -> str | None:
 def room_imports(package: Path = PACKAGE) -> dict[tuple[str, str], set[tuple[str, str]]]:
     """(room, room it imports) -> the (module, imported module) pairs behind it, known crossings left out."""
     edges: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
-    for layer in ("engine", "http"):
+    for layer in ROOMED_LAYERS:
         for path in _files(layer, package):
             module = _module_name(path, package)
             src = _room(module, package)
@@ -143,7 +161,7 @@ def room_imports(package: Path = PACKAGE) -> dict[tuple[str, str], set[tuple[str
 
 
 def rooms(package: Path = PACKAGE) -> set[str]:
-    return {room for layer in ("engine", "http") for path in _files(layer, package)
+    return {room for layer in ROOMED_LAYERS for path in _files(layer, package)
             if (room := _room(_module_name(path, package), package))}
 
 
@@ -253,28 +271,34 @@ def test_supervision_and_http_never_import_engine(path: Path) -> None:
     assert not {n for n in _imported_modules(path) if n.startswith("mlx_trio.engine")}
 
 
-@pytest.mark.parametrize("path", _files("front"), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_the_front_imports_no_mlx_and_no_engine(path: Path) -> None:
-    """The scale-out front outlives the ranks in a process that holds no MLX state (mlx_trio/front/)."""
-    assert not {n for n in _imported_modules(path) if _top(n) in {"mlx", "mlx_lm"} or n.startswith("mlx_trio.engine")}
+# What runs in a front process or the launcher (the front's side of the link, and the process layer but for the
+# engine's process): they hold no MLX and no engine.
+FRONT_SIDE = [p for p in _files("link") if p.name in ("__init__.py", "wire.py", "remote_engine.py", "remote_store.py")]
+FRONT_SIDE += [p for p in _files("processes") if p.name != "engine_process.py"]
 
 
-# The front processes' side of the engine link: they run the HTTP stack and hold no MLX and no engine.
-LINK_FRONT_SIDE = ("__init__.py", "wire.py", "remote_engine.py", "remote_store.py", "front_process.py", "front_pool.py",
-                   "launcher.py", "orphan.py")
-
-
-@pytest.mark.parametrize("path", [p for p in _files("link") if p.name in LINK_FRONT_SIDE],
-                         ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_the_link_front_side_imports_no_mlx_no_engine_no_api(path: Path) -> None:
-    """A front process (mlx_trio/link/) serves HTTP over the link: no MLX, no engine/, no actors, no api.py."""
+@pytest.mark.parametrize("path", FRONT_SIDE, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_front_side_and_the_launcher_import_no_mlx_no_engine_no_api(path: Path) -> None:
+    """A front process serves HTTP over the link, the launcher keeps processes: no MLX, no engine/, no actors,
+    no api.py (the engine's process alone holds them)."""
     assert not {n for n in _imported_modules(path)
                 if _top(n) in {"mlx", "mlx_lm"} or n.startswith(("mlx_trio.engine", "mlx_trio.actors", "mlx_trio.api"))}
 
 
+# What of the HTTP stack the launcher's own modules may read: the server's settings and the drain's report.
+LAUNCHER_READS_OF_HTTP = frozenset({"mlx_trio.http.server.config", "mlx_trio.http.server.drain"})
+
+
+@pytest.mark.parametrize("path", [p for p in _files("processes") if p.name not in ("front_process.py",)],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_launcher_side_reads_only_plain_values_of_the_http_stack(path: Path) -> None:
+    """Only a front process's main runs the HTTP app; the launcher, keeper and pool read its settings only."""
+    assert {n for n in _imported_modules(path) if n.startswith("mlx_trio.http")} <= LAUNCHER_READS_OF_HTTP
+
+
 def test_a_front_process_and_the_launcher_load_no_mlx() -> None:
     """Importing what a front process or the launcher runs pulls no MLX in (the engine's output format may, once unpickled)."""
-    code = ("import sys, mlx_trio.link.front_process, mlx_trio.link.launcher; "
+    code = ("import sys, mlx_trio.processes.front_process, mlx_trio.processes.launcher, mlx_trio.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
@@ -406,3 +430,19 @@ def test_the_package_checks_see_a_missing_docstring_and_a_testing_import(tmp_pat
     }, packages=False)
     assert packages_without_docstring(package) == ["mlx_trio/http", "mlx_trio/http/room"]
     assert modules_importing_testing(package) == ["mlx_trio.http.room.a"]
+
+
+def test_an_import_of_the_cli_from_the_link_or_of_the_launcher_from_http_is_flagged(tmp_path: Path) -> None:
+    """The process layer's rules: nothing below the CLI imports it, and the HTTP stack and the launcher stay apart."""
+    package = _write(tmp_path, {
+        "mlx_trio/cli.py": "X = 1\n",
+        "mlx_trio/link/wire.py": "from mlx_trio.cli import X\n",
+        "mlx_trio/processes/launcher.py": "Y = 1\n",
+        "mlx_trio/http/server/state.py": "from mlx_trio.processes.launcher import Y\n",
+    })
+    table = {"link": set(), "processes": set(), "processes/launcher": set(), "http": set(), "http/server": set()}
+    assert table_mismatches(package, table) == [
+        "http/server imports processes/launcher (mlx_trio.http.server.state -> mlx_trio.processes.launcher), "
+        "which ROOM_IMPORTS does not allow",
+        "link imports cli (mlx_trio.link.wire -> mlx_trio.cli), which ROOM_IMPORTS does not allow",
+    ]

@@ -8,18 +8,15 @@ answers 503 with the reason and `/v1/status` shows each rank's last heartbeat. T
 stays wherever the missing rank left it (an MLX collective has no timeout): the watch abandons
 it and makes every later job fail at once, so requests end with an error instead of hanging,
 and stops beating. A group is never re-formed inside a running rank (MLX keeps a process's first
-group for good: mlx_trio/local_group.py says why): under mlx-trio's own launcher
-(`--tensor-parallel N`) rank 0 then drains, as on SIGTERM (its in-flight requests end: the
-front resumes them on the next ranks, mlx_trio/front/), and exits for the launcher to start
-every rank again; under any other launcher it stays up, saying the group is lost, until it is
-restarted.
+group for good: mlx_trio/processes/engine_keeper.py says why): rank 0 stays up saying so. Under
+mlx-trio's own launcher (`--tensor-parallel N`), which reads `group_lost` over its link, every rank
+is then ended and started again, and the fronts resume the streams on the new group; under
+mlx.launch it stays so until it is restarted.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any
 
@@ -29,7 +26,6 @@ from mlx_trio.actors.lane import Lane
 from mlx_trio.engine.distributed.heartbeat import beat
 from mlx_trio.engine.distributed.leader import GroupLost, leader_for
 from mlx_trio.engine.distributed.world import World
-from mlx_trio.local_group import LOST_SIGNAL, REFORM_ENV
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +53,8 @@ class RankWatch:
                  "jobs_run": known.get(rank, {}).get("jobs_run")} for rank in range(self._world.size)]
 
     async def run(self, *, task_status: trio.TaskStatus[RankWatch] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            if os.environ.get(REFORM_ENV):
-                await nursery.start(self._hear_launcher)
-            task_status.started(self)
-            await self._beat()
-
-    async def _hear_launcher(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """mlx-trio's launcher signals a follower's death (mlx_trio/local_group.py): rank 0 may be waiting
-        in a collective with it that never returns, which no heartbeat deadline would end sooner."""
-        with trio.open_signal_receiver(LOST_SIGNAL) as signals:
-            task_status.started()
-            async for _ in signals:
-                if self.lost is None:
-                    self._lose("a follower process exited (its launcher saw it)")
+        task_status.started(self)
+        await self._beat()
 
     async def _beat(self) -> None:
         await self._lane.wait_model()
@@ -101,15 +85,10 @@ class RankWatch:
         releases its waiters (`abandon`): requests end with an error instead of hanging. Once only."""
         if self.lost is not None:
             return
-        reform = bool(os.environ.get(REFORM_ENV))
-        self.lost = reason + ("; the ranks are being launched again" if reform else "")
+        self.lost = reason
         log.error("scale-out: %s; the ranks must be restarted", reason)
         leader = leader_for(self._world)
         if leader is not None:
             leader.lost = reason
         if self._lane.lease is not None:
             self._lane.lease.abandon()
-        if reform:
-            # The CLI's signal handler drains (503 to new requests, in-flight ones end), then the
-            # process exits with the launcher's re-form code (mlx_trio/scale_out.py).
-            os.kill(os.getpid(), signal.SIGTERM)

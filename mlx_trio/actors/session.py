@@ -21,9 +21,9 @@ healthy lane and re-submits prompt + received tokens as the new prompt,
 made skipped, so the caller sees one uninterrupted stream: the detokenizer
 and the stop-string matcher simply carry on.
 
-Replay: a request that an earlier *process* began (the scale-out front
-resumes it once the group that ran it is gone: docs/scale-out.md "Recovery")
-comes with the tokens that process generated, as the chunks they were sent
+Replay: a request that an earlier *process* began (a front process resumes
+it once the engine that ran it is gone, its process or its scale-out group:
+link/remote_engine.py) comes with the tokens that process generated, as the chunks they were sent
 in (`replay`). The first session relays them as if the lane had just sent
 them, one `TextDelta` per chunk, through the same detokenizer and stop-string
 matcher, then goes on as a resumed attempt (prompt + those tokens

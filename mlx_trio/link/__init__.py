@@ -9,11 +9,8 @@ lease thread (docs/architecture.md "Front processes").
 
     wire.py            frames of pickled messages over a Trio stream
     link_server.py     the engine process's side: a child of the engine's root
-    remote_engine.py   the front's side: the `EngineLike` the HTTP app serves
+    remote_engine.py   the front's side: the `EngineLike` the HTTP app serves, resumed across engine restarts
     remote_store.py    the front's side of the /v1/responses store every front shares
-    front_pool.py      the public socket and the front processes, restarted when they die
-    front_process.py   a front process's main (`python -m mlx_trio.link.front_process`)
-    engine_process.py  the engine's process's main (`python -m mlx_trio.link.engine_process`)
-    launcher.py        `mlx-trio serve`'s own process: the engine's process and the pool, kept running
-    orphan.py          how those processes notice the launcher is gone
+
+The processes at either end, and who starts them, are mlx_trio/processes/.
 """

@@ -3,21 +3,28 @@
 It listens on a Unix socket and serves each front process that connects
 (mlx_trio/link/wire.py for the frames). What a front asks (op, id, payload):
 
-    prepare  (prompt, kwargs)      -> ok Request | err MlxTrioError   (`Engine.prepare_off_loop`)
+    generate (prompt, kwargs)      -> ok Request, then as `stream`    (`Engine.prepare_off_loop`, then its
+                                      `Engine.stream`: the request crosses the socket once) | err MlxTrioError
     count    (prompt, kwargs)      -> ok int | err                    (`Engine.count_tokens`, a worker thread)
     status   None                  -> ok dict                         (`Engine.status`, its faults)
     load     (name, path)          -> ok None | err                   (`Engine.load_adapter`)
     unload   name                  -> ok None | err                   (`Engine.unload_adapter`)
     arm      (actor, kind)         -> ok ArmedFault | err             (`Engine.faults.arm`)
-    stream   (Request, replay)     -> event GenerationEvent* then end None | err MlxTrioError
-    cancel   None                  (the stream of that id: its client left)
+    stream   (Request, replay)     -> event GenerationEvent* then end None | err MlxTrioError | lost reason
+    cancel   None                  (the stream of that id: its client left before its Finished)
     store_get     response id      -> ok StoredResponse | None        (the /v1/responses store, below)
     store_put     StoredResponse   -> ok bool                         (answered once it is stored)
     store_delete  response id      -> ok bool
 
 and what it pushes unasked: `facts` (id 0), the values the HTTP layer reads
 synchronously (health, model id, context length, output format, adapters,
-the scale-out group's loss), at connect and whenever they change.
+the scale-out group's loss), at connect and whenever they change. The output
+format travels pickled on its own (bytes): unpickling it imports mlx-lm, which
+a front does at its first read and the launcher's link never does.
+
+A stream that fails once rank 0 lost its scale-out group ends with `lost`, not
+its error: the launcher is about to start the group again, and the front
+resumes the stream there, as after the death of the engine's process.
 
 Each stream is one `Engine.stream` in a task of its own, so the resume loop,
 sessions and their guarantees stay exactly those of the in-process server; a
@@ -36,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -146,7 +154,10 @@ class _FrontSession:
 
     def _dispatch(self, op: str, mid: int, payload: Any) -> None:
         engine = self._engine
-        if op == "stream":
+        if op == "generate":
+            scope = self._streams[mid] = trio.CancelScope()
+            self._nursery.start_soon(self._run_stream, mid, scope, None, (), payload)
+        elif op == "stream":
             request, replay = payload
             scope = self._streams[mid] = trio.CancelScope()
             self._nursery.start_soon(self._run_stream, mid, scope, request, replay)
@@ -154,9 +165,6 @@ class _FrontSession:
             scope = self._streams.get(mid)
             if scope is not None:
                 scope.cancel()
-        elif op == "prepare":
-            prompt, kwargs = payload
-            self._call(mid, partial(_prepare, engine, prompt, kwargs))
         elif op == "count":
             prompt, kwargs = payload
             self._call(mid, partial(_when_ready, engine, partial(trio.to_thread.run_sync,
@@ -192,12 +200,17 @@ class _FrontSession:
 
         self._nursery.start_soon(call)
 
-    async def _run_stream(self, mid: int, scope: trio.CancelScope, request: Any, replay: Any) -> None:
+    async def _run_stream(self, mid: int, scope: trio.CancelScope, request: Any, replay: Any,
+                          prepare: tuple[Any, dict[str, Any]] | None = None) -> None:
+        """`Engine.stream` of `request`, or of what `prepare` (prompt, kwargs) prepares (answered first)."""
         server = self._server
         server.streams += 1
         try:
             with scope:
                 try:
+                    if prepare is not None:
+                        request = await _prepare(self._engine, *prepare)
+                        await self._outbox.put(("ok", mid, request))
                     await _wait_ready(self._engine)
                     # `replay` only when there is one, as the HTTP layer calls it (engines without it serve on).
                     events = self._engine.stream(request, replay=replay) if replay else self._engine.stream(request)
@@ -207,6 +220,10 @@ class _FrontSession:
                     finally:
                         await events.aclose()
                 except Exception as exc:  # noqa: BLE001  (the request's own failure, its stream alone)
+                    lost = getattr(self._engine, "group_lost", None)
+                    if lost is not None and request is not None:  # the front resumes it on the next group
+                        await self._outbox.put(("lost", mid, lost))
+                        return
                     if not isinstance(exc, MlxTrioError):
                         log.exception("stream %d failed", mid)
                     await self._outbox.put(("err", mid, _portable(exc)))
@@ -221,7 +238,9 @@ class _FrontSession:
         while True:
             facts = engine_facts(self._engine)
             if facts != told:
-                await self._outbox.put(("facts", 0, facts))
+                fmt = facts["output_format"]
+                await self._outbox.put(("facts", 0, {**facts, "output_format": None if fmt is None else
+                                                     pickle.dumps(fmt)}))
                 told = facts
             await trio.sleep(FACTS_EVERY_S)
 

@@ -6,13 +6,21 @@ id, context length, output format, adapters) comes from the facts the
 engine pushes, and `status()` from a copy refreshed in the background while
 someone reads it (at most `STATUS_FRESH_S` old after the first read).
 
-When the link breaks (the engine's process died and the launcher starts it
-again), `run` connects again, health says why meanwhile, and nothing in
-flight is lost: a stream waits for the new engine (up to `RESUME_WAIT_S`)
+When the link breaks (the engine's process died, or a rank of its group did,
+and the launcher starts it again), `run` connects again, health says why
+meanwhile, and nothing in flight is lost: a stream waits for the new engine
+(up to `RESUME_WAIT_S`; one that the engine ended with `lost`, its group gone,
+waits for the next connection, not this one)
 and goes on there from the tokens its caller already has (`Engine.stream`'s
 `replay`, whose replayed chunks are not shown twice), so its caller sees one
-uninterrupted stream; `prepare`, `count`, `status` and the responses store's
-get and put are sent again. After
+uninterrupted stream; `count`, `status` and the responses store's get and put
+are sent again, and so is a `prepare_off_loop` whose answer did not come.
+
+`prepare_off_loop` and `stream` are one link call (`generate`): the engine
+prepares the request, answers it, and streams it at once; the front's
+`stream` of that request takes the events already on their way. A prepared
+request nobody streams is cancelled there when it is dropped. A stream whose
+`Finished` came sends no `cancel`. After
 `MAX_RESUMES` breaks in a row with no new token, or no engine within the
 wait, the stream fails with `EngineDown` (a retryable 503). Adapter loads and
 fault arming are not sent again (they fail with `EngineDown`). Holds no MLX and
@@ -24,6 +32,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import pickle
+import weakref
 from functools import partial
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
@@ -32,7 +42,7 @@ import attrs
 import trio
 
 from mlx_trio.errors import EngineDown, EngineFailure
-from mlx_trio.events import GenerationEvent, TextDelta
+from mlx_trio.events import Finished, GenerationEvent, TextDelta
 from mlx_trio.link.remote_store import RemoteResponses
 from mlx_trio.link.wire import FrameReader, LinkClosed, Message, Outbox, until_closed
 from mlx_trio.output_format import OutputFormat
@@ -50,7 +60,7 @@ RESUME_WAIT_S = 300.0
 # Link breaks in a row that bring a stream no new token before it fails.
 MAX_RESUMES = 3
 # Calls that are safe to send again after a break (they change nothing in the engine).
-IDEMPOTENT = frozenset({"prepare", "count", "status", "store_get", "store_put"})
+IDEMPOTENT = frozenset({"count", "status", "store_get", "store_put"})
 
 
 class RemoteFaults(Faults):
@@ -96,10 +106,15 @@ class RemoteEngine:
         self._status_wanted = trio.Event()
         self._engine_faults: dict[str, list[ArmedFault]] = {}
         self.connected = trio.Event()  # set at the first connection (tests, the front's start)
-        # Set at the first facts that name a model: their output format, unpickled, imported mlx-lm's tool
-        # parser (mlx-lm, MLX, transformers: most of a front's long-lived objects; front_process freezes them).
+        # Set at the first facts that name a model. Their output format comes pickled and is unpickled at its
+        # first read: that imports mlx-lm's tool parser (mlx-lm, MLX, transformers: most of a front's long-lived
+        # objects; front_process reads it, then freezes them), which the launcher's own link never reads.
         self.model_known = trio.Event()
+        self._format: tuple[bytes, OutputFormat] | None = None  # the last pickled format read, and it
         self._up = trio.Event()  # set while connected; a new one after each break
+        self._links = 0  # connections made so far (a resume after `lost` waits for a newer one)
+        # Streams `generate` started for a request `prepare_off_loop` returned, until `stream` takes them.
+        self._prepared: dict[int, tuple[int, trio.MemoryReceiveChannel[tuple[str, Any]], int]] = {}
         # The front's own tree (its link and http children), shown beside the engine's in `status()`.
         self.local_status: Callable[[], dict[str, Any]] | None = None
         # The /v1/responses store every front shares, in the engine's process (the endpoint looks for it).
@@ -142,6 +157,7 @@ class RemoteEngine:
                     self._route(message)
 
         self._outbox = outbox
+        self._links += 1
         self.connected.set()
         self._up.set()
         raise await until_closed(partial(outbox.run, stream), read, self._refresh_status)
@@ -170,11 +186,15 @@ class RemoteEngine:
                 pass
         self._waiting.clear()
 
-    async def _link_up(self) -> None:
-        """Return once connected; `EngineDown` if the link is not back within `RESUME_WAIT_S`."""
+    async def _link_up(self, newer_than: int = 0) -> int:
+        """Once connected (by a connection after the `newer_than`-th): its number; `EngineDown` if none is
+        within `RESUME_WAIT_S`."""
         with trio.move_on_after(RESUME_WAIT_S):
-            await self._up.wait()
-            return
+            while True:
+                await self._up.wait()
+                if self._links > newer_than:
+                    return self._links
+                await trio.sleep(RECONNECT_EVERY_S)  # the old engine still linked: the launcher is ending it
         raise EngineDown(f"{self._down}; retry", retry_after_s=1.0)
 
     def send_nowait(self, message: Message) -> None:
@@ -259,7 +279,10 @@ class RemoteEngine:
 
     @property
     def output_format(self) -> OutputFormat:
-        return self._fact("output_format")
+        raw: bytes = self._fact("output_format")
+        if self._format is None or self._format[0] != raw:
+            self._format = (raw, pickle.loads(raw))
+        return self._format[1]
 
     @property
     def context_length(self) -> int | None:
@@ -277,7 +300,42 @@ class RemoteEngine:
                                                                    **kwargs}))
 
     async def prepare_off_loop(self, prompt: Any, **kwargs: Any) -> Any:
-        return await self._call("prepare", (prompt, kwargs))
+        """The engine's prepared request; its stream has started there already (`generate`), for `stream`."""
+        while True:
+            link = await self._link_up()
+            mid = next(self._ids)
+            send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
+            self._waiting[mid] = send
+            try:
+                self.send_nowait(("generate", mid, (prompt, kwargs)))
+                kind, value = await receive.receive()
+            except BaseException:
+                self._waiting.pop(mid, None)
+                self._cancel(mid)
+                raise
+            if kind == "lost":  # the link broke (or the group was lost) before the answer: send it again
+                self._waiting.pop(mid, None)
+                continue
+            if kind == "err":
+                self._waiting.pop(mid, None)
+                raise value
+            self._prepared[id(value)] = (mid, receive, link)
+            weakref.finalize(value, self._unstreamed, id(value))
+            return value
+
+    def _unstreamed(self, key: int) -> None:
+        """A prepared request was dropped without `stream`: its stream in the engine is cancelled."""
+        taken = self._prepared.pop(key, None)
+        if taken is not None:
+            self._waiting.pop(taken[0], None)
+            self._cancel(taken[0])
+
+    def _cancel(self, mid: int) -> None:
+        if self._outbox is not None:
+            try:
+                self._outbox.put_nowait(("cancel", mid, None))
+            except trio.WouldBlock:  # a full outbox: the engine cancels it when the link ends
+                log.warning("could not send the cancel of stream %d", mid)
 
     async def arm_fault(self, actor: str, kind: FaultKind | str) -> ArmedFault:
         """Arm a fault and return once it is armed where it fires (here for "http", else in the engine)."""
@@ -295,21 +353,32 @@ class RemoteEngine:
 
     async def stream(self, request: Any, *,
                      replay: Sequence[Sequence[int]] = ()) -> AsyncGenerator[GenerationEvent, None]:
-        """The engine's `Engine.stream` of `request`, resumed across engine restarts; leaving early cancels it
-        there (its KV is freed)."""
+        """The engine's `Engine.stream` of `request`, resumed across engine restarts; leaving before its
+        `Finished` cancels it there (its KV is freed)."""
         chunks = [tuple(chunk) for chunk in replay]  # every chunk the caller has had (or was given to replay)
         attempt = stalled = 0
+        started = self._prepared.pop(id(request), None)
+        if started is not None and chunks:  # to be replayed: that stream began without the chunks
+            self._waiting.pop(started[0], None)
+            self._cancel(started[0])
+            started = None
+        link = 0  # the connection of this attempt: a resume waits for a newer one
         while True:
-            await self._link_up()
-            mid = next(self._ids)
-            send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
-            self._waiting[mid] = send
-            # A resumed attempt under an id of its own: the new engine numbers its requests from 1 again.
-            sent = request if attempt == 0 else attrs.evolve(request, request_id=f"{request.request_id}.r{attempt}")
+            if started is not None:  # `generate` started it with the prepare: its events are on their way
+                (mid, receive, link), started = started, None
+            else:
+                link = await self._link_up(newer_than=link)
+                mid = next(self._ids)
+                send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
+                self._waiting[mid] = send
+                # A resumed attempt under an id of its own: the new engine numbers its requests from 1 again.
+                sent = request if attempt == 0 else attrs.evolve(request,
+                                                                 request_id=f"{request.request_id}.r{attempt}")
+                self.send_nowait(("stream", mid, (sent, tuple(chunks))))
             had = replayed = len(chunks)  # the engine first yields one TextDelta for each replayed chunk
             ended = False
+            why = "the engine link broke"
             try:
-                self.send_nowait(("stream", mid, (sent, tuple(chunks))))
                 while True:
                     kind, value = await receive.receive()
                     if kind == "event":
@@ -320,9 +389,12 @@ class RemoteEngine:
                                     continue  # the caller has it from an earlier attempt
                             elif value.token_ids:
                                 chunks.append(tuple(value.token_ids))
+                        elif isinstance(value, Finished):
+                            ended = True  # nothing left to cancel there, whether or not the caller reads on
                         yield value
                         continue
                     if kind == "lost":
+                        why = f"the engine's scale-out group was lost ({value})" if value else why
                         break
                     ended = True
                     if kind == "err":
@@ -330,15 +402,11 @@ class RemoteEngine:
                     return
             finally:
                 self._waiting.pop(mid, None)
-                if not ended and self._outbox is not None:
-                    try:
-                        self._outbox.put_nowait(("cancel", mid, None))
-                    except trio.WouldBlock:  # a full outbox: the engine cancels it when the link ends
-                        log.warning("could not send the cancel of stream %d", mid)
+                if not ended:
+                    self._cancel(mid)
             stalled = 0 if len(chunks) > had else stalled + 1
             if stalled > MAX_RESUMES:
-                raise EngineDown(f"request {request.request_id}: the engine's process was lost {stalled} times "
+                raise EngineDown(f"request {request.request_id}: the engine was lost {stalled} times "
                                  "in a row with no new token; retry", retry_after_s=1.0)
             attempt += 1
-            log.warning("request %s: the engine link broke; resuming after %d chunk(s)", request.request_id,
-                        len(chunks))
+            log.warning("request %s: %s; resuming after %d chunk(s)", request.request_id, why, len(chunks))

@@ -94,73 +94,6 @@ def test_a_broadcast_that_fails_loses_the_group() -> None:
     assert leader.lost is not None and leader.jobs == 0
 
 
-_RANK = r"""
-import json, os, signal, sys, time
-from pathlib import Path
-rank, marks = int(os.environ["MLX_RANK"]), Path(sys.argv[1])
-first = not (marks / "started").exists()
-if rank == 0:
-    (marks / "started").touch()
-    (marks / f"rank0-{int(first)}.json").write_text(json.dumps([sys.argv[2:], os.environ.get("MLX_TRIO_FRONT_SECRET")]))
-    if not first:
-        sys.exit(0)  # the second generation stops for good
-    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))  # told its follower died: exit (any code)
-    time.sleep(60)
-    sys.exit(4)
-sys.exit(1 if first else 0)  # the first generation's follower dies at once
-"""
-
-
-def test_a_follower_that_dies_is_told_to_rank_0_and_the_ranks_are_launched_again(tmp_path: Path) -> None:
-    """mlx_trio/local_group.py with stand-in ranks: generation 1's follower exits; the launcher signals
-    rank 0 (which exits), launches both again; generation 2's rank 0 exits 0, which ends the command."""
-    import sys
-
-    from mlx_trio.local_group import LocalGroup
-
-    group = LocalGroup(2, [str(tmp_path)], program=[sys.executable, "-c", _RANK])
-    assert group.run() == 0
-    assert group.generation == 2
-
-
-def test_with_a_front_each_generations_rank_0_serves_on_a_loopback_port_of_its_own_and_the_front_hears_why() -> None:
-    """The same stand-in ranks behind a front's `GroupState`: each rank 0 gets `--host 127.0.0.1 --port P`
-    after the user's flags and the launch's secret; the front hears each launch and the loss, with its reason."""
-    import json
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from mlx_trio.front.group_state import GroupState
-    from mlx_trio.local_group import LocalGroup
-
-    calls: list[tuple[object, ...]] = []
-
-    class Recorded(GroupState):
-        def launched(self, number: int, port: int, reason: str) -> None:
-            calls.append(("launched", number, port, reason))
-            super().launched(number, port, reason)
-
-        def lost(self, reason: str) -> None:
-            calls.append(("lost", reason))
-            super().lost(reason)
-
-    with tempfile.TemporaryDirectory() as marks:
-        group = LocalGroup(2, [marks, "--port", "8000"], program=[sys.executable, "-c", _RANK], front=Recorded(),
-                           secret="s")
-        assert group.run() == 0
-        first, second = (json.loads((Path(marks) / f"rank0-{n}.json").read_text()) for n in (1, 0))
-    ports = [c[2] for c in calls if c[0] == "launched"]
-    assert first == [["--port", "8000", "--host", "127.0.0.1", "--port", str(ports[0])], "s"]
-    assert second[0][-1] == str(ports[1]) and ports[0] != ports[1]
-    # The stand-in follower exits 1, or 0 when it starts after rank 0 marked the first launch: either way it died.
-    died = "rank 1 exited (exit code 1)" if "exit code 1" in str(calls[1]) else "rank 1 exited (exit code 0)"
-    assert calls == [("launched", 1, ports[0], "starting: the ranks are loading the model"),
-                     ("lost", f"the scale-out group was lost: {died}"),
-                     ("lost", f"the scale-out group is being relaunched: {died}"),
-                     ("launched", 2, ports[1], f"the scale-out group is being relaunched: {died}")]
-
-
 def test_pipeline_parallel_is_refused_for_a_model_without_pipeline_naming_those_with_it() -> None:
     import mlx.nn as nn
 
@@ -176,6 +109,16 @@ def test_tensor_and_pipeline_parallel_together_are_refused_before_any_rank_start
 
     assert main(["serve", "--tensor-parallel", "2", "--pipeline-parallel", "2"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_ranks_without_front_processes_or_with_a_refused_flag_are_refused_before_any_rank_starts(capsys) -> None:
+    """A lost group ends rank 0's process: HTTP served there (--api-server-count 0) could not resume a stream."""
+    from mlx_trio.cli import main
+
+    assert main(["serve", "--tensor-parallel", "2", "--api-server-count", "0"]) == 2
+    assert "--api-server-count 0" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel", "2", "--kv-bits", "8"]) == 2
+    assert "--kv-bits is not supported across ranks" in capsys.readouterr().err
 
 
 def test_heads_that_do_not_split_over_the_ranks_are_refused_naming_the_counts_that_would() -> None:

@@ -1,11 +1,13 @@
 """`mlx-trio serve` on 2 ranks over HTTP (CPU ring backend): the one-process text, each rank's heartbeat in
-/v1/status, a hung follower reported by /health within its collective timeout, and a killed follower
-launched again with every stream resumed by the front to the one-process text."""
+/v1/status, a hung follower reported by /health within its collective timeout, a killed follower
+launched again with every stream resumed by the front to the one-process text, and a killed rank (either)
+served from again, health and a greedy answer, within `RECOVERY_BOUND_S` (docs/scale-out.md "Recovery")."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -42,7 +44,10 @@ async def test_four_concurrent_http_requests_on_two_ranks_give_the_one_process_t
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: _complete(url, p), PROMPTS[:4]))
         assert got == expected
-        status = httpx.get(f"{url}/v1/status", timeout=10).json()
+        deadline = time.monotonic() + 10  # a front's copy of the status is refreshed once read
+        while (status := httpx.get(f"{url}/v1/status", timeout=10).json())["ranks"][1]["state"] != "up":
+            assert time.monotonic() < deadline, status["ranks"]
+            time.sleep(0.1)
         assert [(r["id"], r["backend"], r["state"]) for r in status["ranks"]] == [(0, "ring", "up"), (1, "ring", "up")]
         assert all(r["last_heartbeat"] is not None for r in status["ranks"])
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
@@ -80,13 +85,19 @@ def test_a_hung_follower_is_reported_by_health_within_its_collective_timeout(tmp
 
 
 def _ranks_of(process) -> list[int]:
-    """The pids of the rank processes `--tensor-parallel` launched, in rank order (Linux: /proc)."""
-    def rank(pid: int) -> int:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        return int(next(v for v in env if v.startswith(b"MLX_RANK=")).split(b"=")[1])
-
+    """The pids of the rank processes `--tensor-parallel` launched, in rank order (Linux: /proc); the
+    launcher's other children (the front processes) have no MLX_RANK."""
+    ranks: dict[int, int] = {}
     out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
-    return sorted((int(p) for p in out.split()), key=rank)
+    for pid in map(int, out.split()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        rank = next((int(v.split(b"=")[1]) for v in env if v.startswith(b"MLX_RANK=")), None)
+        if rank is not None:
+            ranks[rank] = pid
+    return [ranks[r] for r in sorted(ranks)]
 
 
 @attrs.frozen
@@ -156,11 +167,10 @@ def _sessions(status: dict[str, Any]) -> int:
 async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with_the_one_process_text(
         tmp_path: Path) -> None:
     """SIGKILL rank 1 while 4 streams decode on 2 ranks (--batch 4): OpenAI chat and Anthropic messages,
-    greedy and one seeded sampled. The launcher launches both ranks again, and the front, which outlives
-    them, resumes every stream on the new rank 0 from the tokens its client already had: each client
-    sends its request once and reads one response, whose text and token count are the one-process
-    ones. Meanwhile the front's /health is 503 naming the reason; after, the new group holds no KV,
-    no row and no session."""
+    greedy and one seeded sampled. The launcher starts both ranks again, and the front process, which
+    outlives them, resumes every stream on the new rank 0 from the tokens its client already had: each
+    client sends its request once and reads one response, whose text and token count are the one-process
+    ones. Meanwhile the front's /health is 503; after, the new group holds no KV, no row and no session."""
     path = tiny_model(LLAMA)
     max_tokens = 1500
     streams = [Stream("chat", PROMPTS[0], {"temperature": 0}),
@@ -188,10 +198,10 @@ async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with
             streaming.wait(timeout=240)  # every stream has its first tokens
             os.kill(first_ranks[1], signal.SIGKILL)
             deadline = time.monotonic() + 120  # a bound on the test, not an assertion on time
-            while "rank 1 exited (killed by signal 9)" not in (health := httpx.get(f"{url}/health", timeout=10)).text:
-                assert time.monotonic() < deadline, "the front's /health never named the lost rank"
-                time.sleep(0.1)
-            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            while (health := httpx.get(f"{url}/health", timeout=10)).status_code == 200:
+                assert time.monotonic() < deadline, "the front's /health never saw the engine go"
+                time.sleep(0.05)
+            assert health.json()["status"] == "unavailable"
             got = [f.result() for f in pending]
         assert got == expected
         ranks = _ranks_of(process)
@@ -203,5 +213,54 @@ async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with
         process.terminate()
         assert process.wait(60) == 0
     log = (tmp_path / "serve.log").read_text(encoding="utf-8")
-    assert "launching its 2 ranks again" in log
-    assert log.count("tokens on the next generation") == len(streams)  # the front resumed each stream once
+    assert "rank 1 (pid" in log and "starting its 2 ranks again" in log
+    assert len(re.findall(r"resuming after \d+ chunk", log)) == len(streams)  # the front resumed each once
+
+
+# What the recovery test below requires: from a rank's SIGKILL to /health 200 and a correct greedy answer,
+# on the tiny Llama over the CPU ring. Measured on the 2-core CI box, shared: 7 to 14 s (the new ranks'
+# imports and the model's load; the launcher itself reacts within a poll), 10 to 19 s for a hang with a
+# 5 s collective timeout. docs/scale-out.md "Recovery".
+RECOVERY_BOUND_S = 60.0
+
+
+@pytest.mark.parametrize(("victim", "how"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
+                         ids=["follower", "rank0", "hung-follower"])
+async def test_a_killed_rank_is_served_from_again_within_the_bound_and_its_stream_resumes(
+        tmp_path: Path, victim: int, how: signal.Signals) -> None:
+    """SIGKILL one rank (issue #44: rank 0's death used to end the server), or stop a follower (SIGSTOP: a
+    hang, which no process exit shows; rank 0's heartbeat deadline does), while a greedy stream decodes:
+    the stream ends as the one-process one with no error, and /health is 200 and a greedy completion is the
+    one-process text again within `RECOVERY_BOUND_S` (for the hang, after its collective timeout)."""
+    path = tiny_model(LLAMA)
+    stream = Stream("chat", PROMPTS[0], {"temperature": 0})
+    async with open_engine(str(path), batch=1) as engine:
+        no_eos = {token: -100.0 for token in engine.actors.lane.model.eos_token_ids}
+        done = await engine.complete([{"role": "user", "content": stream.prompt}], max_tokens=600,
+                                     temperature=0, logit_bias=no_eos)
+        expected = (done.text, done.usage.completion_tokens)
+        short = (await engine.complete(PROMPTS[1], max_tokens=16)).text
+    timeout = "5" if how == signal.SIGSTOP else "120"  # only the hang needs the deadline
+    with two_rank_server(path, "--collective-timeout", timeout, log=tmp_path / "serve.log") as (url, process):
+        ranks = _ranks_of(process)
+        streaming = threading.Barrier(2)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_read_stream, url, stream, 600, no_eos, streaming)
+            streaming.wait(timeout=240)
+            killed_at = time.monotonic()
+            os.kill(ranks[victim], how)
+            while True:
+                assert time.monotonic() - killed_at < RECOVERY_BOUND_S, f"not back within {RECOVERY_BOUND_S:g} s"
+                now = _ranks_of(process)  # both ranks of the next generation (none of the old is left)
+                try:
+                    healthy = httpx.get(f"{url}/health", timeout=5).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy and len(now) == 2 and set(now).isdisjoint(ranks):
+                    assert _complete(url, PROMPTS[1]) == short
+                    elapsed = time.monotonic() - killed_at
+                    break
+                time.sleep(0.1)
+            assert elapsed < RECOVERY_BOUND_S
+            print(f"rank {victim} {how.name}: health 200 and a greedy answer after {elapsed:.1f} s")
+            assert pending.result() == expected

@@ -329,3 +329,115 @@ async def test_the_store_waits_for_the_link_then_fails_retryably(tmp_path: Path,
     with pytest.raises(EngineDown):
         await remote.responses_store.delete("resp_a")
     assert trio.current_time() - start < 0.3
+
+
+def _recording_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ops the link server is sent from now on, in order."""
+    from mlx_trio.link import link_server
+
+    ops: list[str] = []
+    dispatch = link_server._FrontSession._dispatch
+
+    def recorded(self: Any, op: str, mid: int, payload: Any) -> None:
+        ops.append(op)
+        dispatch(self, op, mid, payload)
+
+    monkeypatch.setattr(link_server._FrontSession, "_dispatch", recorded)
+    return ops
+
+
+async def test_prepare_and_stream_cross_the_link_once_and_no_cancel_follows_a_finish(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One `generate` carries the prompt; its answer is the prepared request, its events follow. A caller
+    that stops reading at `Finished` (before the stream's end message) sends no `cancel`."""
+    ops = _recording_ops(monkeypatch)
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, server, _):
+        request = await remote.prepare_off_loop("a b c", max_tokens=5)
+        events = []
+        stream = remote.stream(request)
+        async for event in stream:
+            events.append(event)
+            if isinstance(event, Finished):
+                break
+        await stream.aclose()
+        with trio.fail_after(5):
+            while server.streams:
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)  # a cancel, if one were sent, would be in by now
+    assert events == await _direct(FakeEngine(), "a b c", max_tokens=5)
+    assert [op for op in ops if op != "status"] == ["generate"]
+    assert len(engine.prepared) == 1
+
+
+async def test_a_prepared_request_nobody_streams_is_cancelled_in_the_engine(tmp_path: Path) -> None:
+    import gc
+
+    engine = FakeEngine()
+    engine.token_delay_s = 0.01
+    async with linked(tmp_path, engine) as (remote, server, _):
+        request = await remote.prepare_off_loop("x", max_tokens=1000)
+        with trio.fail_after(5):
+            while not engine.active:
+                await trio.sleep(0.01)
+        del request
+        gc.collect()
+        with trio.fail_after(5):
+            while engine.active or server.streams:
+                await trio.sleep(0.01)
+
+
+class GroupLosingEngine(ReplayingEngine):
+    """A rank 0 whose group is lost after `lose_after` tokens of its first stream: that stream then fails
+    (as `Engine.stream` does once `group_lost` is set) and so would every later one."""
+
+    def __init__(self, lose_after: int) -> None:
+        super().__init__()
+        self.lose_after = lose_after
+
+    async def stream(self, request: _Request, replay: Any = ()) -> Any:  # type: ignore[override]
+        if self.group_lost is not None:
+            raise EngineDown(f"scale-out group lost: {self.group_lost}")
+        async for event in super().stream(request, replay):
+            yield event
+            if isinstance(event, TextDelta) and event.token_ids[-1] + 1 == self.lose_after:
+                self.group_lost = "a follower was lost"
+                raise EngineDown("scale-out group lost: a follower was lost")
+
+
+async def test_a_stream_of_a_lost_group_resumes_on_the_next_engine_with_no_error(tmp_path: Path) -> None:
+    """The engine ends the stream with `lost` (not its error); the front does not resume on that engine,
+    whose link is still up, but on the next one: the caller sees one stream, each token once."""
+    engine = GroupLosingEngine(lose_after=4)
+    async with linked(tmp_path, engine) as (remote, server, server_scope):
+        request = await remote.prepare_off_loop("x", max_tokens=12)
+        seen: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            async def consume() -> None:
+                async for event in remote.stream(request):
+                    seen.append(event)
+
+            nursery.start_soon(consume)
+            with trio.fail_after(5):
+                while engine.group_lost is None:
+                    await trio.sleep(0.001)
+            await trio.sleep(0.3)  # the old engine stays linked a while (the launcher is ending it)
+            assert engine.ids == ["req-1"] and not isinstance(seen[-1], Finished)
+            server_scope.cancel()
+            await server.ended.wait()
+            nxt = ReplayingEngine()
+            nursery.start_soon(LinkServer(nxt, server.path).run)  # type: ignore[arg-type]
+            with trio.fail_after(10):
+                while not seen or not isinstance(seen[-1], Finished):
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert [i for e in seen if isinstance(e, TextDelta) for i in e.token_ids] == list(range(12))
+    assert engine.ids == ["req-1"] and nxt.ids == ["req-1.r1"]
+
+
+async def test_the_output_format_crosses_pickled_and_is_unpickled_only_when_read(tmp_path: Path) -> None:
+    """Unpickling a real model's format imports mlx-lm: the launcher's link, which never reads it, holds no MLX."""
+    engine = FakeEngine()
+    async with linked(tmp_path, engine) as (remote, _, _):
+        assert isinstance(remote._facts["output_format"], bytes) and remote._format is None
+        assert remote.output_format == engine.output_format

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 
 from mlx_trio.events import Finished
 from mlx_trio.http.anthropic.objects import MessageBlocks, MessageShape, stop_reason, usage_object
@@ -41,9 +40,6 @@ class MessageRenderer:
     @property
     def created(self) -> int:
         return self._shape.created
-
-    def continuing(self, response_id: str, created: int) -> None:
-        self._shape = attrs.evolve(self._shape, id=response_id, created=created)
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return typed_events([self._shape.start_event(prompt_tokens), {"type": "ping"}])

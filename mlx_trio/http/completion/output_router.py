@@ -90,8 +90,8 @@ class OutputRouter:
     def __init__(self, fmt: OutputFormat, *, prompt_ids: Sequence[int] = (), parse_tool_calls: bool = False,
                  tools: Sequence[Mapping[str, Any]] | None = None, call_names: Sequence[str] | None = None,
                  forced: bool = False, id_prefix: str = "call_", id_seed: str | None = None) -> None:
-        # `id_seed` (the response id): each call's id follows from it and the call's index, so that a
-        # resumed answer names its calls as the stream its client had (http/completion/front_link.py).
+        # `id_seed` (the response id): each call's id follows from it and the call's index, so the same
+        # answer always names its calls the same way.
         self._fmt = fmt
         self._parse = parse_tool_calls and fmt.has_tool_calling
         self._generic = GenericCallReader() if parse_tool_calls and fmt.generic_tools else None

@@ -47,11 +47,6 @@ class Renderer(Protocol):
     @property
     def tool_call_prefix(self) -> str: ...
 
-    def continuing(self, response_id: str, created: int) -> None:
-        """Before anything is rendered: be the answer `response_id`, made at `created` (epoch s), whose
-        client already has a part of it (the scale-out front resumes it: `front_link.py`)."""
-        ...
-
     def opening(self, prompt_tokens: int) -> list[bytes]:
         """The frames before the first event (e.g. OpenAI's role chunk, Anthropic's `message_start`)."""
         ...

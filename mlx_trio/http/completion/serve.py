@@ -32,7 +32,6 @@ from quart import Response
 from mlx_trio.errors import ActorCrashed, InvalidParameter, RequestError
 from mlx_trio.events import Finished, GenerationEvent, PromptProgress, TextDelta
 from mlx_trio.http.completion.call import CompletionCall
-from mlx_trio.http.completion.front_link import NO_LINK, Link, link_of, lost_response
 from mlx_trio.http.completion.output_router import OutputRouter
 from mlx_trio.http.completion.renderer import Renderer
 from mlx_trio.http.completion.tool_choice import lark_marker
@@ -65,21 +64,7 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
     before its last frame or its body goes out: what it does (the Responses store's put) is done by
     the time the client sees the end. If it fails, the stream ends with that error instead (a
     non-streamed request is answered with it).
-
-    A request of the scale-out front (`front_link.py`) that meets a lost group before its answer
-    began gets `lost_response`: the front sends it again to the next generation.
     """
-    link = await link_of(state, stream=call.stream)
-    try:
-        return await _serve(state, call, renderer, link, before_end)
-    except Exception:
-        if link.lost():
-            return lost_response()
-        raise
-
-
-async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link: Link,
-                 before_end: BeforeEnd) -> Response:
     if state.draining:
         raise draining()
     arrived = time.perf_counter()
@@ -88,8 +73,6 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
     if request_id is not None:  # the request's timeline under MLX_TRIO_PROFILE (mlx_trio/profiling/requests.py)
         request_phase(request_id, "arrived", arrived)
         request_phase(request_id, "prepared")
-    if link.resume is not None:
-        renderer.continuing(link.resume.id, link.resume.created)
     # Text completions are not split: their output is shown as the model wrote it, markers included.
     router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
                           prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
@@ -98,7 +81,7 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
                           id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
-    events = state.engine.stream(prepared, **link.replay())
+    events = state.engine.stream(prepared)
     # Every wait for an event goes through `_next`: the drain's cut and the "http" fault point.
     next_event = partial(_next, state.drain, state.engine.faults, events)
     if call.stream:
@@ -107,8 +90,8 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
         first = await _first_event(events, next_event, request_log)
         frames = _stream(first, events, next_event, renderer, router, request_log, state.crashes,
                          logprobs=call.wants_logprobs, prompt_tokens=len(getattr(prepared, "prompt_ids", ())),
-                         link=link, before_end=before_end)
-        response = Response(frames, status=200, headers={**SSE_HEADERS, **link.headers(renderer)},
+                         before_end=before_end)
+        response = Response(frames, status=200, headers=SSE_HEADERS,
                             mimetype="text/event-stream")
         # quart-trio bounds sending a response by RESPONSE_TIMEOUT (60 s); a stream may run longer.
         response.timeout = None
@@ -203,8 +186,7 @@ async def _first_event(events: AsyncIterator[GenerationEvent], next_event: NextE
 
 async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent], next_event: NextEvent,
                   renderer: Renderer, router: OutputRouter, request_log: RequestLog, crashes: HandlerCrashes, *,
-                  logprobs: bool, prompt_tokens: int, link: Link = NO_LINK,
-                  before_end: BeforeEnd = _nothing) -> AsyncIterator[bytes]:
+                  logprobs: bool, prompt_tokens: int, before_end: BeforeEnd = _nothing) -> AsyncIterator[bytes]:
     """One request's SSE frames: `first` (already taken from `events`), then the rest, until `Finished`.
 
     Each event's frames go out as one body chunk (one ASGI send, one socket
@@ -218,24 +200,22 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
     iterator, or cancels the task writing it) closes `events`, which cancels
     the request in the engine and frees its KV cache.
 
-    `link` (the scale-out front's request: `front_link.py`) commits each chunk, holds back what a
-    resumed request replays, and ends a stream that lost its group with `: lost`. `before_end` is
-    awaited after the finish is rendered and before its frames are sent (`serve_completion`).
+    `before_end` is awaited after the finish is rendered and before its frames are sent
+    (`serve_completion`).
     """
     outcome = "cancelled"
     frames: list[bytes] = []  # not yet sent
     last: list[bytes] = []  # the finish's or the error's frames
     try:
         async with closing(events):
-            frames = link.opening(renderer.opening(prompt_tokens))
+            frames = renderer.opening(prompt_tokens)
             item = first
             while not isinstance(item, Finished):
                 if isinstance(item, PromptProgress):
-                    frames.extend(link.event(renderer.keepalive(item.processed, item.total)))
+                    frames.extend(renderer.keepalive(item.processed, item.total))
                 elif isinstance(item, TextDelta):
                     pieces = router.feed(item.text, len(item.token_ids))
-                    frames.extend(link.event(renderer.delta(pieces, item.logprobs if logprobs else None),
-                                             item.token_ids))
+                    frames.extend(renderer.delta(pieces, item.logprobs if logprobs else None))
                 if frames:  # one body chunk per event: one write, not one per frame
                     yield b"".join(frames)
                     frames = []
@@ -249,7 +229,7 @@ async def _stream(first: GenerationEvent, events: AsyncIterator[GenerationEvent]
         if error.code == INTERNAL_ERROR:
             crashes.record(exc)
         outcome = error.code or error.type
-        last = link.failed(frames, renderer.error(error))
+        last = [*frames, *renderer.error(error)]
     finally:
         request_log.done(outcome)
     yield b"".join([*last, *renderer.closing()])

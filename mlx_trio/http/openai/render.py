@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 
 from mlx_trio.events import Finished
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning
@@ -66,10 +65,6 @@ class CompletionRenderer:
     @property
     def kind(self) -> str:
         return "chat" if self._shape.chat else "text"
-
-    def continuing(self, response_id: str, created: int) -> None:
-        self._shape = attrs.evolve(self._shape, id=response_id, created=created)
-        self._templates = _templates(self._shape) if self._shape.chat else {}
 
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [event(self._shape.chunk("", first=True))] if self._shape.chat else []

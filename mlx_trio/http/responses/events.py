@@ -20,7 +20,6 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-import attrs
 
 from mlx_trio.events import Finished
 from mlx_trio.http.completion.output_router import Content, Piece, Reasoning, ToolCallMade
@@ -50,11 +49,6 @@ class ResponseEvents:
         # Invariant: the last output item is still open (takes more text) while this is True.
         self._open = False
         self._logprobs: list[TokenLogprob] = []  # of text not yet sent as content
-
-    def continuing(self, response_id: str, created_at: int) -> None:
-        """Before `start`: be the response `response_id` made at `created_at` (a resumed one: `Renderer.continuing`)."""
-        self.shape = attrs.evolve(self.shape, id=response_id, created_at=created_at)
-        self.response = self.shape.response("in_progress")
 
     def _item_id(self, kind: str) -> str:
         return item_id(kind, of=f"{self.shape.id}/{len(self.output)}")

@@ -42,9 +42,6 @@ class ResponsesRenderer:
     def created(self) -> int:
         return self._events.shape.created_at
 
-    def continuing(self, response_id: str, created: int) -> None:
-        self._events.continuing(response_id, created)
-
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return typed_events(self._events.start())
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -36,9 +36,6 @@ class EngineLike(Protocol):
 
     def health(self) -> tuple[bool, str]: ...
 
-    @property
-    def group_lost(self) -> str | None: ...  # scale-out: why rank 0 lost its group, else None
-
     def status(self) -> dict[str, Any]: ...
 
     @property
@@ -56,7 +53,7 @@ class EngineLike(Protocol):
     async def prepare_off_loop(self, prompt: Any, *, chat_template_kwargs: Mapping[str, Any] | None = None,
                                **sampling: Any) -> Any: ...  # also takes tools=[...] (only when a request has tools)
 
-    def stream(self, request: Any, *, replay: Sequence[Sequence[int]] = ()) -> AsyncIterator[GenerationEvent]: ...
+    def stream(self, request: Any) -> AsyncIterator[GenerationEvent]: ...
 
     def served_adapters(self) -> tuple[str, ...]: ...  # adapter names a body's `model` may give (may be empty)
 

@@ -55,7 +55,7 @@ def test_whole_answer_splits_into_reasoning_content_and_two_calls(tools_format: 
 
 
 def test_with_an_id_seed_the_calls_ids_follow_from_it_and_their_index(tools_format: OutputFormat) -> None:
-    """A resumed answer (http/completion/front_link.py) names its calls as the stream its client had."""
+    """The same answer names its calls the same way, however its text was cut into deltas."""
     def ids(seed: str, deltas: list[str]) -> list[str]:
         pieces, _ = _route(tools_format, deltas, parse_tool_calls=True, id_seed=seed)
         return [p.call.id for p in pieces if isinstance(p, ToolCallMade)]

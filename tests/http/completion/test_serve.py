@@ -52,9 +52,6 @@ class FakeRenderer:
     kind = "fake"
     tool_call_prefix = "fake_"
 
-    def continuing(self, response_id: str, created: int) -> None:
-        self.id, self.created = response_id, created
-
     def opening(self, prompt_tokens: int) -> list[bytes]:
         return [f"opening {prompt_tokens}".encode()]
 

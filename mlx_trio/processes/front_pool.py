@@ -84,7 +84,7 @@ class FrontPool:
 
     async def _keep(self, index: int, fd: int, config_path: Path) -> None:
         """Run front `index`; start it again each time it exits unasked."""
-        command = [sys.executable, "-m", "mlx_trio.link.front_process", "--link", self.link_path,
+        command = [sys.executable, "-m", "mlx_trio.processes.front_process", "--link", self.link_path,
                    "--config", str(config_path), "--listen-fd", str(fd), "--index", str(index),
                    "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         while True:

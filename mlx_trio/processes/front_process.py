@@ -1,6 +1,6 @@
 """A front process: the HTTP app on hypercorn, serving the engine of its parent over the engine link.
 
-    python -m mlx_trio.link.front_process --link SOCKET --config FILE --listen-fd FD --index I
+    python -m mlx_trio.processes.front_process --link SOCKET --config FILE --listen-fd FD --index I
 
 Started only by `FrontPool` (front_pool.py), which passes the public
 listening socket as `FD` (every front accepts from the one socket the parent
@@ -28,9 +28,10 @@ from collections.abc import Sequence
 
 import trio
 
+from mlx_trio.errors import EngineFailure
 from mlx_trio.http.server.config import ServerConfig
 from mlx_trio.http.server.http_server import HttpServer
-from mlx_trio.link.orphan import until_orphaned
+from mlx_trio.processes.orphan import until_orphaned
 from mlx_trio.link.remote_engine import RemoteEngine
 from mlx_trio.supervision import Strategy, Supervisor
 
@@ -81,11 +82,15 @@ async def _freeze_when_known(engine: RemoteEngine) -> None:
     of the front (docs/benchmarks.md, twentieth pass).
     """
     await engine.model_known.wait()
+    try:
+        engine.output_format  # noqa: B018  (unpickled here, so what it imports is frozen with the rest)
+    except EngineFailure:  # the link broke meanwhile: freeze what there is
+        pass
     gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx_trio.link.front_process")
+    parser = argparse.ArgumentParser(prog="mlx_trio.processes.front_process")
     parser.add_argument("--link", required=True, help="the engine link's Unix socket")
     parser.add_argument("--config", required=True, help="the pickled ServerConfig")
     parser.add_argument("--listen-fd", type=int, required=True, help="the public listening socket (inherited)")
