@@ -118,7 +118,8 @@ TABLE: tuple[Setting, ...] = (
     Setting("--port", ("server.port",), HTTP, type=int, help="port to listen on; 0 picks a free one"),
     Setting("--api-server-count", ("server.api_server_count",), HTTP, type=non_negative_int, default=1,
             help="front processes that serve HTTP, each over a local socket to the engine's own process (vLLM's "
-                 "flag): their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process. "
+                 "flag): their HTTP work does not share the engine's GIL; 0 serves HTTP in the engine's process "
+                 "(refused with --tensor-parallel/--pipeline-parallel: ranks are served by fronts). "
                  "The fronts share one /v1/responses store (in the engine's process); with more than 1, each keeps "
                  "its own HTTP metrics"),
     Setting("--api-key", ("server.api_key",), HTTP, env="MLX_TRIO_API_KEY", secret=True, to_config=lambda k: k or None,

@@ -79,7 +79,7 @@ async def _freeze_when_known(engine: RemoteEngine) -> None:
     at the first connection: the facts that name the model import mlx-lm when
     they are unpickled (its tool parser), and on an H200 host that left ~385k
     objects to every full collection, each a pause of ~180 ms for every stream
-    of the front (docs/benchmarks.md, twentieth pass).
+    of the front (docs/lab-notes/2026-12-04-h200-pass20.md).
     """
     await engine.model_known.wait()
     try:
