@@ -106,7 +106,7 @@ async def test_health_lists_the_settings_only_when_asked() -> None:
 
 
 def test_the_report_reaches_a_front_process_with_the_rest_of_the_config() -> None:
-    """A front rebuilds its ServerConfig from the pickled fields (link/front_pool.py): the report comes along."""
+    """A front rebuilds its ServerConfig from the pickled fields (processes/front_pool.py): the report comes along."""
     import pickle
 
     _, server = configs_from_args(build_parser().parse_args(["serve", "--api-key", "k", "--allowed-origins", "*"]))

@@ -66,7 +66,7 @@ def register_root(app: Quart, state: AppState) -> None:
     async def root() -> Response:
         if request.method == "HEAD":
             return Response(b"", status=200)  # Claude Code sends `HEAD /` to warm a connection up
-        # By the Accept header's qualities (RFC 9110 §12.5.1): browsers prefer text/html and get the page;
+        # By the Accept header's qualities (RFC 9110, section 12.5.1): browsers prefer text/html and get the page;
         # curl and the SDKs send */* (JSON listed first wins a tie) or JSON and get the index.
         if request.accept_mimetypes.best_match(["application/json", "text/html"]) == "text/html":
             return redirect(STATUS_PATH, 302)

@@ -66,7 +66,7 @@ async def test_root_sends_browsers_to_the_page_and_answers_other_clients() -> No
     ("", False),
 ])
 async def test_root_follows_the_accept_header_by_its_qualities(accept: str, page: bool) -> None:
-    """The page when text/html is preferred to JSON (RFC 9110 §12.5.1: by quality), else the JSON index."""
+    """The page when text/html is preferred to JSON (RFC 9110, section 12.5.1: by quality), else the JSON index."""
     async with serve_fake() as (_, client):
         response = await client.get("/", headers={"Accept": accept})
         if page:
