@@ -92,7 +92,7 @@ async def _serve(state: AppState, call: CompletionCall, renderer: Renderer, link
     # Text completions are not split: their output is shown as the model wrote it, markers included.
     router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
                           prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
-                          tools=call.tools.template_tools(), id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
+                          tools=call.tools.callable_tools(), id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)
     state.submitted_rows += 1
     events = state.engine.stream(prepared, **link.replay())
