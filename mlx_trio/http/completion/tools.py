@@ -62,8 +62,9 @@ class ToolsRequest:
     def constraint(self, parser_kind: str | None) -> Constraint | None:
         if not self.active:
             return None
-        return tool_choice_constraint((*self.tools, *self.loaded), self.choice, parser_kind, function_name=self.function_name,
-                                      parallel=self.parallel, schema_fields=self.schema_fields)
+        return tool_choice_constraint((*self.tools, *self.loaded), self.choice, parser_kind,
+                                      function_name=self.function_name, parallel=self.parallel,
+                                      schema_fields=self.schema_fields)
 
 
 NO_TOOLS = ToolsRequest()

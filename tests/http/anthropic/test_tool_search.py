@@ -30,7 +30,8 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city", "defer_loa
 ASK = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}
 SEARCH_USE = {"type": "tool_use", "id": "toolu_search", "name": "ToolSearch", "input": {"query": "select:get_weather"}}
 LOADED = {"role": "user", "content": [
-    {"type": "tool_result", "tool_use_id": "toolu_search", "content": [{"type": "tool_reference", "tool_name": "get_weather"}]},
+    {"type": "tool_result", "tool_use_id": "toolu_search",
+     "content": [{"type": "tool_reference", "tool_name": "get_weather"}]},
     {"type": "text", "text": "Tool loaded."}]}
 # The tool message a tool_reference to get_weather renders as: its definition, as ToolSearch's description says.
 WEATHER_FUNCTIONS = ('<functions>\n<function>{"description": "Weather in a city", "name": "get_weather", "parameters": '
@@ -80,12 +81,14 @@ async def test_a_tool_reference_loads_a_deferred_tool_without_changing_the_promp
     assert prompt2[:len(prompt1)] == prompt1
     assert prompt2[len(prompt1):] == [
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "toolu_search", "type": "function", "function": {"name": "ToolSearch", "arguments": SEARCH_USE["input"]}}]},
+            {"id": "toolu_search", "type": "function",
+             "function": {"name": "ToolSearch", "arguments": SEARCH_USE["input"]}}]},
         {"role": "tool", "tool_call_id": "toolu_search", "content": WEATHER_FUNCTIONS},
         {"role": "user", "content": "Tool loaded."}]
     if fmt is GENERIC:  # the grammar holds the names a call may take: the shown tools, then the loaded one
         assert "get_weather" not in kwargs1["constraint"].source
-        assert "get_weather" in kwargs2["constraint"].source and "DeferredToolPlaceholder" not in kwargs2["constraint"].source
+        assert "get_weather" in kwargs2["constraint"].source
+        assert "DeferredToolPlaceholder" not in kwargs2["constraint"].source
 
 
 async def test_a_tool_result_mixes_text_and_references(tools_format: OutputFormat) -> None:
@@ -107,9 +110,11 @@ async def test_with_a_server_tool_search_tool_the_deferred_tools_are_shown_up_fr
     request), the search tool is not, and its blocks replayed in the history are accepted and dropped."""
     search_tool = {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"}
     replayed = {"role": "assistant", "content": [
-        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "tool_search_tool_regex", "input": {"pattern": "weather"}},
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "tool_search_tool_regex",
+         "input": {"pattern": "weather"}},
         {"type": "tool_search_tool_result", "tool_use_id": "srvtoolu_1", "content": {
-            "type": "tool_search_tool_search_result", "tool_references": [{"type": "tool_reference", "tool_name": "get_weather"}]}},
+            "type": "tool_search_tool_search_result",
+            "tool_references": [{"type": "tool_reference", "tool_name": "get_weather"}]}},
         {"type": "text", "text": "Found it."}]}
     engine = ScriptedEngine(tools_format, ["ok", "ok"])
     responses = await _post(engine, {"tools": [search_tool, WEATHER, BASH], "messages": [ASK]},
@@ -119,8 +124,11 @@ async def test_with_a_server_tool_search_tool_the_deferred_tools_are_shown_up_fr
     assert engine.prepared[1][0][1] == {"role": "assistant", "content": "Found it."}
 
 
-REFERENCE_TO = lambda name: {"role": "user", "content": [  # noqa: E731
-    {"type": "tool_result", "tool_use_id": "toolu_search", "content": [{"type": "tool_reference", "tool_name": name}]}]}
+def _reference_to(name: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_search",
+                                         "content": [{"type": "tool_reference", "tool_name": name}]}]}
+
+
 SEARCHED = [ASK, {"role": "assistant", "content": [SEARCH_USE]}]
 
 
@@ -131,7 +139,7 @@ SEARCHED = [ASK, {"role": "assistant", "content": [SEARCH_USE]}]
     ({"tools": [BASH, {"type": "tool_search_tool_bm25_20251119", "name": "s", "defer_loading": True}]},
      "tools[1].defer_loading"),
     ({"tools": [WEATHER, PLACEHOLDER]}, "tools"),
-    ({"tools": [BASH, SEARCH, WEATHER], "messages": [*SEARCHED, REFERENCE_TO("nope")]},
+    ({"tools": [BASH, SEARCH, WEATHER], "messages": [*SEARCHED, _reference_to("nope")]},
      "messages[2].content[0].content[0].tool_name"),
     ({"tools": [BASH, SEARCH], "messages": [*SEARCHED, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_search", "content": [{"type": "fancy"}]}]}]},
