@@ -274,6 +274,9 @@ def _result_part(block: Any, where: str) -> str:
     if kind in _UNSUPPORTED_BLOCKS:
         raise InvalidParameter(f"{where}.type", f"'{kind}' blocks in a tool_result are not supported: this "
                                                 "server's model reads text only; return the result as text")
+    if kind != "text":
+        raise InvalidParameter(f"{where}.type", f"a tool_result cannot hold a block of type {kind!r:.40}: "
+                                                "text and tool_reference blocks can")
     return _text_block(block, where)
 
 

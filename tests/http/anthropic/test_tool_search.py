@@ -143,7 +143,7 @@ SEARCHED = [ASK, {"role": "assistant", "content": [SEARCH_USE]}]
      "messages[2].content[0].content[0].tool_name"),
     ({"tools": [BASH, SEARCH], "messages": [*SEARCHED, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_search", "content": [{"type": "fancy"}]}]}]},
-     "messages[2].content[0].content[0]"),
+     "messages[2].content[0].content[0].type"),
     ({"tools": [BASH], "messages": [{"role": "user", "content": [{"type": "tool_reference", "tool_name": "Bash"}]}]},
      "messages[0].content[0].type"),
     ({"tools": [BASH], "messages": [{"role": "user", "content": [{"type": "fancy"}]}]}, "messages[0].content[0].type"),
