@@ -61,11 +61,17 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/lease_overhead.py
 
 # The agent CLIs the slow tier drives (tests/clients, docs/harnesses.md), pinned to the
-# versions last checked; CLIENT_VERSIONS= installs the latest.
+# versions last checked; CLIENT_VERSIONS= installs the latest. npm 11 no longer runs a
+# dependency's install script unless allowed: the two that copy the native binary in place
+# of a stub run here by hand (again, harmlessly, where npm ran them). The Agents SDK is the
+# `clients` extra, in the project's virtual environment.
 CLIENTS ?= .clients
-CLIENT_VERSIONS ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
-clients:
-	npm install --prefix $(CLIENTS) --no-audit --no-fund $(or $(CLIENT_VERSIONS),@anthropic-ai/claude-code @openai/codex)
+CLIENT_VERSIONS ?= @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33
+clients: $(VENV)/.installed
+	npm install --prefix $(CLIENTS) --no-audit --no-fund $(or $(CLIENT_VERSIONS),@anthropic-ai/claude-code @openai/codex opencode-ai)
+	cd $(CLIENTS)/node_modules/@anthropic-ai/claude-code && node install.cjs
+	cd $(CLIENTS)/node_modules/opencode-ai && node postinstall.mjs
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRA_SPEC),clients]'
 
 clean:
 	rm -rf $(VENV) $(CLIENTS) build *.egg-info

@@ -1,4 +1,4 @@
-"""Run the real agent CLIs (Claude Code, Codex) non-interactively against a loopback server.
+"""Run the real agent CLIs (Claude Code, Codex, OpenCode) non-interactively against a loopback server.
 
 Each client gets a fresh HOME (and CODEX_HOME) under the test's tmp_path, so no
 user login, settings or session history leaks in or out, and an environment
@@ -10,6 +10,7 @@ leaving the machine. docs/harnesses.md records what each client sends.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -117,6 +118,45 @@ def codex_argv(binary: Path, prompt: str, last_message: Path) -> list[str]:
     """`codex exec` for one prompt outside a git repository, nothing persisted, the answer in a file."""
     return [str(binary), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
             "-o", str(last_message), prompt]
+
+
+# OpenCode's config (OPENCODE_CONFIG): one OpenAI-compatible provider, no sharing, no updates. Its
+# `@ai-sdk/openai-compatible` provider ships inside the binary: nothing is installed at run time.
+def opencode_config(base_url: str, model: str = "tiny") -> dict[str, object]:
+    """An opencode.json whose only provider is the server's Chat Completions API, `model` its default."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "autoupdate": False,
+        "share": "disabled",
+        "model": f"mlx-trio/{model}",
+        "provider": {"mlx-trio": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "mlx-trio",
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": "unused"},
+            "models": {model: {"name": model, "tool_call": True}},
+        }},
+    }
+
+
+def opencode_env(base_url: str, home: Path, model: str = "tiny") -> dict[str, str]:
+    """OpenCode with its config under `home` and its background traffic off (models.dev, updates, LSP downloads)."""
+    env = loopback_env(home)
+    config = home / "opencode.json"
+    config.write_text(json.dumps(opencode_config(base_url, model), indent=2), encoding="utf-8")
+    return {
+        **env,
+        "OPENCODE_CONFIG": str(config),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",  # the model catalogue from models.dev
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",  # default plugins are npm packages, installed on first use
+        "OPENCODE_DISABLE_SHARE": "1",
+    }
+
+
+def opencode_argv(binary: Path, prompt: str) -> list[str]:
+    """`opencode run` for one prompt; `--format json` prints each part (text, tool use) as a JSON line."""
+    return [str(binary), "run", "--format", "json", prompt]
 
 
 def run_cli(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

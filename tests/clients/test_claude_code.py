@@ -12,6 +12,10 @@ them): there the scripted engine of tests/http (`ScriptedEngine`) plays the
 model behind the real HTTP stack, answering the first request with a call of
 Claude Code's `Bash` tool, in the native (Hermes `<tool_call>`) or the generic
 format, and the request that carries the tool's output with text.
+
+Claude Code 2.1.332 defers some of its tools (`defer_loading: true`) and
+loads them with its `ToolSearch` tool, whose result is a `tool_reference`
+block: the tool-search turn checks that loop (issue #44).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import trio
 from tests.clients.clients import client_marks, claude_argv, claude_env, find_cli, run_cli
 from tests.clients.conftest import REPLY, Served
+from tests.clients.turns import ConversationEngine, native_call
 from tests.http.fakes import ScriptedEngine
 from tests.http.http_helpers import serve_fake
 
@@ -80,6 +85,27 @@ async def _assert_tool_turn(fmt: OutputFormat, call_text: str, tmp_path: Path) -
     call = history[-2]["tool_calls"][0]
     assert call["function"] == {"name": "Bash", "arguments": BASH_CALL["arguments"]}
     assert history[-1] == {"role": "tool", "tool_call_id": call["id"], "content": MARKER}
+
+
+async def test_claude_code_loads_a_deferred_tool_through_tool_search(tools_format: OutputFormat,
+                                                                    tmp_path: Path) -> None:
+    """ToolSearch `select:WebFetch`: Claude Code answers with a tool_reference, which the server renders as
+    WebFetch's definition in the tool message; the tools shown to the model stay those of the first request."""
+    assert CLAUDE is not None
+    engine = ConversationEngine(tools_format, native_call("ToolSearch", {"query": "select:WebFetch"}), FINAL)
+    async with serve_fake(engine) as (server, _):
+        done = await trio.to_thread.run_sync(run_cli, claude_argv(CLAUDE, "Find the web fetch tool."),
+                                             claude_env(server.url, tmp_path / "home"), tmp_path / "work")
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    result = json.loads(done.stdout)
+    assert (result["is_error"], result["num_turns"], result["result"]) == (False, 2, FINAL)
+    assert engine.answers == [engine.call, engine.final]
+    first_tools, second_tools = (kwargs["tools"] for _, kwargs in engine.prepared)
+    shown = {tool["function"]["name"] for tool in first_tools}
+    assert "ToolSearch" in shown and "WebFetch" not in shown and "DeferredToolPlaceholder" not in shown
+    assert second_tools == first_tools
+    [loaded] = engine.tool_results()
+    assert loaded["content"].startswith("<functions>\n<function>{") and '"name": "WebFetch"' in loaded["content"]
 
 
 def _assert_one_clean_turn(served: Served, tmp_path: Path, *extra: str) -> None:

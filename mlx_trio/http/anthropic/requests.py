@@ -13,12 +13,27 @@ calls are parsed and enforced exactly as for chat completions.
 Prefix hygiene: a system block that changes on every request would sit in
 front of the whole cached prompt, so `VOLATILE_SYSTEM_BLOCKS` are dropped
 (unless `keep_billing_header`); docs/harnesses.md lists them.
+
+Tool search: a tool with `defer_loading: true` is declared but not shown to
+the model. A `tool_reference` block in a `tool_result` loads it: the
+reference is rendered there, in the tool message, as the tool's definition
+(a `<function>` line, the encoding Claude Code's ToolSearch tool describes),
+and from then on the model may call it. The template's tool list holds the
+non-deferred tools only, so loading a tool (and Claude Code adding it to
+`tools`) changes nothing in front of the tool result: the previous turn's
+prompt stays a prefix of this one. The server-side tool search tools
+(`TOOL_SEARCH_TYPES`) need a search step inside the request, which this
+server does not run: with one declared, every deferred tool is shown up
+front instead, in request order (the same on every request of a
+conversation, so the prefix is stable too), and the search tool's own
+blocks in the history are dropped.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from itertools import groupby
 from typing import Any
 
 import attrs
@@ -38,6 +53,8 @@ _UNSUPPORTED_BLOCKS = frozenset({"image", "document", "search_result", "server_t
 # System text blocks that differ on every request, by their first characters. Claude Code's first
 # block, `x-anthropic-billing-header: cc_version=…; cch=…;`, changes with each version and session.
 VOLATILE_SYSTEM_BLOCKS = ("x-anthropic-billing-header:",)
+# Anthropic's server-side tool search tools (regex and BM25 variants).
+TOOL_SEARCH_TYPES = frozenset({"tool_search_tool_regex_20251119", "tool_search_tool_bm25_20251119"})
 # `thinking.type` → the templates' `enable_thinking` (a budget is not enforced).
 _THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 
@@ -67,11 +84,12 @@ def parse_count_tokens(body: Mapping[str, Any], *, template_defaults: Mapping[st
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidParameter("messages", f"must be a non-empty list of messages, got {json_type(raw)}")
-    tools = _tools(body)
+    catalog = _tools(body)
     messages = [*_system(body.get("system"), keep_billing_header)]
-    history = _History({t["function"]["name"] for t in tools.tools})
+    history = _History(catalog)
     for i, message in enumerate(raw):
         messages.extend(history.message(message, i))
+    tools = _tool_choice(body.get("tool_choice"), history.tools_request())
     constraint = _output_format(body.get("output_config"))
     return CompletionCall(chat=True, prompt=template_messages(messages),
                           sampling={"constraint": constraint} if constraint is not None else {},
@@ -92,12 +110,50 @@ def _system(system: Any, keep_billing_header: bool) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "".join(texts)}] if texts else []
 
 
+@attrs.frozen
+class _Tool:
+    """A declared custom tool: the function tool the template and parsers take, and its schema's field."""
+
+    function: dict[str, Any]
+    field: str
+
+    @property
+    def name(self) -> str:
+        return str(self.function["function"]["name"])
+
+    def reference_text(self) -> str:
+        """What a `tool_reference` to this tool renders as: one `<function>` line of its definition."""
+        function = self.function["function"]
+        return "<function>" + json.dumps({"description": function.get("description", ""), "name": function["name"],
+                                          "parameters": function["parameters"]}, ensure_ascii=False) + "</function>"
+
+
+@attrs.frozen
+class _Catalog:
+    """The request's tools: those shown to the model up front, the deferred ones, the tool search tools' names."""
+
+    shown: tuple[_Tool, ...]
+    deferred: Mapping[str, _Tool]
+    search_names: frozenset[str]
+
+
 @attrs.define
 class _History:
-    """Reads the messages in order, so a tool_use must name a declared tool and a tool_result a call before it."""
+    """Reads the messages in order, so a tool_use must name a declared tool and a tool_result a call before it;
+    a tool_reference loads a deferred tool (`loaded`, in the order the conversation loaded them)."""
 
-    tool_names: set[str]
+    catalog: _Catalog
     call_ids: set[str] = attrs.field(factory=set)
+    search_ids: set[str] = attrs.field(factory=set)
+    loaded: dict[str, _Tool] = attrs.field(factory=dict)
+
+    def tools_request(self) -> ToolsRequest:
+        shown, loaded = self.catalog.shown, tuple(self.loaded.values())
+        return ToolsRequest(tuple(t.function for t in shown), loaded=tuple(t.function for t in loaded),
+                            schema_fields=tuple(t.field for t in (*shown, *loaded)))
+
+    def _declared(self, name: str) -> _Tool | None:
+        return self.catalog.deferred.get(name) or next((t for t in self.catalog.shown if t.name == name), None)
 
     def message(self, message: Any, index: int) -> list[dict[str, Any]]:
         field = f"messages[{index}]"
@@ -130,6 +186,9 @@ class _History:
                 reasoning.append(block["thinking"])
             elif kind == "redacted_thinking" and role == "assistant":
                 continue  # encrypted by another server: nothing a local model can read
+            elif kind in ("server_tool_use", "tool_search_tool_result") and role == "assistant" \
+                    and self.catalog.search_names:
+                self._tool_search_block(block, kind, where)  # its tools are shown up front: nothing to render
             elif kind in _UNSUPPORTED_BLOCKS:
                 raise InvalidParameter(f"{where}.type", f"'{kind}' blocks are not supported: this server's model "
                                                         "reads text only; send the content as text")
@@ -150,7 +209,7 @@ class _History:
             raise InvalidParameter(where, "a tool_use block needs a string id and name")
         if not isinstance(block.get("input", {}), dict):
             raise InvalidParameter(f"{where}.input", "must be an object")
-        if block["name"] not in self.tool_names:
+        if self._declared(block["name"]) is None:
             raise InvalidParameter(f"{where}.name", f"names the tool {block['name']!r:.60}, which is not in tools; "
                                                     "declare every tool the conversation uses")
         self.call_ids.add(block["id"])
@@ -165,12 +224,49 @@ class _History:
                                                            "block of an earlier assistant message")
         content = block.get("content", "")
         if isinstance(content, list):
-            content = "".join(_result_part(b, f"{where}.content[{k}]") for k, b in enumerate(content))
+            content = self._result_parts(content, f"{where}.content")
         elif not isinstance(content, str):
             raise InvalidParameter(f"{where}.content", "must be a string or a list of text blocks")
         if block.get("is_error"):
             content = f"Error: {content}"
         return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+    def _result_parts(self, content: list[Any], where: str) -> str:
+        """A tool result's blocks as text: text as sent; each run of tool_reference blocks a `<functions>` block."""
+        parts: list[tuple[bool, str]] = []
+        for k, block in enumerate(content):
+            at = f"{where}[{k}]"
+            if type_field(block, at) == "tool_reference":
+                parts.append((True, self._reference(block, at)))
+            else:
+                parts.append((False, _result_part(block, at)))
+        segments = []
+        for is_reference, run in groupby(parts, key=lambda part: part[0]):
+            texts = [text for _, text in run]
+            segments.append("<functions>\n" + "\n".join(texts) + "\n</functions>" if is_reference else "".join(texts))
+        return "\n".join(segments)
+
+    def _reference(self, block: dict[str, Any], where: str) -> str:
+        name = block.get("tool_name")
+        if not isinstance(name, str):
+            raise InvalidParameter(f"{where}.tool_name", "must be a string naming a tool in tools")
+        tool = self._declared(name)
+        if tool is None:
+            raise InvalidParameter(f"{where}.tool_name", f"names the tool {name!r:.60}, which is not in tools; "
+                                                         "declare it (defer_loading: true keeps it unloaded)")
+        if name in self.catalog.deferred:
+            self.loaded.setdefault(name, tool)
+        return tool.reference_text()
+
+    def _tool_search_block(self, block: dict[str, Any], kind: str, where: str) -> None:
+        """A server tool search's call or result, replayed from a conversation begun elsewhere: checked, dropped."""
+        if kind == "server_tool_use":
+            if block.get("name") not in self.catalog.search_names or not isinstance(block.get("id"), str):
+                raise InvalidParameter(where, "a server_tool_use block needs a string id and the name of a tool "
+                                              "search tool in tools")
+            self.search_ids.add(block["id"])
+        elif block.get("tool_use_id") not in self.search_ids:
+            raise InvalidParameter(f"{where}.tool_use_id", "answers no server_tool_use block before it")
 
 
 def _result_part(block: Any, where: str) -> str:
@@ -178,6 +274,9 @@ def _result_part(block: Any, where: str) -> str:
     if kind in _UNSUPPORTED_BLOCKS:
         raise InvalidParameter(f"{where}.type", f"'{kind}' blocks in a tool_result are not supported: this "
                                                 "server's model reads text only; return the result as text")
+    if kind != "text":
+        raise InvalidParameter(f"{where}.type", f"a tool_result cannot hold a block of type {kind!r:.40}: "
+                                                "text and tool_reference blocks can")
     return _text_block(block, where)
 
 
@@ -217,23 +316,49 @@ def _output_format(config: Any) -> Constraint | None:
     return Constraint("json_schema", json.dumps(fmt["schema"]))
 
 
-def _tools(body: Mapping[str, Any]) -> ToolsRequest:
+def _tools(body: Mapping[str, Any]) -> _Catalog:
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise InvalidParameter("tools", f"must be a list of tools, got {json_type(raw)}")
-    tools = []
+    declared: list[tuple[_Tool, bool]] = []
+    search: set[str] = set()
     for i, tool in enumerate(raw or []):
-        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-            raise InvalidParameter(f"tools[{i}]", "only custom tools (name, description, input_schema) are supported")
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidParameter(where, f"must be a tool object, got {json_type(tool)}")
+        defer = tool.get("defer_loading", False)
+        if not isinstance(defer, bool):
+            raise InvalidParameter(f"{where}.defer_loading", f"must be a boolean, got {json_type(defer)}")
+        kind = tool.get("type")
+        if kind in TOOL_SEARCH_TYPES:
+            if defer:
+                raise InvalidParameter(f"{where}.defer_loading", "a tool search tool cannot be deferred")
+            if not isinstance(tool.get("name"), str):
+                raise InvalidParameter(f"{where}.name", "must be a string")
+            search.add(tool["name"])
+            continue
+        if kind not in (None, "custom"):
+            raise InvalidParameter(f"{where}.type", f"{kind!r:.60} tools are not supported: custom tools (name, "
+                                                    "description, input_schema) and the tool search tools "
+                                                    f"({', '.join(sorted(TOOL_SEARCH_TYPES))}) are")
         if not isinstance(tool.get("input_schema"), dict):
-            raise InvalidParameter(f"tools[{i}].input_schema", "must be a JSON Schema object")
-        checked_function(tool.get("name"), tool["input_schema"], field=f"tools[{i}]")
+            raise InvalidParameter(f"{where}.input_schema", "must be a JSON Schema object")
+        checked_function(tool.get("name"), tool["input_schema"], field=where)
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
-    request = ToolsRequest(tuple(tools), schema_fields=tuple(f"tools[{i}].input_schema" for i in range(len(tools))))
-    choice = body.get("tool_choice")
+        declared.append((_Tool({"type": "function", "function": function}, f"{where}.input_schema"), defer))
+    if declared and not search and all(defer for _, defer in declared):
+        raise InvalidParameter("tools", "every tool has defer_loading: true; at least one must be loaded up front")
+    # No search step here (module docstring): with a server tool search declared, deferred tools are shown.
+    shown = tuple(t for t, defer in declared if not defer or search)
+    deferred = {} if search else {t.name: t for t, defer in declared if defer}
+    return _Catalog(shown, deferred, frozenset(search))
+
+
+def _tool_choice(choice: Any, request: ToolsRequest) -> ToolsRequest:
+    """`tool_choice` on the tools a call may name now (the shown ones and those loaded so far)."""
+    tools = (*request.tools, *request.loaded)
     if choice is None:
         return attrs.evolve(request, choice="auto" if tools else "none")
     kind = type_field(choice, "tool_choice")

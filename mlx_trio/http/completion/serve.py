@@ -76,7 +76,7 @@ async def serve_completion(state: AppState, call: CompletionCall, renderer: Rend
     # Text completions are not split: their output is shown as the model wrote it, markers included.
     router = OutputRouter(state.engine.output_format if call.chat else PLAIN,
                           prompt_ids=getattr(prepared, "prompt_ids", ()), parse_tool_calls=call.tools.active,
-                          tools=call.tools.template_tools(), call_names=call.tools.call_names,
+                          tools=call.tools.callable_tools(), call_names=call.tools.call_names,
                           forced=call.tools.forced,
                           id_prefix=renderer.tool_call_prefix, id_seed=renderer.id)
     request_log = RequestLog(renderer.id, kind=renderer.kind, stream=call.stream, metrics=state.metrics)

@@ -31,6 +31,13 @@ class ToolsRequest:
     `tools` order, the body field that holds each tool's schema, so an error
     about one names it as the client wrote it (empty: OpenAI's own
     `tools[i].function.parameters`).
+
+    `loaded` are tools the conversation loaded on the way (Anthropic's tool
+    search: a `tool_reference` in a tool result): callable and parsed like
+    `tools`, but not in the template's tool list, because the request renders
+    their definitions where they were loaded; the prompt before that point
+    stays as the previous turn had it, so its cached prefix still matches.
+    `schema_fields` then covers `tools` and `loaded`, in that order.
     """
 
     tools: tuple[Mapping[str, Any], ...] = ()
@@ -38,6 +45,7 @@ class ToolsRequest:
     function_name: str | None = None
     parallel: bool = True
     schema_fields: tuple[str, ...] = ()
+    loaded: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def active(self) -> bool:
@@ -46,10 +54,10 @@ class ToolsRequest:
 
     @property
     def call_names(self) -> tuple[str, ...]:
-        """The functions the model may call: the named one, or every tool's."""
+        """The functions the model may call: the named one, or every tool's (the loaded ones too)."""
         if self.choice == "function" and self.function_name is not None:
             return (self.function_name,)
-        return tuple(tool["function"]["name"] for tool in self.tools)
+        return tuple(tool["function"]["name"] for tool in (*self.tools, *self.loaded))
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [dict(t) for t in self.tools] if self.active else None
@@ -59,12 +67,16 @@ class ToolsRequest:
         """The answer must be a call ("required" or a named function)."""
         return self.active and self.choice in ("required", "function")
 
+    def callable_tools(self) -> list[dict[str, Any]] | None:
+        """The tools a call may name: the template's and the loaded ones."""
+        return [dict(t) for t in (*self.tools, *self.loaded)] if self.active else None
+
     def constraint(self, parser_kind: str | None, *, close_reasoning: str | None = None) -> Constraint | None:
         if not self.active:
             return None
-        return tool_choice_constraint(self.tools, self.choice, parser_kind, function_name=self.function_name,
-                                      parallel=self.parallel, schema_fields=self.schema_fields,
-                                      close_reasoning=close_reasoning)
+        return tool_choice_constraint((*self.tools, *self.loaded), self.choice, parser_kind,
+                                      function_name=self.function_name, parallel=self.parallel,
+                                      schema_fields=self.schema_fields, close_reasoning=close_reasoning)
 
 
 NO_TOOLS = ToolsRequest()
