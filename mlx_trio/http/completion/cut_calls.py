@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _BLANK = " \t\r\n"
@@ -156,43 +156,39 @@ class _Reader:
 
     def _object(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        self.pos += 1
-        while True:
+
+        def member() -> bool:
+            key = self._string()
             self.blanks()
             if self._at_end():
-                return out
-            if self.text[self.pos] == "}":
-                self.pos += 1
-                return out
-            if self.text[self.pos] == ",":
-                self.pos += 1
-                continue
-            try:
-                key = self._string()
-                self.blanks()
-                if self._at_end():
-                    return out
-                self._expect(":")
-                out[key] = self.value()
-            except _Cut:
-                self.pos = len(self.text)
-                return out
+                return False
+            self._expect(":")
+            out[key] = self.value()
+            return True
+
+        return self._members("}", member, out)
 
     def _array(self) -> list[Any]:
         out: list[Any] = []
+        return self._members("]", lambda: out.append(self.value()) or True, out)
+
+    def _members(self, close: str, member: Callable[[], bool], out: Any) -> Any:
+        """An object's or array's members up to `close`, each read by `member` (False: the text ended in it);
+        a cut inside a member ends the container with what it holds so far."""
         self.pos += 1
         while True:
             self.blanks()
             if self._at_end():
                 return out
-            if self.text[self.pos] == "]":
+            if self.text[self.pos] == close:
                 self.pos += 1
                 return out
             if self.text[self.pos] == ",":
                 self.pos += 1
                 continue
             try:
-                out.append(self.value())
+                if not member():
+                    return out
             except _Cut:
                 self.pos = len(self.text)
                 return out
