@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -10,6 +10,7 @@ import trio
 
 from mlx_trio import open_engine
 from mlx_trio.actors.messages import Generate
+from mlx_trio.events import TextDelta
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
@@ -38,6 +39,20 @@ async def test_a_leaked_reservation_is_logged_at_close(leak_records) -> None:
     assert any("admission reserved bytes" in message for message in messages), messages
     assert any("admission rows in flight: 1" in message for message in messages), messages
     leak_records.clear()
+
+
+async def test_a_request_its_caller_left_frees_every_pool(leak_records) -> None:
+    """Leaving a stream early ends the request at once (the generator is closed, not left to garbage
+    collection): every pool goes idle and the close finds nothing."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=4) as engine:
+        async with aclosing(engine.generate("Once upon a time there was", max_tokens=200)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    break
+        with trio.fail_after(5):
+            while engine.not_idle():
+                await trio.sleep(0.01)
+    assert leak_records == []
 
 
 async def test_an_engine_closed_mid_stream_is_not_judged(leak_records) -> None:
