@@ -151,6 +151,8 @@ class Lane:
             ("admission rows in flight", admission.in_flight_rows if admission else 0),
             ("admission queue", admission.mailbox_depth if admission else 0),
             ("requests in the lane", ", ".join(cmd.request_id for cmd in self.in_flight())),
+            ("prefill inbox", prefill.mailbox_depth if prefill else 0),
+            ("decode joins waiting", decode.mailbox_depth if decode else 0),
             ("decode batch rows", decode.active_rows if decode else 0),
             ("decode batch KV bytes", decode.kv_bytes if decode else 0),
             ("prefill jobs", prefill.prefilling if prefill else 0),
