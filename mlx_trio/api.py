@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -48,6 +48,8 @@ from mlx_trio.supervision import Backoff, ChildSpec, Restart, Strategy, Supervis
 from mlx_trio.supervision.faults import Faults
 
 log = logging.getLogger("mlx_trio.engine")
+# Resources an engine still held when it was closed with every request ended (`Engine.report_leaks`).
+leaks_log = logging.getLogger("mlx_trio.leaks")
 
 # Attempts in a row that bring no new token and fail for a cause of the request's own (its session
 # crashed, or its own prefill failed) before it fails with EngineRestarted. Progress resets the count.
@@ -70,6 +72,9 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 # short chats took 23-27 ms to the last, inline 10 (the GIL serialises them either way;
 # docs/lab-notes/2026-12-04-h200-pass19.md).
 INLINE_PREPARE_MAX_CHARS = 1024
+# How long a closing engine waits for its pools to go idle: a request's last leave (and its prompt-cache put)
+# comes one decode step after its `Finished`, and a cancelled one is freed at its next chunk or step.
+IDLE_SETTLE_S = 1.0
 # The name every client may use for the base model (as the HTTP API's "default").
 DEFAULT_MODEL_NAME = "default"
 
@@ -83,6 +88,7 @@ class Engine:
         self.faults = Faults()
         self.actors = EngineActors(config, self.faults)
         self._request_ids = itertools.count(1)
+        self._streams = 0  # `stream` calls not ended yet: requests in flight, as their callers see them
         # Adapters being unloaded: requests may no longer name them.
         self._unloading: set[str] = set()
         # Sessions are temporary: a crashed session fails its own request only.
@@ -146,6 +152,28 @@ class Engine:
     async def wait_ready(self) -> None:
         """Return once the model is loaded; raise `ModelLoadError` if it never will be."""
         await self.actors.wait_ready()
+
+    def not_idle(self) -> list[str]:
+        """What the engine holds now, one line per pool (empty: idle): the lane's pools and live sessions."""
+        sessions = len(self._sessions.status()["children"])
+        return [*self.actors.lane.not_idle(), *([f"sessions running: {sessions}"] if sessions else [])]
+
+    async def report_leaks(self) -> list[str]:
+        """At shutdown: what the engine still holds with every request ended, each logged at ERROR on
+        `mlx_trio.leaks` (docs/design.md §7).
+
+        Waits up to `IDLE_SETTLE_S` for the pools to go idle first. An engine
+        closed mid-stream (a `stream` not ended) is not judged: returns [].
+        """
+        if self._streams:
+            return []
+        with trio.move_on_after(IDLE_SETTLE_S):
+            while self.not_idle():
+                await trio.sleep(0.01)
+        leaks = [] if self._streams else self.not_idle()
+        for leak in leaks:
+            leaks_log.error("engine closed with every request ended, yet it holds %s", leak)
+        return leaks
 
     async def drain_persistence(self) -> None:
         """Wait until the prompt cache's SSD tier has written what it was offered (graceful shutdown)."""
@@ -298,8 +326,9 @@ class Engine:
         """
         request = await self.prepare_off_loop(prompt, chat_template_kwargs=chat_template_kwargs, tools=tools,
                                               **sampling)
-        async for event in self.stream(request):
-            yield event
+        async with aclosing(self.stream(request)) as events:  # leaving early ends the request now, not at GC
+            async for event in events:
+                yield event
 
     async def stream(self, request: Request, *,
                      replay: Sequence[Sequence[int]] = ()) -> AsyncGenerator[GenerationEvent, None]:
@@ -323,6 +352,22 @@ class Engine:
         if down is not None:  # the engine gave up: refuse at once rather than wait out resume_timeout_s
             raise EngineDown(f"the engine is down after too many restarts ({down.reason}); it starts again in "
                              f"{down.retry_in_s():.0f} s", retry_after_s=down.retry_in_s())
+        self._streams += 1
+        in_flight = True
+        try:
+            # aclosing: a caller that leaves early ends the attempt (and its session) now, not at garbage collection.
+            async with aclosing(self._attempts(request, replay)) as attempts:
+                async for event in attempts:
+                    if isinstance(event, Finished):  # over for its caller, who need not ask for more
+                        self._streams, in_flight = self._streams - 1, False
+                    yield event
+        finally:
+            if in_flight:
+                self._streams -= 1
+
+    async def _attempts(self, request: Request,
+                        replay: Sequence[Sequence[int]]) -> AsyncGenerator[GenerationEvent, None]:
+        """`stream`'s body: one session per attempt, until `Finished` or too many fruitless resumes."""
         actor: SessionActor | None = None
         stalled = 0  # failed attempts since the last that brought a token (that one included), whatever failed
         own = 0  # of those, attempts that failed for a cause of the request's own
@@ -395,13 +440,14 @@ class Engine:
         texts: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        async for event in self.generate(prompt, **kwargs):
-            if isinstance(event, TextDelta):
-                texts.append(event.text)
-                ids.extend(event.token_ids)
-                logprobs.extend(event.logprobs)
-            elif isinstance(event, Finished):
-                return Completion("".join(texts), tuple(ids), event.finish_reason, event.usage, tuple(logprobs))
+        async with aclosing(self.generate(prompt, **kwargs)) as events:  # ends its session on return, not at GC
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                    ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
+                elif isinstance(event, Finished):
+                    return Completion("".join(texts), tuple(ids), event.finish_reason, event.usage, tuple(logprobs))
         raise ActorCrashed("generation ended without a finish event")
 
     # -- actors ----------------------------------------------------------------
@@ -435,6 +481,7 @@ async def open_engine(model: str | None = None, *, config: EngineConfig | None =
         try:
             await engine.wait_ready()
             yield engine
+            await engine.report_leaks()  # closed normally: judged, unless a request is still in flight
         finally:
             nursery.cancel_scope.cancel()
 

@@ -19,7 +19,7 @@ a request ends, whichever actor holds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
@@ -133,6 +133,37 @@ class Lane:
         decoding = self.decode_step.statistics().kv_bytes if self.decode_step is not None else 0
         prefilling = self.prefill.statistics().active_kv_bytes if self.prefill is not None else 0
         return decoding + prefilling + (self.caching.nbytes if self.caching is not None else 0)
+
+    def not_idle(self) -> list[str]:
+        """What the lane's pools still hold, one line each (empty: idle). Read from each pool's own statistics.
+
+        Once every request has ended (and its last leave, one decode step behind
+        its `Finished`, is done) every pool is back to zero: anything listed
+        then is a leak (`Engine.report_leaks`). A new pool adds one line here.
+        """
+        admission = self.admission.statistics() if self.admission is not None else None
+        decode = self.decode_step.statistics() if self.decode_step is not None else None
+        prefill = self.prefill.statistics() if self.prefill is not None else None
+        lease = self.lease.statistics() if self.lease is not None else None
+        resident = cast("dict[str, int]", self.adapters.statistics()["resident"]) if self.adapters is not None else {}
+        held = [
+            ("admission reserved bytes", admission.reserved_bytes if admission else 0),
+            ("admission rows in flight", admission.in_flight_rows if admission else 0),
+            ("admission queue", admission.mailbox_depth if admission else 0),
+            ("requests in the lane", ", ".join(cmd.request_id for cmd in self.in_flight())),
+            ("prefill inbox", prefill.mailbox_depth if prefill else 0),
+            ("decode joins waiting", decode.mailbox_depth if decode else 0),
+            ("decode batch rows", decode.active_rows if decode else 0),
+            ("decode batch KV bytes", decode.kv_bytes if decode else 0),
+            ("prefill jobs", prefill.prefilling if prefill else 0),
+            ("prefill KV bytes", prefill.active_kv_bytes if prefill else 0),
+            ("adapter slots held", ", ".join(f"{name} x{holds}" for name, holds in resident.items() if holds)),
+            ("prompt-cache puts pending", self.caching.cache.pending if self.caching is not None else 0),
+            ("arrivals never reached", self.arrivals.expected()),
+            ("GPU lease jobs queued", lease.queue_depth if lease else 0),
+            ("GPU lease job running", lease.running_since is not None if lease else False),
+        ]
+        return [f"{name}: {amount}" for name, amount in held if amount]
 
     def end_request(self, request: Generate, ended: GenerationEnded | None = None, *,
                     row: object | None = None) -> None:

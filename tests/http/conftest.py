@@ -18,6 +18,14 @@ def live_server() -> Iterator[ServerThread]:
         yield server
 
 
+@pytest.fixture(autouse=True)
+def _live_server_idle(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the shared `live_server`: its engine's pools are idle again (docs/design.md §7.3)."""
+    yield
+    if "live_server" in request.fixturenames:
+        request.getfixturevalue("live_server").report_leaks()
+
+
 @pytest.fixture(scope="session")
 def tools_format() -> OutputFormat:
     """The output format mlx-lm reads from the QWEN3_TOOLS tiny model (Hermes `<tool_call>` JSON, `<think>`)."""
