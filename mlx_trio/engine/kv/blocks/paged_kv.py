@@ -41,17 +41,16 @@ from mlx_trio.engine.kv.blocks.storage import BlockStorage
 
 @attrs.define(eq=False)
 class PagedRow:
-    """One sequence's KV: `blocks` hold the KV of `tokens` (position `p` in block `p // block_size`)."""
+    """One sequence's KV: `blocks` hold the KV of its first `length` positions (position `p` in block
+    `p // block_size`); `tokens` are the ids of those positions known on the host so far (a decode batch
+    learns a step's token after queueing the next step, so they may lag `length`, or run one ahead)."""
 
     tokens: list[int] = attrs.field(factory=list)
     blocks: list[int] = attrs.field(factory=list)
     keys: list[Key] = attrs.field(factory=list)  # chain keys of its first len(keys) (full) blocks
+    length: int = 0
     cached_tokens: int = 0  # prompt tokens its join found in shared blocks
     released: bool = False
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
 
 
 @attrs.frozen(eq=False)
@@ -59,15 +58,11 @@ class PagedStep:
     """One forward's arrays, built once for every layer: see `PagedKV.step`."""
 
     rows: tuple[PagedRow, ...]
-    new_tokens: tuple[tuple[int, ...], ...]
+    queries: int  # new positions per row (L)
     tables: mx.array  # [B, max blocks] int32; past a row's own blocks, block 0 (never read: masked by length)
     lengths: mx.array  # [B] int32: each row's KV length once this step's tokens are written
     slots: mx.array  # [B * L] int32: where each new token's K/V goes in the flat block view
     offset: int | mx.array  # RoPE offset: an int for one row (as mlx-lm's KVCache), else per row [B]
-
-    @property
-    def queries(self) -> int:
-        return len(self.new_tokens[0])
 
 
 class PagedLayerCache:
@@ -121,7 +116,39 @@ class PagedKV:
         for block in blocks:
             self.pool.retain(block)
         cached = len(blocks) * self.block_size
-        return PagedRow(list(prompt[:cached]), blocks, keys[: len(blocks)], cached)
+        return PagedRow(list(prompt[:cached]), blocks, keys[: len(blocks)], cached, cached)
+
+    def adopt(self, caches: Sequence[Any], tokens: Sequence[int]) -> PagedRow:
+        """A new row holding a prefilled row's KV (mlx-lm `KVCache`s, one a full-attention layer, `tokens` in them),
+        copied into fresh blocks: the row's own KV only, one scatter a layer. Raises PoolExhausted (nothing held)."""
+        length = int(caches[0].offset)
+        row = PagedRow()
+        if length:
+            step = self.step([row], length)
+            for layer, cache in enumerate(caches):
+                self.storage.write(layer, step.slots, cache.keys[..., :length, :], cache.values[..., :length, :])
+            self.commit(step)
+        self.note_tokens(row, tokens[:length])
+        return row
+
+    def extract(self, row: PagedRow, length: int | None = None) -> list[Any]:
+        """The row's first `length` positions (all by default) as fresh mlx-lm `KVCache`s, one a layer (a copy)."""
+        from mlx_lm.models.cache import KVCache
+
+        length = row.length if length is None else length
+        bs = self.block_size
+        out = []
+        for layer in range(len(self.storage.layers)):
+            cache = KVCache()
+            if length:
+                blocks = mx.array(row.blocks[: -(-length // bs)], dtype=mx.int32)
+                for name, pool in (("keys", self.storage.keys[layer]), ("values", self.storage.values[layer])):
+                    kv = mx.take(pool, blocks, axis=0)  # [n, bs, Hkv, D]
+                    kv = kv.reshape(-1, kv.shape[2], kv.shape[3])[:length].transpose(1, 0, 2)[None]
+                    setattr(cache, name, mx.contiguous(kv))
+                cache.offset = length
+            out.append(cache)
+        return out
 
     def leave(self, row: PagedRow) -> None:
         """Release the row's blocks (its keyed full blocks stay cached for later rows); idempotent."""
@@ -132,14 +159,12 @@ class PagedKV:
 
     # -- a forward ----------------------------------------------------------------------------------
 
-    def step(self, rows: Sequence[PagedRow], new_tokens: Sequence[Sequence[int]]) -> PagedStep:
-        """Blocks for `new_tokens[b]` after each row's KV (the same count per row), and the step's arrays."""
-        if len(rows) != len(new_tokens) or not rows:
-            raise ValueError(f"{len(rows)} rows and {len(new_tokens)} token lists: one list per row, at least one row")
-        L = len(new_tokens[0])
-        if L < 1 or any(len(t) != L for t in new_tokens):
-            raise ValueError("every row of a forward takes the same positive number of new tokens")
+    def step(self, rows: Sequence[PagedRow], queries: int) -> PagedStep:
+        """Blocks for `queries` new positions after each row's KV, and the step's arrays (see the module docstring)."""
+        if not rows or queries < 1:
+            raise ValueError(f"a forward needs rows and new positions, got {len(rows)} rows and {queries}")
         bs = self.block_size
+        L = queries
         wanted = [-(-(row.length + L) // bs) - len(row.blocks) for row in rows]
         need = sum(max(0, w) for w in wanted)
         if need > self.pool.available():  # all or nothing: no row keeps half a step's blocks
@@ -152,36 +177,49 @@ class PagedKV:
         slots = [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.length, row.length + L)]
         offset: int | mx.array = (rows[0].length if len(rows) == 1
                                   else mx.array([row.length for row in rows], dtype=mx.int32))
-        return PagedStep(tuple(rows), tuple(tuple(t) for t in new_tokens), mx.array(tables, dtype=mx.int32),
+        return PagedStep(tuple(rows), L, mx.array(tables, dtype=mx.int32),
                          mx.array([row.length + L for row in rows], dtype=mx.int32),
                          mx.array(slots, dtype=mx.int32), offset)
 
     def caches(self, step: PagedStep) -> list[PagedLayerCache]:
         return [PagedLayerCache(self, i, step) for i in range(len(self.storage.layers))]
 
-    def commit(self, step: PagedStep) -> None:
-        """The step's tokens are in the rows' blocks: advance the rows and key every block that became full."""
+    def commit(self, step: PagedStep, new_tokens: Sequence[Sequence[int]] | None = None) -> None:
+        """The step's K/V are in the rows' blocks: advance the rows (and note `new_tokens`, one list a row, if known)."""
+        for b, row in enumerate(step.rows):
+            row.length += step.queries
+            if new_tokens is not None:
+                self.note_tokens(row, new_tokens[b])
+
+    def note_tokens(self, row: PagedRow, tokens: Sequence[int]) -> None:
+        """The next ids of the row's positions are `tokens`: key every block now full of known tokens, so a later
+        row whose prompt starts with them references it (`join`)."""
+        row.tokens.extend(tokens)
         bs = self.block_size
-        for row, tokens in zip(step.rows, step.new_tokens):
-            row.tokens.extend(tokens)
-            parent = row.keys[-1] if row.keys else self.root
-            for index in range(len(row.keys), row.length // bs):
-                parent = block_key(parent, row.tokens[index * bs : (index + 1) * bs])
-                self.pool.register(row.blocks[index], parent)  # False: another block has it; ours stays unkeyed
-                row.keys.append(parent)
+        parent = row.keys[-1] if row.keys else self.root
+        for index in range(len(row.keys), min(row.length, len(row.tokens)) // bs):
+            parent = block_key(parent, row.tokens[index * bs : (index + 1) * bs])
+            self.pool.register(row.blocks[index], parent)  # False: another block has it; ours stays unkeyed
+            row.keys.append(parent)
 
     def forward(self, model: Any, rows: Sequence[PagedRow], new_tokens: Sequence[Sequence[int]]) -> mx.array:
         """The model's logits `[B, L, vocab]` for `new_tokens` after each row's KV, evaluated, the rows advanced."""
-        step = self.step(rows, new_tokens)
+        if len(rows) != len(new_tokens) or len({len(t) for t in new_tokens}) != 1:
+            raise ValueError("one list of new tokens a row, all of one length")
+        step = self.step(rows, len(new_tokens[0]))
         logits = model(mx.array([list(t) for t in new_tokens], dtype=mx.int32), cache=self.caches(step))
         mx.eval(logits, self.storage.keys, self.storage.values)
-        self.commit(step)
+        self.commit(step, new_tokens)
         return logits
 
     # -- accounting ---------------------------------------------------------------------------------
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
+
+    def bytes_held(self, rows: Sequence[PagedRow]) -> int:
+        """KV bytes `rows` hold: their distinct blocks (a shared block once) × block bytes."""
+        return len({b for row in rows for b in row.blocks}) * self.storage.bytes_per_block
 
     def bytes_in_use(self) -> int:
         """KV bytes the rows hold: blocks in use (each counted once, however many rows share it) × block bytes."""
