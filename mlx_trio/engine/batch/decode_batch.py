@@ -55,6 +55,14 @@ is not pipelined (its proposals need the previous tokens on the host); so
 when no row has a proposal, plain pipelined steps run for a while (1, 2, 4,
 ... up to `MAX_QUIET_STEPS`) before the next look.
 
+**Paged KV** (`paged=`, engine/kv/blocks/): the rows' full-attention KV lives
+in blocks of the model's pool, one block table a row; a join copies the
+joiner's own KV into fresh blocks, a leave releases the leaver's, and neither
+touches another row's KV; each step writes every row's new K/V into its last
+block and attends over its own blocks (no padding to the longest row, no
+slots, no solo phase). Not yet with speculation, quantized KV or adapter rows:
+the constructor refuses the first two, a join the third, each by name.
+
 Every method runs on the lease thread; none hands out a lazy array.
 """
 
@@ -75,6 +83,8 @@ from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, r
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_blocks, row_rollback, row_slots
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PagedRow
+from mlx_trio.engine.kv.blocks.pool import PoolExhausted
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.model.decode_forward import DecodeForward
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
@@ -153,8 +163,15 @@ class DecodeBatch:
 
     def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
                  speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, paged: PagedKV | None = None) -> None:
+        if paged is not None and speculation is not None:
+            raise ValueError("speculative decoding is not on the paged KV layout yet: run it without paged KV")
+        if paged is not None and kv_scheme.quantized:
+            raise ValueError("quantized KV (--kv-bits) is not on the paged KV layout yet: run it without paged KV")
         self._model = model
+        # Paged KV (see the module docstring): the pool, and each row's block table, aligned with _rows.
+        self._paged = paged
+        self._paged_rows: list[PagedRow] = []
         # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
         self._max_rows = max_rows
         self._slots_wanted = row_slots.wanted()
@@ -164,13 +181,14 @@ class DecodeBatch:
         # While _slots: (each slot's row, or the dummy row B; each row's slot) as index arrays for the forward.
         self._slot_take: tuple[mx.array, mx.array] | None = None
         # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
-        self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
+        self._compiled = (compiled_step.CompiledForward(model)
+                          if compiled_step.compile_wanted(compile_decode) and paged is None else None)
         # The default (None) compiles a lone row's steps only: over a batch the compiled forward attends the
         # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
         # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
         self._compile_batches = compile_decode is True
         # Else the step's forward with a third fewer graph nodes where the model allows (engine/model/decode_forward.py).
-        self._lean = DecodeForward.of(model)
+        self._lean = DecodeForward.of(model) if paged is None else None
         self._kv_scheme = kv_scheme
         # Speculation needs caches whose rows can drop a tail (full attention, bf16 or quantized); else none.
         self._speculator = (speculation.speculator() if speculation is not None
@@ -221,6 +239,8 @@ class DecodeBatch:
     def nbytes(self) -> int:
         """The rows' KV bytes, a draft model's included."""
         drafts = self._speculator.nbytes if self._speculator is not None else 0
+        if self._paged is not None:
+            return self._paged.bytes_held(self._paged_rows)
         return sum(c.nbytes for c in self._caches) + drafts
 
     @property
@@ -282,7 +302,11 @@ class DecodeBatch:
         block = self._block_of(rows)
         copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
         running_bytes = self.nbytes if self._rows else 0
-        if self._rows and not self._solo and self._slots_usable(rows):
+        if self._paged is not None:
+            with span(f"join.paged x{len(rows)}"):
+                self._join_paged(joiners)
+            copied = False
+        elif self._rows and not self._solo and self._slots_usable(rows):
             with span(f"join.slots x{len(rows)} block={block is not None}"):
                 copied = self._join_slots(rows, block)
         elif not self._rows and len(rows) == 1:
@@ -332,6 +356,24 @@ class DecodeBatch:
         if copied and running_bytes >= JOIN_CLEAR_MIN_BYTES:
             with span("join.clear_cache"):
                 mx.clear_cache()
+
+    def _join_paged(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
+        """Copy each joiner's own KV into fresh blocks (all or none: PoolExhausted leaves the batch unchanged)."""
+        assert self._paged is not None
+        if any(row.adapter is not None for row, _ in joiners):
+            raise ValueError("adapter (LoRA) rows are not on the paged KV layout yet")
+        adopted: list[PagedRow] = []
+        try:
+            for row, token0 in joiners:
+                paged_row = self._paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens])
+                self._paged.note_tokens(paged_row, [token0])  # the next input: its block is keyed once full
+                adopted.append(paged_row)
+        except PoolExhausted:
+            for paged_row in adopted:
+                self._paged.leave(paged_row)
+            raise
+        self._paged_rows += adopted
+        self._num_slots = len(self._paged_rows)
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
@@ -525,6 +567,8 @@ class DecodeBatch:
 
     def _forward_slots(self, inputs: mx.array) -> mx.array:
         """One step's logits `[slots, V]`: compiled where it covers the caches, else the lean or the model's own graph."""
+        if self._paged is not None:
+            return self._forward_paged(inputs)
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
         if (self._compiled is not None and (self._compile_batches or self._solo)
                 and compiled_step.covers(self._caches)):
@@ -534,6 +578,14 @@ class DecodeBatch:
         if self._lean is not None:
             return self._lean(inputs, self._caches)
         return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+
+    def _forward_paged(self, inputs: mx.array) -> mx.array:
+        """One step over the rows' block tables: each row's new K/V into its last block (allocated as needed)."""
+        assert self._paged is not None
+        step = self._paged.step(self._paged_rows, 1)
+        logits = self._model(inputs[:, None], cache=self._paged.caches(step))[:, -1, :]
+        self._paged.commit(step)
+        return logits
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
@@ -657,6 +709,9 @@ class DecodeBatch:
         tokens = self._inputs.tolist()
         self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
         self._sampler.accept(tokens)
+        if self._paged is not None:  # the next inputs: their ids key the rows' blocks once full
+            for paged_row, token in zip(self._paged_rows, tokens):
+                self._paged.note_tokens(paged_row, (token,))
         if self._speculator is not None:
             self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
@@ -689,8 +744,15 @@ class DecodeBatch:
             return
         if len(keep) == len(self._rows):
             return
-        copied = not self._solo
-        if not self._solo:
+        copied = not self._solo and self._paged is None
+        if self._paged is not None:  # the leavers' blocks go back; no other row's KV moves
+            kept_rows = set(keep)
+            for i, paged_row in enumerate(self._paged_rows):
+                if i not in kept_rows:
+                    self._paged.leave(paged_row)
+            self._paged_rows = [self._paged_rows[i] for i in keep]
+            self._num_slots = len(keep)
+        elif not self._solo:
             if len(keep) == 1 and batch_caches.can_extract(self._caches):
                 self._caches = [batch_caches.extract_layer(c, self._slot(keep[0])) for c in self._caches]
                 self._solo = True
@@ -721,6 +783,8 @@ class DecodeBatch:
             mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
     def _caches_state(self) -> list[Any]:
+        if self._paged is not None:
+            return [*self._paged.storage.keys, *self._paged.storage.values]
         return [c.state for c in self._caches]
 
     def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry | None:
@@ -735,7 +799,9 @@ class DecodeBatch:
         """
         index = self._index(request_id)
         num_fed = self._num_fed(self._rows[index])
-        if self._solo:
+        if self._paged is not None:
+            caches = self._paged.extract(self._paged_rows[index], num_fed)
+        elif self._solo:
             caches = list(self._caches)
         else:
             caches = [batch_caches.extract_layer(c, self._slot(index)) for c in self._caches]
@@ -750,6 +816,10 @@ class DecodeBatch:
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""
         self._rows = []
+        if self._paged is not None:
+            for paged_row in self._paged_rows:
+                self._paged.leave(paged_row)
+            self._paged_rows = []
         release_all(self._adapters)
         self._adapters = []
         self._selected = BASE_ROWS

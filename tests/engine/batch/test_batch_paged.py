@@ -1,0 +1,186 @@
+"""The decode batch on paged KV (`DecodeBatch(paged=...)`): the same tokens as today's padded layout and as each row
+alone, joins and leaves that move no other row's KV, the bytes of the tokens held, and the pool idle after.
+
+The rows prefill alone as today (SoloRow); a join copies the joiner's own KV into blocks. The padded layout's
+replay is the reference (it equals mlx-lm's own batch, tests/engine/batch/test_batch_dynamic.py); logits agree
+to float32 summation order (the paged attention sums over each row's own keys), tokens exactly.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm import load
+
+from mlx_trio.engine.attention import paged_layout, routed_attention
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.pool import PoolExhausted
+from mlx_trio.engine.kv.kv_scheme import KvScheme
+from mlx_trio.engine.speculative.speculator import SpeculationConfig
+from mlx_trio.params import SamplingParams
+from mlx_trio.testing import batch_reference as ref
+from mlx_trio.testing.tiny_models import LLAMA, QWEN3, tiny_model
+
+SPECS = {"llama": LLAMA, "qwen3": QWEN3}
+SCHEDULE = [(0, 60, 20), (1, 3, 15), (2, 150, 10), (4, 7, 12), (6, 33, 9), (9, 1, 14), (11, 90, 6), (12, 12, 18)]
+
+
+@cache
+def _model(name: str) -> Any:
+    model = load(str(tiny_model(SPECS[name])))[0]
+    routed_attention.install(model)  # route unset on the CPU: the padded path is mlx-lm's own attention
+    return model
+
+
+def _kv(name: str, block_size: int, num_blocks: int = 1024) -> PagedKV:
+    model = _model(name)
+    budget = num_blocks * paged_layout.BlockStorage.block_bytes(paged_layout.layer_shapes(model), block_size,
+                                                                 mx.float32)
+    return paged_layout.paged_kv_for(model, budget, f"tiny-{name}", block_size=block_size)
+
+
+def _arrivals(schedule: list[tuple[int, int, int]]) -> list[ref.Arrival]:
+    return [ref.Arrival(f"r{i}", at, tuple((11 * i + 5 * j + j * j) % 509 + 3 for j in range(n)),
+                        SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(schedule)]
+
+
+def _paged_engine(model: Any, kv: PagedKV) -> tuple[Any, DecodeBatch, ref.RecordingModel]:
+    make_row, _, recorder = ref.ours(model, prefill_step_size=8)
+    return make_row, DecodeBatch(recorder, paged=kv), recorder
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_batch_equals_the_padded_batch(name: str, block_size: int) -> None:
+    model = _model(name)
+    kv = _kv(name, block_size)
+    arrivals = _arrivals(SCHEDULE)
+    got = ref.run_schedule(_paged_engine(model, kv), arrivals, eos=(), max_batch=8)
+    want = ref.run_schedule(ref.ours(model, prefill_step_size=8), arrivals, eos=(), max_batch=8)
+    assert got.tokens == want.tokens
+    diffs = ref.logit_diffs(got, want)
+    assert diffs and max(diffs.values()) < 1e-4
+    assert got.final_nbytes == 0
+    kv.pool.check()
+    assert kv.pool.idle
+
+
+@settings(max_examples=8)
+@given(name=st.sampled_from(list(SPECS)), block_size=st.sampled_from([1, 4, 16]),
+       schedule=st.lists(st.tuples(st.integers(0, 8), st.integers(1, 50), st.integers(1, 10)), min_size=1,
+                         max_size=6))
+def test_paged_batch_joins_and_leaves_equal_the_padded_batch(name, block_size, schedule) -> None:
+    model = _model(name)
+    kv = _kv(name, block_size)
+    moved: list[str] = []
+
+    def no_kv_moved(_: int, batch: DecodeBatch) -> None:
+        """Every row's blocks are the ones it had, with the same content, whatever joined or left since."""
+        for rid, row in zip(batch.request_ids, batch._paged_rows):
+            blocks = list(row.blocks)
+            content = mx.stack([kv.storage.keys[0][mx.array(blocks)], kv.storage.values[-1][mx.array(blocks)]])
+            mx.eval(content)
+            seen = snapshots.get(rid)
+            if seen is not None:
+                old_blocks, old = seen
+                n = len(old_blocks) - 1  # the last block was still being written
+                if blocks[:n] != old_blocks[:n] or not mx.array_equal(content[:, :n], old[:, :n]).item():
+                    moved.append(rid)
+            snapshots[rid] = (blocks, content)
+
+    snapshots: dict[str, Any] = {}
+    arrivals = _arrivals(schedule)
+    got = ref.run_schedule(_paged_engine(model, kv), arrivals, eos=(), max_batch=4, on_step=no_kv_moved)
+    want = ref.run_schedule(ref.ours(model, prefill_step_size=8), arrivals, eos=(), max_batch=4)
+    assert got.tokens == want.tokens
+    assert not moved
+    kv.pool.check()
+    assert kv.pool.idle
+
+
+def test_paged_batch_holds_the_bytes_of_its_tokens_where_the_padded_one_holds_the_longest_row_times_b() -> None:
+    """One 300-token row beside 7 short rows: paged bytes are within one block a row of the tokens held."""
+    model = _model("llama")
+    kv = _kv("llama", 16)
+    bytes_per_token = kv.storage.bytes_per_block // 16
+    for paged in (kv, None):
+        batch = DecodeBatch(model, paged=paged)
+        lengths = [300] + [5] * 7
+        for i, n in enumerate(lengths):
+            row = SoloRow(model, f"r{i}", [(3 * i + j) % 500 + 3 for j in range(n)], SamplingParams(max_tokens=50))
+            while row.prefill_chunk():
+                pass
+            batch.join_many([(row, row.first_token())])
+        for _ in range(4):
+            batch.step_decoded()
+        batch.flush_decoded()
+        held = sum(batch.num_fed(rid) for rid in batch.request_ids) * bytes_per_token
+        if paged is not None:
+            assert held <= batch.nbytes <= held + len(lengths) * kv.storage.bytes_per_block
+        else:
+            assert batch.nbytes >= 2 * held  # padded to the longest row (the ratio the paged layout removes)
+        batch.close()
+    assert kv.pool.idle
+
+
+def test_a_cache_entry_from_a_paged_row_is_the_rows_kv() -> None:
+    model = _model("llama")
+    kv = _kv("llama", 4)
+    entries = {}
+    for paged in (kv, None):
+        batch = DecodeBatch(model, paged=paged)
+        for i, n in enumerate((9, 23)):
+            row = SoloRow(model, f"r{i}", [(5 * i + j) % 500 + 3 for j in range(n)], SamplingParams(max_tokens=50))
+            while row.prefill_chunk():
+                pass
+            batch.join_many([(row, row.first_token())])
+        decoded = [batch.step_decoded() for _ in range(3)]
+        batch.flush_decoded()
+        n_fed = batch.num_fed("r1")
+        entries[paged is None] = batch.cache_entry("r1", tuple(range(n_fed)))
+        batch.close()
+    paged_entry, padded_entry = entries[False], entries[True]
+    assert paged_entry is not None and padded_entry is not None
+    assert decoded is not None
+    for a, b in zip(paged_entry.caches, padded_entry.caches):  # same positions, same KV
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :], atol=1e-5).item()
+    assert kv.pool.idle
+
+
+def test_features_not_on_the_paged_layout_are_refused_by_name() -> None:
+    model = _model("llama")
+    kv = _kv("llama", 16)
+    with pytest.raises(ValueError, match="speculative"):
+        DecodeBatch(model, speculation=SpeculationConfig.prompt_lookup(2, 2), paged=kv)
+    with pytest.raises(ValueError, match="quantized KV"):
+        DecodeBatch(model, KvScheme(bits=8), paged=kv)
+
+
+def test_a_join_the_pool_cannot_hold_leaves_the_batch_unchanged() -> None:
+    model = _model("llama")
+    kv = _kv("llama", 4, num_blocks=5)
+    batch = DecodeBatch(model, paged=kv)
+    rows = []
+    for i, n in enumerate((10, 10)):  # 3 blocks each (4-token blocks): the second does not fit in the 2 left
+        row = SoloRow(model, f"r{i}", [(5 * i + j) % 500 + 3 for j in range(n)], SamplingParams(max_tokens=50))
+        while row.prefill_chunk():
+            pass
+        rows.append((row, row.first_token()))
+    batch.join_many([rows[0]])
+    batch.step_decoded()
+    batch.flush_decoded()
+    used = kv.stats().used
+    with pytest.raises(PoolExhausted):
+        batch.join_many([rows[1]])
+    assert batch.request_ids == ["r0"] and kv.stats().used == used
+    batch.close()
+    rows[1][0].close()
+    assert kv.pool.idle
