@@ -209,7 +209,7 @@ class RoutedAttention(nn.Module):
         A paged cache (engine/kv/blocks/paged_kv.py) holds the KV in its blocks, not in `keys`/`values`: its
         attention reads the rows' block tables (engine/attention/paged_attention.py), on every backend.
         """
-        if type(cache) is PagedLayerCache:
+        if isinstance(cache, PagedLayerCache):
             return paged_attention.attend(queries, cache, self.scale)
         if type(cache) is CohortKVCache:
             return unfused_attention(queries, keys, values, self.scale, mask)

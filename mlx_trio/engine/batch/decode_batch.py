@@ -358,21 +358,32 @@ class DecodeBatch:
                 mx.clear_cache()
 
     def _join_paged(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
-        """Copy each joiner's own KV into fresh blocks (all or none: PoolExhausted leaves the batch unchanged)."""
-        assert self._paged is not None
+        """Take each joiner's block table: as it is when it prefilled into this pool, else its own KV copied into
+        fresh blocks (all or none: PoolExhausted leaves the batch and the joiners unchanged)."""
+        paged = self._paged
+        assert paged is not None
         if any(row.adapter is not None for row, _ in joiners):
             raise ValueError("adapter (LoRA) rows are not on the paged KV layout yet")
-        adopted: list[PagedRow] = []
+        copies: dict[int, PagedRow] = {}
         try:
-            for row, token0 in joiners:
-                paged_row = self._paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens])
-                self._paged.note_tokens(paged_row, [token0])  # the next input: its block is keyed once full
-                adopted.append(paged_row)
+            for i, (row, _) in enumerate(joiners):
+                if row.paged_row is None or row.paged_kv is not paged:
+                    copies[i] = paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens])
         except PoolExhausted:
-            for paged_row in adopted:
-                self._paged.leave(paged_row)
+            for paged_row in copies.values():
+                paged.leave(paged_row)
             raise
-        self._paged_rows += adopted
+        for i, (row, token0) in enumerate(joiners):
+            paged_row = copies.get(i)
+            if paged_row is None:  # prefilled into our blocks: taken as it is
+                paged_row, row.paged_row = row.paged_row, None
+            elif row.paged_row is not None and row.paged_kv is not None:  # another pool's: released there
+                row.paged_kv.leave(row.paged_row)
+                row.paged_row = None
+            assert paged_row is not None
+            if len(paged_row.tokens) <= paged_row.length:
+                paged.note_tokens(paged_row, [token0])  # the next input: its block is keyed once full
+            self._paged_rows.append(paged_row)
         self._num_slots = len(self._paged_rows)
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:

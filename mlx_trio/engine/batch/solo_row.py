@@ -9,6 +9,11 @@ does it join the `DecodeBatch` (engine/batch/decode_batch.py), which takes its c
 sampler. Because solo state never sees a pad token, recurrent (SSM) layers
 need no padding mask when they later batch.
 
+With paged KV (`paged=`, engine/kv/blocks/) the row's caches are its block
+table's: its prompt first references the cached full blocks it starts with
+(another row's prefix, shared, not recomputed), only the rest is prefilled,
+into blocks of its own, and the decode batch takes the row without a copy.
+
 Every method runs on the lease thread.
 """
 
@@ -24,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PagedRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
@@ -60,6 +66,7 @@ class SoloRow:
         prefill_grid: int | None = 0,
         kv_scheme: KvScheme = KvScheme(),
         adapter: AdapterUse | None = None,
+        paged: PagedKV | None = None,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed). `snapshot_at`:
         # a prompt position where `snapshot()` should be taken (a message boundary).
@@ -75,6 +82,13 @@ class SoloRow:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
             raise ValueError("a cache hit must leave the last prompt token to compute")
+        if paged is not None and (hit is not None or snapshot_at is not None):
+            raise ValueError("a paged row's prompt cache is its shared blocks: no entry hit or snapshot")
+        if paged is not None and (kv_scheme.quantized or adapter is not None):
+            raise ValueError("quantized KV and adapter rows are not on the paged KV layout yet")
+        # Paged KV: the pool and the row's block table (None once the decode batch took it, or unpaged).
+        self.paged_kv = paged
+        self.paged_row: PagedRow | None = paged.join(prompt_ids) if paged is not None else None
         self.adapter = adapter
         self._model = adapted(model, adapter)
         self.request_id = request_id
@@ -85,6 +99,10 @@ class SoloRow:
         self._caches: list[Any] | None = (
             cache_clone.take(hit.caches, hit.trim) if hit is not None else make_prompt_cache(model)
         )
+        if paged is not None:
+            assert self.paged_row is not None
+            self.cached_tokens = self.paged_row.length  # its shared prefix blocks
+            self._caches = list(paged.row_caches(self.paged_row))
         matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
                                          prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
@@ -243,6 +261,10 @@ class SoloRow:
         """Drop the row's caches and its adapter's slot (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
         self.block = None
+        if self.paged_row is not None:
+            assert self.paged_kv is not None
+            self.paged_kv.leave(self.paged_row)
+            self.paged_row = None
         if self.adapter is not None:
             self.adapter.release()
             self.adapter = None

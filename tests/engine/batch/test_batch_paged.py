@@ -184,3 +184,77 @@ def test_a_join_the_pool_cannot_hold_leaves_the_batch_unchanged() -> None:
     batch.close()
     rows[1][0].close()
     assert kv.pool.idle
+
+
+def _paged_rows_engine(model: Any, kv: PagedKV, made: list[SoloRow]) -> tuple[Any, DecodeBatch, ref.RecordingModel]:
+    """SoloRows that prefill into the pool (sharing cached prefix blocks) and a paged batch that takes them as they are."""
+    recorder = ref.RecordingModel(model)
+
+    def make_row(a: ref.Arrival) -> SoloRow:
+        row = SoloRow(recorder, a.request_id, a.prompt_ids, a.params, prefill_step_size=8, paged=kv)
+        made.append(row)
+        return row
+    return make_row, DecodeBatch(recorder, paged=kv), recorder
+
+
+@settings(max_examples=8)
+@given(name=st.sampled_from(list(SPECS)), block_size=st.sampled_from([1, 4, 16]), prefix=st.integers(0, 70),
+       tails=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 8)), min_size=1, max_size=6))
+def test_rows_prefilled_into_the_pool_share_prefixes_and_equal_the_padded_batch(name, block_size, prefix,
+                                                                                tails) -> None:
+    """Rows with a common prefix prefill only what the pool does not hold yet, join without a copy, and
+    generate exactly the tokens of the same schedule on today's layout."""
+    model = _model(name)
+    kv = _kv(name, block_size)
+    common = tuple((7 * j + 1) % 509 + 3 for j in range(prefix))
+    arrivals = [ref.Arrival(f"r{i}", at, common + tuple((11 * i + 5 * j + j * j) % 509 + 3 for j in range(n)),
+                            SamplingParams(max_tokens=m)) for i, (at, n, m) in enumerate(tails)]
+    made: list[SoloRow] = []
+    got = ref.run_schedule(_paged_rows_engine(model, kv, made), arrivals, eos=(), max_batch=4)
+    want = ref.run_schedule(ref.ours(model, prefill_step_size=8), arrivals, eos=(), max_batch=4)
+    assert got.tokens == want.tokens
+    assert made[0].cached_tokens == 0
+    shared = prefix // block_size * block_size
+    assert all(row.cached_tokens >= min(shared, len(row.prompt_ids) - 1) // block_size * block_size
+               for row in made[1:])
+    kv.pool.check()
+    assert kv.pool.idle
+
+
+def test_a_row_prefilled_into_the_pool_joins_without_a_copy() -> None:
+    model = _model("llama")
+    kv = _kv("llama", 4)
+    batch = DecodeBatch(model, paged=kv)
+    row = SoloRow(model, "r0", list(range(3, 30)), SamplingParams(max_tokens=50), paged=kv)
+    while row.prefill_chunk():
+        pass
+    token0 = row.first_token()
+    blocks = list(row.paged_row.blocks)
+    used = kv.stats().used
+    batch.join_many([(row, token0)])
+    assert batch._paged_rows[0].blocks == blocks and kv.stats().used == used  # the same blocks, none new
+    row.close()  # the batch owns the blocks now: closing the solo row releases nothing
+    assert kv.stats().used == used
+    batch.close()
+    assert kv.pool.idle
+
+
+def test_eight_siblings_prefill_the_shared_prefix_once() -> None:
+    """The issue's CPU measure at small scale: 8 rows, a 200-token shared prefix, distinct 16-token tails, arriving
+    one after another: the prefill computes the prefix once (each later row only its tail and the partial block)."""
+    model = _model("llama")
+    kv = _kv("llama", 16)
+    common = [(7 * j + 1) % 509 + 3 for j in range(200)]
+    rows = []
+    for i in range(8):
+        row = SoloRow(model, f"r{i}", common + [(11 * i + j) % 509 + 3 for j in range(16)], SamplingParams(), paged=kv)
+        while row.prefill_chunk():
+            pass
+        row.first_token()
+        rows.append(row)
+    computed = sum(len(row.prompt_ids) - row.cached_tokens for row in rows)
+    assert computed == 216 + 7 * (216 - 192)  # 192 = the 12 full blocks of the prefix
+    assert kv.stats().shared == 12
+    for row in rows:
+        row.close()
+    assert kv.pool.idle

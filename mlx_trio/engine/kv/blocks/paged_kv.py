@@ -19,6 +19,12 @@ routed_attention.py) recognises the cache and attends over the row's blocks
 advances the rows and keys every block that became full, so a later row whose
 prompt starts with the same tokens references it (`join`).
 
+A lone row's prefill can also run through mlx-lm's ordinary per-layer cache
+protocol: `row_caches(row)` are `PagedRowCache`s whose first layer's
+`update_and_fetch` builds the step for however many tokens came and whose last
+layer's commits it, so any code that calls `model(tokens, cache=caches)`
+(engine/batch/chunked_prefill.py) prefills into blocks unchanged.
+
 A row's prefix match leaves at least its last prompt token to prefill (the
 forward that computes the first logits needs one), and only full blocks are
 shared, so a row never writes into a block another row reads.
@@ -42,8 +48,9 @@ from mlx_trio.engine.kv.blocks.storage import BlockStorage
 @attrs.define(eq=False)
 class PagedRow:
     """One sequence's KV: `blocks` hold the KV of its first `length` positions (position `p` in block
-    `p // block_size`); `tokens` are the ids of those positions known on the host so far (a decode batch
-    learns a step's token after queueing the next step, so they may lag `length`, or run one ahead)."""
+    `p // block_size`); `tokens` are the ids of its positions known on the host so far, from the start (a
+    prompt is known before it is prefilled; a decode batch learns a step's token after queueing the next
+    step): they may run ahead of `length` or lag it, and a block is keyed once both cover it."""
 
     tokens: list[int] = attrs.field(factory=list)
     blocks: list[int] = attrs.field(factory=list)
@@ -97,6 +104,62 @@ class PagedLayerCache:
         return self.kv.storage.values[self.layer]
 
 
+class _RowForward:
+    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers."""
+
+    __slots__ = ("kv", "row", "step")
+
+    def __init__(self, kv: PagedKV, row: PagedRow) -> None:
+        self.kv, self.row = kv, row
+        self.step: PagedStep | None = None
+
+
+class PagedRowCache(PagedLayerCache):
+    """Layer `layer` of one row, for code that calls the model with per-layer caches (prefill chunks, token 0).
+
+    The first layer's `update_and_fetch` allocates the forward's blocks and builds its step; the last one's
+    advances the row (its attention still reads the step). Its offset is the row's length, an int, as
+    mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
+    """
+
+    def __init__(self, kv: PagedKV, layer: int, forward: _RowForward) -> None:
+        self.kv, self.layer, self._forward = kv, layer, forward
+
+    @property  # type: ignore[override]
+    def step(self) -> PagedStep:
+        assert self._forward.step is not None, "a row cache is read before its forward wrote it"
+        return self._forward.step
+
+    @property
+    def offset(self) -> int:
+        return self._forward.row.length
+
+    @property
+    def row(self) -> PagedRow:
+        return self._forward.row
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        forward = self._forward
+        if self.layer == 0:
+            forward.step = self.kv.step([forward.row], keys.shape[2])
+        out = super().update_and_fetch(keys, values)
+        if self.layer == len(self.kv.storage.layers) - 1:
+            self.kv.commit(self.step)
+        return out
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The layer's block arrays: what to evaluate after a forward (mlx-lm evaluates `cache.state`)."""
+        return self.block_keys, self.block_values
+
+    @property
+    def nbytes(self) -> int:
+        """This layer's share of the row's blocks."""
+        shape = self.kv.storage.layers[self.layer]
+        return (2 * len(self.row.blocks) * self.kv.block_size * shape.kv_heads * shape.head_dim
+                * self.kv.storage.dtype.size)
+
+
 class PagedKV:
     """A model's paged KV: blocks, their arrays and the chain root (model identity + adapter revision)."""
 
@@ -116,7 +179,7 @@ class PagedKV:
         for block in blocks:
             self.pool.retain(block)
         cached = len(blocks) * self.block_size
-        return PagedRow(list(prompt[:cached]), blocks, keys[: len(blocks)], cached, cached)
+        return PagedRow(list(prompt), blocks, keys[: len(blocks)], cached, cached)
 
     def adopt(self, caches: Sequence[Any], tokens: Sequence[int]) -> PagedRow:
         """A new row holding a prefilled row's KV (mlx-lm `KVCache`s, one a full-attention layer, `tokens` in them),
@@ -184,12 +247,19 @@ class PagedKV:
     def caches(self, step: PagedStep) -> list[PagedLayerCache]:
         return [PagedLayerCache(self, i, step) for i in range(len(self.storage.layers))]
 
+    def row_caches(self, row: PagedRow) -> list[PagedRowCache]:
+        """One row's caches for mlx-lm's per-layer protocol (see the module docstring); one forward at a time."""
+        forward = _RowForward(self, row)
+        return [PagedRowCache(self, i, forward) for i in range(len(self.storage.layers))]
+
     def commit(self, step: PagedStep, new_tokens: Sequence[Sequence[int]] | None = None) -> None:
         """The step's K/V are in the rows' blocks: advance the rows (and note `new_tokens`, one list a row, if known)."""
         for b, row in enumerate(step.rows):
+            start = row.length
             row.length += step.queries
-            if new_tokens is not None:
-                self.note_tokens(row, new_tokens[b])
+            if new_tokens is not None and start <= len(row.tokens) < row.length:
+                row.tokens.extend(new_tokens[b][len(row.tokens) - start :])
+            self.note_tokens(row, ())
 
     def note_tokens(self, row: PagedRow, tokens: Sequence[int]) -> None:
         """The next ids of the row's positions are `tokens`: key every block now full of known tokens, so a later
