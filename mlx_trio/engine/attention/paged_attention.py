@@ -24,6 +24,14 @@ from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
 
 def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
-    """The attention of `queries` `[B, H, L, D]` over `cache`'s rows' blocks (its step's tables and lengths)."""
+    """The attention of `queries` `[B, H, L, D]` over `cache`'s rows' blocks (its step's tables and lengths).
+
+    Group by group (rows of similar table widths: `PagedStep.groups`), so the reference's gather pads a
+    row at most to about twice its own blocks, never to the longest row of the batch.
+    """
     step = cache.step
-    return reference_paged_attention(queries, cache.block_keys, cache.block_values, step.tables, step.lengths, scale)
+    keys, values = cache.block_keys, cache.block_values
+    outs = [reference_paged_attention(queries if g.index is None else queries[g.index], keys, values, g.tables,
+                                      g.lengths, scale) for g in step.groups]
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out if step.restore is None else out[step.restore]

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_trio.engine.kv.blocks.chain import block_key, chain_keys, root_key
+from mlx_trio.engine.kv.blocks.paged_kv import GROUP_WIDTH_RATIO, width_groups
 from mlx_trio.engine.kv.blocks.pool import BlockPool, PoolExhausted
 
 ROOT = root_key("tiny", "")
@@ -106,3 +107,15 @@ def test_chain_keys_name_the_whole_prefix_model_and_adapter() -> None:
     assert chain_keys(ROOT, [99] + tokens[1:], 8)[4] != keys[4]  # an earlier token changes every later key
     assert chain_keys(root_key("tiny", "lora-1"), tokens, 8)[0] != keys[0]
     assert chain_keys(root_key("other", ""), tokens, 8)[0] != keys[0]
+
+
+@given(widths=st.lists(st.integers(1, 5000), min_size=1, max_size=64))
+def test_width_groups_gather_at_most_twice_the_blocks_the_rows_hold(widths: list[int]) -> None:
+    """The reference attention gathers each group at its widest row: never the batch's longest row for all."""
+    groups = width_groups(widths)
+    assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+    gathered = sum(len(g) * max(widths[i] for i in g) for g in groups)
+    assert gathered <= GROUP_WIDTH_RATIO * sum(widths)
+    assert len(groups) <= 1 + max(widths).bit_length()  # a handful of groups, not one a row
+    if len(set(widths)) == 1:
+        assert len(groups) == 1
