@@ -60,8 +60,9 @@ in blocks of the model's pool, one block table a row; a join copies the
 joiner's own KV into fresh blocks, a leave releases the leaver's, and neither
 touches another row's KV; each step writes every row's new K/V into its last
 block and attends over its own blocks (no padding to the longest row, no
-slots, no solo phase). Not yet with speculation, quantized KV or adapter rows:
-the constructor refuses the first two, a join the third, each by name.
+slots, no solo phase); a speculative step's rejected tail is truncated off each
+row's blocks (`PagedKV.truncate`). Not yet with quantized KV or adapter rows: the
+constructor refuses the first, a join the second, each by name.
 
 Every method runs on the lease thread; none hands out a lazy array.
 """
@@ -164,8 +165,6 @@ class DecodeBatch:
     def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
                  speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False,
                  max_rows: int | None = None, paged: PagedKV | None = None) -> None:
-        if paged is not None and speculation is not None:
-            raise ValueError("speculative decoding is not on the paged KV layout yet: run it without paged KV")
         if paged is not None and kv_scheme.quantized:
             raise ValueError("quantized KV (--kv-bits) is not on the paged KV layout yet: run it without paged KV")
         self._model = model
@@ -240,7 +239,7 @@ class DecodeBatch:
         """The rows' KV bytes, a draft model's included."""
         drafts = self._speculator.nbytes if self._speculator is not None else 0
         if self._paged is not None:
-            return self._paged.bytes_held(self._paged_rows)
+            return self._paged.bytes_held(self._paged_rows) + drafts
         return sum(c.nbytes for c in self._caches) + drafts
 
     @property
@@ -655,8 +654,9 @@ class DecodeBatch:
         self._quiet_wait = 0
         assert self._inputs is not None
         inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
+        paged_step = self._paged.step(self._paged_rows, inputs.shape[1]) if self._paged is not None else None
         with self._selected.applied():  # the target verifies with each row's adapter (the draft proposes without)
-            logits = self._model(inputs, cache=self._caches)
+            logits = self._model(inputs, cache=self._caches if paged_step is None else self._paged.caches(paged_step))
         # Each position is sampled as the plain step at that point would be (its input joins the
         # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
         width = inputs.shape[1]
@@ -676,7 +676,14 @@ class DecodeBatch:
         self._sampler.rewind(checkpoints, accepted)
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         self._sampler.accept_runs(emitted)
-        row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        if self._paged is not None:
+            assert paged_step is not None
+            self._paged.commit(paged_step)
+            for paged_row, a, tokens in zip(self._paged_rows, accepted, emitted):
+                self._paged.truncate(paged_row, width - 1 - a)
+                self._paged.note_tokens(paged_row, tokens)  # the accepted proposals, then the next input
+        else:
+            row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
         self._fed_steps += 1
         for row, a in zip(self._rows, accepted):
             row.fed_offset += a

@@ -158,10 +158,13 @@ def test_a_cache_entry_from_a_paged_row_is_the_rows_kv() -> None:
 def test_features_not_on_the_paged_layout_are_refused_by_name() -> None:
     model = _model("llama")
     kv = _kv("llama", 16)
-    with pytest.raises(ValueError, match="speculative"):
-        DecodeBatch(model, speculation=SpeculationConfig.prompt_lookup(2, 2), paged=kv)
     with pytest.raises(ValueError, match="quantized KV"):
         DecodeBatch(model, KvScheme(bits=8), paged=kv)
+    with pytest.raises(ValueError, match="quantized KV"):
+        SoloRow(model, "r", [3, 4, 5], SamplingParams(), kv_scheme=KvScheme(bits=8), paged=kv)
+    with pytest.raises(ValueError, match="snapshot"):
+        SoloRow(model, "r", [3, 4, 5], SamplingParams(), snapshot_at=2, paged=kv)
+    assert kv.pool.idle
 
 
 def test_a_join_the_pool_cannot_hold_leaves_the_batch_unchanged() -> None:
@@ -257,4 +260,49 @@ def test_eight_siblings_prefill_the_shared_prefix_once() -> None:
     assert kv.stats().shared == 12
     for row in rows:
         row.close()
+    assert kv.pool.idle
+
+
+def test_speculative_steps_on_paged_kv_keep_every_rows_tokens_and_kv() -> None:
+    """Random proposals (accepted, rejected, none) over joins and leaves: each row's rejected tail is truncated
+    off its blocks, and tokens and KV equal the plain run on today's layout; prompt lookup too."""
+    from tests.engine.batch.batch_driver import run_schedule
+    from tests.engine.speculative.test_verification import SCHEDULE as SPEC_SCHEDULE
+    from tests.engine.speculative.test_verification import _arrivals as spec_arrivals
+    from tests.engine.speculative.test_verification import _assert_same_kv, _oracle, _tokens
+
+    model = _model("llama")
+    arrivals = spec_arrivals(SPEC_SCHEDULE)
+    plain_kv: dict[str, Any] = {}
+    plain = run_schedule(model, arrivals, eos=(), entries=plain_kv)
+    for block_size, speculation in ((4, _oracle(plain, arrivals, 0)), (1, _oracle(plain, arrivals, 1)),
+                                    (16, SpeculationConfig.prompt_lookup(3, 3))):
+        kv = _kv("llama", block_size)
+        entries: dict[str, Any] = {}
+        got = run_schedule(model, arrivals, eos=(), speculation=speculation, entries=entries, paged=kv)
+        assert _tokens(got) == _tokens(plain)
+        _assert_same_kv(entries, plain_kv)
+        kv.pool.check()
+        assert kv.pool.idle
+
+
+def test_truncating_into_a_shared_block_copies_it_first() -> None:
+    """A row rolled back into a block another row reads gets its own copy; the reader's KV is untouched."""
+    model = _model("llama")
+    kv = _kv("llama", 4)
+    prompt = tuple(range(3, 14))  # 11 tokens: blocks of 4, 4, 3
+    a = kv.join(prompt)
+    kv.forward(model, [a], [prompt])
+    b = kv.join(prompt + (20, 21))  # shares a's two full blocks
+    assert b.blocks == a.blocks[:2] and b.length == 8
+    before = mx.array(kv.storage.keys[0][mx.array(a.blocks[:2])])
+    mx.eval(before)
+    kv.truncate(b, 2)  # into the second shared block
+    assert b.length == 6 and b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
+    assert mx.array_equal(kv.storage.keys[0][b.blocks[1], :2], kv.storage.keys[0][a.blocks[1], :2]).item()
+    kv.forward(model, [b], [(30, 31, 32)])  # b writes its own block; a's stays as it was
+    assert mx.array_equal(kv.storage.keys[0][mx.array(a.blocks[:2])], before).item()
+    kv.leave(a)
+    kv.leave(b)
+    kv.pool.check()
     assert kv.pool.idle

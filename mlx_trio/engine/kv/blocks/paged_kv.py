@@ -290,6 +290,39 @@ class PagedKV:
             self.pool.release(row.blocks)
             row.blocks = []
 
+    def truncate(self, row: PagedRow, n: int) -> None:
+        """Drop the row's last `n` positions (a speculative step's rejected tail); blocks past its new length go
+        back. The row writes into its now-partial last block next, so that block must be its own: a keyed one
+        only it holds loses its key (the KV will no longer be what the key names), and one another row reads
+        is first copied to a fresh block (PoolExhausted, and nothing changed, if none is free)."""
+        if n <= 0:
+            return
+        if n > row.length:
+            raise ValueError(f"cannot drop {n} positions of a row holding {row.length}")
+        bs = self.block_size
+        length = row.length - n
+        keep = -(-length // bs)
+        last = row.blocks[keep - 1] if length % bs else None
+        copy = last is not None and self.pool.refs(last) > 1
+        if copy and not self.pool.available():
+            raise PoolExhausted("a shared block must be copied to roll a row back, and no block is free")
+        row.length = length
+        del row.tokens[length:]
+        del row.keys[length // bs :]
+        self.pool.release(row.blocks[keep:])
+        del row.blocks[keep:]
+        if copy:
+            assert last is not None
+            (new,) = self.pool.allocate(1)
+            for arrays in (self.storage.keys, self.storage.values):
+                for blocks in arrays:
+                    blocks[new] = blocks[last]  # in place: the list's array becomes the copy's result
+            self.pool.release([last])
+            row.blocks[-1] = new
+        elif last is not None:
+            self.pool.unregister(last)
+        row._mirrored = min(row._mirrored, max(0, len(row.blocks) - 1))
+
     # -- a forward ----------------------------------------------------------------------------------
 
     def step(self, rows: Sequence[PagedRow], queries: int) -> PagedStep:

@@ -124,6 +124,14 @@ class BlockPool:
         self._block_of[key] = block
         return True
 
+    def unregister(self, block: int) -> None:
+        """Forget a used block's key (its row is about to write into it); a no-op for an unkeyed block."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not in use: a cached block keeps its key until evicted")
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
     def lookup(self, keys: Sequence[Key]) -> list[int]:
         """The blocks of the longest run of `keys`, from the first, that are keyed (used or cached); none retained."""
         out = []
