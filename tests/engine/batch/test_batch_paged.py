@@ -306,3 +306,38 @@ def test_truncating_into_a_shared_block_copies_it_first() -> None:
     kv.leave(b)
     kv.pool.check()
     assert kv.pool.idle
+
+
+def test_grammar_logprob_and_sampled_rows_on_paged_kv_equal_todays_layout() -> None:
+    """Constrained (JSON schema), seeded, penalised and logprob rows joining and leaving: the same tokens and
+    logprobs on paged KV as on today's layout (sampling sees only logits; the layout only where KV lives)."""
+    import json
+
+    from mlx_trio.engine.sampling.grammar import build_grammar_tokenizer
+    from mlx_trio.params import Constraint
+    from tests.engine.batch.batch_driver import Arrival, run_schedule
+
+    model, tokenizer = load(str(tiny_model(LLAMA)))
+    routed_attention.install(model)
+    grammar = build_grammar_tokenizer(tokenizer, tokenizer.eos_token_ids)
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 30}},
+              "required": ["id"], "additionalProperties": False}
+    options = [dict(max_tokens=24, constraint=Constraint("json_schema", json.dumps(schema))),
+               dict(max_tokens=14, temperature=0.8, top_p=0.9, seed=5, logprobs=True, top_logprobs=2),
+               dict(max_tokens=12, repetition_penalty=1.3, logit_bias=((7, 2.0),)),
+               dict(max_tokens=10, temperature=1.1, seed=9, top_k=20, presence_penalty=0.4)]
+    arrivals = [Arrival(f"r{i}", 2 * i, tuple((13 * i + 7 * j + j * j) % 500 + 3 for j in range(5 + 6 * i)),
+                        SamplingParams(**o)) for i, o in enumerate(options)]
+    eos = set(tokenizer.eos_token_ids)
+    want = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar)
+    kv = paged_layout.paged_kv_for(model, 1 << 22, "tiny-llama", block_size=4)
+    got = run_schedule(model, arrivals, eos=eos, grammar_tokenizer=grammar, paged=kv)
+    for a in arrivals:
+        g, w = got[a.request_id], want[a.request_id]
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason, a.request_id
+        for gl, wl in zip(g.logprobs, w.logprobs):
+            assert (gl is None) == (wl is None)
+            if gl is not None:
+                assert gl.top[0][0] == wl.top[0][0] and abs(gl.logprob - wl.logprob) < 1e-4
+    assert got["r0"].finish_reason == "stop"
+    assert kv.pool.idle
