@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--quantized-kv-start", type=non_negative_int, default=_ENGINE.quantized_kv_start.default,
         help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
              "chunk, as mlx-lm (default: %(default)s)")
+    arg("--paged-kv", action="store_true",
+        help="hold full-attention KV in fixed-size blocks of one pool the size of --kv-budget, allocated at "
+             "start: a row holds the blocks of its own tokens (no padding to the longest row), and rows share "
+             "the cached blocks of a common prompt prefix, which replace the prompt cache (llama-family models "
+             "without sliding windows; not with --kv-bits or adapters; default: off)")
     arg("--no-compile", action="store_true",
         help="run every decode step's forward uncompiled, as before compiled steps (so does the environment "
              "variable MLX_TRIO_NO_COMPILE=1; default: a lone row's steps compiled on the CPU where the model's caches "
@@ -228,7 +233,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
                           lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           enable_lora_admin=args.enable_lora_admin,
                           collective_timeout_s=args.collective_timeout,
-                          compile_decode=False if args.no_compile else None)
+                          compile_decode=False if args.no_compile else None, paged_kv=args.paged_kv)
     origins = [o for item in args.allowed_origins for o in item.split(",")]
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None, allowed_origins=origins,
                           max_body_bytes=args.max_body_bytes, chat_template_args=args.chat_template_args,

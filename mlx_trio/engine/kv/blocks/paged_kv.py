@@ -238,6 +238,7 @@ class PagedKV:
         self.block_size = storage.block_size
         self.pool = BlockPool(storage.num_blocks)
         self.root = root_key(model_identity, adapter_revision)
+        self.reused_tokens = 0  # prompt tokens rows found in cached blocks (not prefilled), since load
 
     # -- rows ---------------------------------------------------------------------------------------
 
@@ -249,6 +250,7 @@ class PagedKV:
         for block in blocks:
             self.pool.retain(block)
         cached = len(blocks) * self.block_size
+        self.reused_tokens += cached
         return PagedRow(list(prompt), blocks, keys[: len(blocks)], cached, cached)
 
     def adopt(self, caches: Sequence[Any], tokens: Sequence[int]) -> PagedRow:
@@ -389,6 +391,21 @@ class PagedKV:
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
+
+    def row_bytes(self, num_tokens: int) -> int:
+        """Bytes of the blocks a row of `num_tokens` positions holds at most (admission's projection)."""
+        return -(-num_tokens // self.block_size) * self.storage.bytes_per_block
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.storage.num_blocks * self.storage.bytes_per_block
+
+    def counters(self) -> dict[str, int]:
+        """What `/stats` shows of the pool: block counts, their size, and the prompt tokens reused."""
+        stats = self.pool.stats()
+        return {"total": stats.total, "used": stats.used, "shared": stats.shared, "cached": stats.cached,
+                "free": stats.free, "block_size": self.block_size, "block_bytes": self.storage.bytes_per_block,
+                "prefix_tokens_reused": self.reused_tokens}
 
     def bytes_held(self, rows: Sequence[PagedRow]) -> int:
         """KV bytes `rows` hold: their distinct blocks (a shared block once) × block bytes."""
