@@ -23,6 +23,12 @@ import mlx.core as mx
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
 
+# The most transient bytes one reference call may build (float32 gathered K and V, and the scores): a group
+# that would build more is attended in pieces of rows, and a long prefill chunk in pieces of queries, so a
+# step's transient stays bounded however large the pool and the rows grow.
+TRANSIENT_BYTES = 256 << 20
+
+
 def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
     """The attention of `queries` `[B, H, L, D]` over `cache`'s rows' blocks (its step's tables and lengths).
 
@@ -31,7 +37,31 @@ def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
     """
     step = cache.step
     keys, values = cache.block_keys, cache.block_values
-    outs = [reference_paged_attention(queries if g.index is None else queries[g.index], keys, values, g.tables,
-                                      g.lengths, scale) for g in step.groups]
+    outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale)
+            for g in step.groups]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if step.restore is None else out[step.restore]
+
+
+def bounded(queries: mx.array, block_keys: mx.array, block_values: mx.array, tables: mx.array, lengths: mx.array,
+            scale: float, limit: int = TRANSIENT_BYTES) -> mx.array:
+    """`reference_paged_attention`, in pieces of rows (and of queries) that each build at most about `limit` bytes."""
+    G, H, L, D = queries.shape
+    keys_per_row = tables.shape[1] * block_keys.shape[1]
+    gathered = 4 * keys_per_row * 2 * block_keys.shape[2] * D  # float32 K and V of one row
+    scores = 4 * keys_per_row * H  # one query's scores
+    rows = max(1, limit // (gathered + scores * L))
+    if rows >= G:
+        return reference_paged_attention(queries, block_keys, block_values, tables, lengths, scale)
+    if rows > 1 or L == 1:
+        return mx.concatenate([
+            reference_paged_attention(queries[r : r + rows], block_keys, block_values, tables[r : r + rows],
+                                      lengths[r : r + rows], scale) for r in range(0, G, rows)], axis=0)
+    # One row's whole chunk is too much: its queries in pieces, each attending causally up to its own end.
+    per = max(1, (limit - gathered) // scores)
+    return mx.concatenate([
+        mx.concatenate([
+            reference_paged_attention(queries[r : r + 1, :, q : q + per], block_keys, block_values,
+                                      tables[r : r + 1], lengths[r : r + 1] - (L - min(L, q + per)), scale)
+            for q in range(0, L, per)], axis=2)
+        for r in range(G)], axis=0)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from mlx_trio.engine.attention.paged_attention import bounded
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
 
@@ -65,3 +66,15 @@ def test_keys_past_a_rows_length_are_never_read() -> None:
             k[t[b, p // 8], p % 8] = 1e30
     got = reference_paged_attention(q, mx.array(k), mx.array(v), table, lengths, 0.3)
     assert mx.array_equal(got, want).item()
+
+
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=5), L=st.integers(1, 9),
+       block_size=st.sampled_from([1, 4, 16]), limit=st.sampled_from([1, 4000, 20000, 1 << 30]),
+       seed=st.integers(0, 2**31))
+def test_bounded_pieces_equal_one_call(lengths, L, block_size, limit, seed) -> None:
+    """Rows and queries attended in pieces under a transient limit give what one call gives."""
+    lengths = [max(n, L) for n in lengths]
+    q, pool_k, pool_v, table, _ = _case(lengths, L, block_size, 4, 2, seed)
+    want = reference_paged_attention(q, pool_k, pool_v, table, mx.array(lengths), 0.3)
+    got = bounded(q, pool_k, pool_v, table, mx.array(lengths), 0.3, limit=limit)
+    assert mx.allclose(got, want, atol=1e-6, rtol=1e-6).item()
