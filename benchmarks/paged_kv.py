@@ -6,9 +6,10 @@ Usage:
 
 Parts (`--parts`, default all):
 
-* ``siblings``  8 rows sharing a `--prefix` (2,000) token prefix with distinct 64-token tails, arriving one
-  after another (each prefills, samples token 0 and joins before the next starts: what a scheduler that
-  makes siblings wait for the first one's blocks gives): prompt tokens computed, paged vs today's layout.
+* ``siblings``  8 rows sharing a `--prefix` (2,000) token prefix with distinct 64-token tails: prompt tokens
+  computed, paged vs today's layout, with the rows arriving one after another (each prefills, samples token 0
+  and joins before the next starts) and all at once (their 256-token chunks interleaved, as the prefill actor
+  runs concurrent prompts: each chunk first takes the blocks the others cached meanwhile).
 * ``memory``    one `--long` (3,000) token row decoding beside 15 rows of 100 tokens (`--batch 16`): KV bytes
   the batch holds (`DecodeBatch.nbytes`, what `/stats` `batch.kv_bytes` reports) over the bytes of the tokens
   it holds, paged vs today's padded layout.
@@ -54,18 +55,29 @@ def _row(model: Any, rid: str, prompt: list[int], kv: PagedKV | None) -> tuple[S
 
 def siblings(model: Any, vocab: int, prefix: int, block_size: int) -> None:
     common = _prompt(999, prefix, vocab)
-    for paged in (True, False):
-        kv = _kv(model, 4 * (prefix + 8 * 64) // block_size + 64, block_size) if paged else None
+    prompts = [common + _prompt(i, 64, vocab) for i in range(8)]
+    for mode in ("paged-after", "paged-together", "padded"):
+        kv = _kv(model, 4 * (prefix + 8 * 64) // block_size + 64, block_size) if mode != "padded" else None
         batch = DecodeBatch(model, paged=kv)
-        computed, start = 0, time.perf_counter()
-        for i in range(8):
-            row, token0 = _row(model, f"s{i}", common + _prompt(i, 64, vocab), kv)
-            computed += len(row.prompt_ids) - row.cached_tokens
-            batch.join_many([(row, token0)])
+        start = time.perf_counter()
+        if mode == "paged-together":  # all start at once; chunks interleaved as the prefill actor runs them
+            rows = [SoloRow(model, f"s{i}", p, SamplingParams(max_tokens=1 << 20), paged=kv)
+                    for i, p in enumerate(prompts)]
+            while any(row.prefill_remaining for row in rows):
+                for row in rows:
+                    if row.prefill_remaining:
+                        row.prefill_chunk(256)
+            joined = [(row, row.first_token()) for row in rows]
+        else:  # one after another: each prefills and joins before the next starts
+            joined = []
+            for i, p in enumerate(prompts):
+                joined.append(_row(model, f"s{i}", p, kv))
+        computed = sum(len(row.prompt_ids) - row.cached_tokens for row, _ in joined)
+        batch.join_many(joined)
         seconds = time.perf_counter() - start
         batch.close()
-        print(f"siblings {'paged ' if paged else 'padded'}: prompt tokens computed {computed} "
-              f"(of {8 * (prefix + 64)}; the target is at most {1.3 * (prefix + 8 * 64):.0f}), {seconds:.2f} s")
+        print(f"siblings {mode:14s}: prompt tokens computed {computed} of {8 * (prefix + 64)} "
+              f"(target: at most {1.3 * (prefix + 8 * 64):.0f}), {seconds:.2f} s")
 
 
 def memory(model: Any, vocab: int, long: int, batch_size: int, block_size: int) -> None:

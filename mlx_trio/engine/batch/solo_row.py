@@ -197,8 +197,25 @@ class SoloRow:
         prompt token is never prefilled here: it is `first_token()`'s input.
         `evaluate=False` only launches the chunk (`ChunkedPrefill.chunk`); the same kernels, so the same numbers.
         """
+        if self.paged_row is not None:
+            limit = self._paged_limit(limit)
+            if not self.prefill_remaining:
+                return 0
         self._prefill.chunk(limit, evaluate=evaluate)
         return self.prefill_remaining
+
+    def _paged_limit(self, limit: int | None) -> int:
+        """Before a paged chunk: take the blocks other rows cached since (`PagedKV.catch_up`: skipped here, counted
+        as cached), and end the chunk on a block boundary unless it is the prompt's last, so the next one can."""
+        assert self.paged_kv is not None and self.paged_row is not None
+        gained = self.paged_kv.catch_up(self.paged_row)
+        if gained:
+            self._prefill.take(gained)
+            self.cached_tokens += gained
+        prefill = self._prefill
+        n = min(limit or prefill.step_size, prefill.step_size, prefill.remaining)
+        over = (prefill.fed + n) % self.paged_kv.block_size
+        return n - over if n < prefill.remaining and n > over else n
 
     def first_token(self) -> int:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""

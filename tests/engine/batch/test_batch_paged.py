@@ -341,3 +341,36 @@ def test_grammar_logprob_and_sampled_rows_on_paged_kv_equal_todays_layout() -> N
                 assert gl.top[0][0] == wl.top[0][0] and abs(gl.logprob - wl.logprob) < 1e-4
     assert got["r0"].finish_reason == "stop"
     assert kv.pool.idle
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_siblings_prefilling_side_by_side_compute_the_shared_prefix_about_once(block_size: int) -> None:
+    """8 rows with a 200-token common prefix start together and prefill in interleaved chunks (as the prefill actor
+    runs concurrent prompts): each chunk first takes the blocks the others cached meanwhile, so the prefix is
+    computed about once; every row's token 0 equals its own alone."""
+    model = _model("llama")
+    kv = _kv("llama", block_size)
+    common = [(7 * j + 1) % 509 + 3 for j in range(200)]
+    prompts = [common + [(11 * i + j) % 509 + 3 for j in range(16)] for i in range(8)]
+    rows = [SoloRow(model, f"r{i}", p, SamplingParams(), paged=kv) for i, p in enumerate(prompts)]
+    chunks = 0
+    while any(row.prefill_remaining for row in rows):
+        for row in rows:
+            if row.prefill_remaining:
+                row.prefill_chunk(24)
+                chunks += 1
+    token0 = [row.first_token() for row in rows]
+    computed = sum(len(row.prompt_ids) - row.cached_tokens for row in rows)
+    assert computed <= 1.3 * (200 + 8 * 16), computed
+    alone = []
+    for p in prompts:
+        solo = SoloRow(model, "alone", p, SamplingParams())
+        while solo.prefill_chunk():
+            pass
+        alone.append(solo.first_token())
+        solo.close()
+    assert token0 == alone
+    for row in rows:
+        row.close()
+    kv.pool.check()
+    assert kv.pool.idle

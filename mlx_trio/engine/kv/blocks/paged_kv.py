@@ -253,6 +253,30 @@ class PagedKV:
         self.reused_tokens += cached
         return PagedRow(list(prompt), blocks, keys[: len(blocks)], cached, cached)
 
+    def catch_up(self, row: PagedRow) -> int:
+        """Reference the cached blocks that continue the row's prompt past its length (another row prefilled them
+        since this one joined); returns the positions gained. Only from a block boundary, and never the prompt's
+        last token (as `join`). Siblings prefilling one prefix side by side so leapfrog: each computes the chunk
+        the others have not, and the prefix is computed about once."""
+        bs = self.block_size
+        if row.length % bs or len(row.keys) != len(row.blocks):
+            return 0
+        gained = 0
+        parent = row.keys[-1] if row.keys else self.root
+        while row.length + bs <= len(row.tokens) - 1:
+            key = block_key(parent, row.tokens[row.length : row.length + bs])
+            found = self.pool.lookup([key])
+            if not found:
+                break
+            self.pool.retain(found[0])
+            row.blocks.append(found[0])
+            row.keys.append(key)
+            row.length += bs
+            gained += bs
+            parent = key
+        self.reused_tokens += gained
+        return gained
+
     def adopt(self, caches: Sequence[Any], tokens: Sequence[int]) -> PagedRow:
         """A new row holding a prefilled row's KV (mlx-lm `KVCache`s, one a full-attention layer, `tokens` in them),
         copied into fresh blocks: the row's own KV only, one scatter a layer. Raises PoolExhausted (nothing held)."""
