@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="hold full-attention KV in fixed-size blocks of one pool the size of --kv-budget, allocated at "
              "start: a row holds the blocks of its own tokens (no padding to the longest row), and rows share "
              "the cached blocks of a common prompt prefix, which replace the prompt cache (llama-family models "
-             "without sliding windows; not with --kv-bits or adapters; default: off)")
+             "without sliding windows; not with --kv-bits or --draft-model; default: off)")
     arg("--no-compile", action="store_true",
         help="run every decode step's forward uncompiled, as before compiled steps (so does the environment "
              "variable MLX_TRIO_NO_COMPILE=1; default: a lone row's steps compiled on the CPU where the model's caches "

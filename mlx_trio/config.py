@@ -121,8 +121,7 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.paged_kv:
-            for flag, on in (("--kv-bits", self.kv_bits is not None), ("--lora-modules", bool(self.lora_modules)),
-                             ("--enable-lora-admin", self.enable_lora_admin),
+            for flag, on in (("--kv-bits", self.kv_bits is not None),
                              ("--draft-model", self.draft_model is not None)):  # its own KV is outside the pool
                 if on:
                     raise ValueError(f"--paged-kv cannot be combined with {flag} yet (not on the paged layout)")

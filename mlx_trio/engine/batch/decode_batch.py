@@ -61,8 +61,8 @@ joiner's own KV into fresh blocks, a leave releases the leaver's, and neither
 touches another row's KV; each step writes every row's new K/V into its last
 block and attends over its own blocks (no padding to the longest row, no
 slots, no solo phase); a speculative step's rejected tail is truncated off each
-row's blocks (`PagedKV.truncate`). Not yet with quantized KV or adapter rows: the
-constructor refuses the first, a join the second, each by name.
+row's blocks (`PagedKV.truncate`); an adapter row's blocks are keyed under its
+adapter's revision. Not yet with quantized KV: the constructor refuses it.
 
 Every method runs on the lease thread; none hands out a lazy array.
 """
@@ -90,7 +90,7 @@ from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.model.decode_forward import DecodeForward
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
-from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.batch.solo_row import SoloRow, adapter_revision
 from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
 from mlx_trio.engine.speculative import verify
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
@@ -361,13 +361,12 @@ class DecodeBatch:
         fresh blocks (all or none: PoolExhausted leaves the batch and the joiners unchanged)."""
         paged = self._paged
         assert paged is not None
-        if any(row.adapter is not None for row, _ in joiners):
-            raise ValueError("adapter (LoRA) rows are not on the paged KV layout yet")
         copies: dict[int, PagedRow] = {}
         try:
             for i, (row, _) in enumerate(joiners):
                 if row.paged_row is None or row.paged_kv is not paged:
-                    copies[i] = paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens])
+                    copies[i] = paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens],
+                                            adapter_revision(row.adapter))
         except PoolExhausted:
             for paged_row in copies.values():
                 paged.leave(paged_row)

@@ -41,6 +41,11 @@ from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
 
 
+def adapter_revision(adapter: AdapterUse | None) -> str:
+    """The revision a row's KV is computed under: its adapter's ("" for the base model)."""
+    return "" if adapter is None else f"{adapter.name}@{adapter.owner.revision(adapter.name)}"
+
+
 class SoloRow:
     """One request from its prompt to token 0, on caches of its own.
 
@@ -84,11 +89,13 @@ class SoloRow:
             raise ValueError("a cache hit must leave the last prompt token to compute")
         if paged is not None and (hit is not None or snapshot_at is not None):
             raise ValueError("a paged row's prompt cache is its shared blocks: no entry hit or snapshot")
-        if paged is not None and (kv_scheme.quantized or adapter is not None):
-            raise ValueError("quantized KV and adapter rows are not on the paged KV layout yet")
-        # Paged KV: the pool and the row's block table (None once the decode batch took it, or unpaged).
+        if paged is not None and kv_scheme.quantized:
+            raise ValueError("quantized KV is not on the paged KV layout yet")
+        # Paged KV: the pool and the row's block table (None once the decode batch took it, or unpaged); an adapter
+        # row's blocks are keyed under its adapter's revision.
         self.paged_kv = paged
-        self.paged_row: PagedRow | None = paged.join(prompt_ids) if paged is not None else None
+        self.paged_row: PagedRow | None = (paged.join(prompt_ids, adapter_revision(adapter)) if paged is not None
+                                           else None)
         self.adapter = adapter
         self._model = adapted(model, adapter)
         self.request_id = request_id

@@ -26,6 +26,7 @@ from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing import batch_reference as ref
+from mlx_trio.testing.batch_reference import Arrival
 from mlx_trio.testing.tiny_models import LLAMA, QWEN3, tiny_model
 
 SPECS = {"llama": LLAMA, "qwen3": QWEN3}
@@ -374,3 +375,41 @@ def test_siblings_prefilling_side_by_side_compute_the_shared_prefix_about_once(b
         row.close()
     kv.pool.check()
     assert kv.pool.idle
+
+
+def test_adapter_rows_on_paged_kv_equal_mlx_lm_and_never_share_another_revisions_blocks() -> None:
+    """Base and adapter rows with one prompt prefix, batched with joins and leaves on paged KV: each row equals
+    mlx-lm with its adapter; a row shares blocks only with rows of its own adapter revision."""
+    from mlx_trio.engine.adapters.adapter_files import read_adapter
+    from mlx_trio.engine.adapters.resident import ResidentAdapters
+    from tests.engine.adapters.test_row_lora import MAX_TOKENS, _adapter_dir, _mlx_lm_tokens
+    from tests.engine.batch.batch_driver import run_schedule
+
+    model, tokenizer = load(str(tiny_model(LLAMA)))
+    routed_attention.install(model)
+    resident = ResidentAdapters(model)
+    for name in ("qv", "dora"):
+        resident.register(read_adapter(name, _adapter_dir("llama", name), model, max_rank=resident.max_rank))
+    kv = paged_layout.paged_kv_for(model, 1 << 22, "tiny-llama", block_size=4)
+    common = tuple((7 * j + 2) % 500 + 3 for j in range(24))
+    plan = [("qv", 0), (None, 0), ("dora", 2), ("qv", 4), (None, 5), ("dora", 6)]
+    arrivals = [Arrival(f"r{i}", at, common + (100 + i, 200 + i), SamplingParams(max_tokens=MAX_TOKENS))
+                for i, (_, at) in enumerate(plan)]
+    adapter_of = {f"r{i}": name for i, (name, _) in enumerate(plan)}
+    made: dict[str, int] = {}
+    join = kv.join
+
+    def counting_join(prompt, adapter_revision=""):  # what each row found cached (a spy, not a patch of mlx-lm)
+        row = join(prompt, adapter_revision)
+        made[adapter_revision.split("@")[0] or "base"] = made.get(adapter_revision.split("@")[0] or "base", 0) + (
+            row.cached_tokens > 0)
+        return row
+
+    kv.join = counting_join  # type: ignore[method-assign]
+    out = run_schedule(model, arrivals, eos=tokenizer.eos_token_ids, paged=kv,
+                       adapter_of=lambda rid: resident.acquire(adapter_of[rid]) if adapter_of[rid] else None)
+    for a in arrivals:
+        assert tuple(out[a.request_id].tokens) == _mlx_lm_tokens("llama", adapter_of[a.request_id], a.prompt_ids), \
+            a.request_id
+    assert made == {"qv": 1, "base": 1, "dora": 1}  # the second row of each revision shares; no first one does
+    assert kv.pool.idle and not resident.in_use("qv")

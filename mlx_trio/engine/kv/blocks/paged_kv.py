@@ -56,6 +56,7 @@ class PagedRow:
     tokens: list[int] = attrs.field(factory=list)
     blocks: list[int] = attrs.field(factory=list)
     keys: list[Key] = attrs.field(factory=list)  # chain keys of its first len(keys) (full) blocks
+    root: Key = b""  # its chain's root: the model and the row's adapter revision (`PagedKV.root_of`)
     length: int = 0
     cached_tokens: int = 0  # prompt tokens its join found in shared blocks
     released: bool = False
@@ -237,21 +238,32 @@ class PagedKV:
         self.storage = storage
         self.block_size = storage.block_size
         self.pool = BlockPool(storage.num_blocks)
+        self.model_identity = model_identity
         self.root = root_key(model_identity, adapter_revision)
+        self._roots = {adapter_revision: self.root}
         self.reused_tokens = 0  # prompt tokens rows found in cached blocks (not prefilled), since load
 
     # -- rows ---------------------------------------------------------------------------------------
 
-    def join(self, prompt: Sequence[int]) -> PagedRow:
+    def root_of(self, adapter_revision: str = "") -> Key:
+        """The chain root of rows computed with this adapter revision ("": the base model): blocks of one adapter
+        never serve the base model or another adapter (or another revision of it)."""
+        root = self._roots.get(adapter_revision)
+        if root is None:
+            root = self._roots[adapter_revision] = root_key(self.model_identity, adapter_revision)
+        return root
+
+    def join(self, prompt: Sequence[int], adapter_revision: str = "") -> PagedRow:
         """A new row for `prompt`, referencing the cached full blocks its prompt starts with (all but its last token
-        may be found); its `tokens` are what they hold, and `prompt[row.length:]` is left to prefill."""
-        keys = chain_keys(self.root, list(prompt[: max(0, len(prompt) - 1)]), self.block_size)
+        may be found); `prompt[row.length:]` is left to prefill. `adapter_revision`: the row's adapter's, if any."""
+        root = self.root_of(adapter_revision)
+        keys = chain_keys(root, list(prompt[: max(0, len(prompt) - 1)]), self.block_size)
         blocks = self.pool.lookup(keys)
         for block in blocks:
             self.pool.retain(block)
         cached = len(blocks) * self.block_size
         self.reused_tokens += cached
-        return PagedRow(list(prompt), blocks, keys[: len(blocks)], cached, cached)
+        return PagedRow(list(prompt), blocks, keys[: len(blocks)], root, cached, cached)
 
     def catch_up(self, row: PagedRow) -> int:
         """Reference the cached blocks that continue the row's prompt past its length (another row prefilled them
@@ -262,7 +274,7 @@ class PagedKV:
         if row.length % bs or len(row.keys) != len(row.blocks):
             return 0
         gained = 0
-        parent = row.keys[-1] if row.keys else self.root
+        parent = row.keys[-1] if row.keys else row.root or self.root
         while row.length + bs <= len(row.tokens) - 1:
             key = block_key(parent, row.tokens[row.length : row.length + bs])
             found = self.pool.lookup([key])
@@ -277,11 +289,11 @@ class PagedKV:
         self.reused_tokens += gained
         return gained
 
-    def adopt(self, caches: Sequence[Any], tokens: Sequence[int]) -> PagedRow:
+    def adopt(self, caches: Sequence[Any], tokens: Sequence[int], adapter_revision: str = "") -> PagedRow:
         """A new row holding a prefilled row's KV (mlx-lm `KVCache`s, one a full-attention layer, `tokens` in them),
         copied into fresh blocks: the row's own KV only, one scatter a layer. Raises PoolExhausted (nothing held)."""
         length = int(caches[0].offset)
-        row = PagedRow()
+        row = PagedRow(root=self.root_of(adapter_revision))
         if length:
             step = self.step([row], length)
             for layer, cache in enumerate(caches):
@@ -395,7 +407,7 @@ class PagedKV:
         row whose prompt starts with them references it (`join`)."""
         row.tokens.extend(tokens)
         bs = self.block_size
-        parent = row.keys[-1] if row.keys else self.root
+        parent = row.keys[-1] if row.keys else row.root or self.root
         for index in range(len(row.keys), min(row.length, len(row.tokens)) // bs):
             parent = block_key(parent, row.tokens[index * bs : (index + 1) * bs])
             self.pool.register(row.blocks[index], parent)  # False: another block has it; ours stays unkeyed
