@@ -55,7 +55,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_trio.engine.attention import paged_attention, ragged_kernel
 from mlx_trio.engine.attention.unfused_attention import unfused_attention
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
-from mlx_trio.engine.kv.blocks.paged_kv import PagedLayerCache
+from mlx_trio.engine.kv.blocks.layer_cache import PagedLayerCache
 from mlx_trio.engine.lease_thread import on_cuda
 from mlx_trio.engine.switches import switched_on
 

@@ -84,7 +84,8 @@ from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, r
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_blocks, row_rollback, row_slots
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
-from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PagedRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.blocks.pool import PoolExhausted
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.model.decode_forward import DecodeForward

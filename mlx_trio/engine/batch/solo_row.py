@@ -29,7 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
-from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PagedRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill

@@ -19,7 +19,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlx_trio.engine.attention import paged_layout, routed_attention
-from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PagedRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.blocks.pool import PoolExhausted
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, QWEN3, tiny_model
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_trio.engine.kv.blocks.chain import block_key, chain_keys, root_key
-from mlx_trio.engine.kv.blocks.paged_kv import GROUP_WIDTH_RATIO, width_groups
+from mlx_trio.engine.kv.blocks.step import GROUP_WIDTH_RATIO, width_groups
 from mlx_trio.engine.kv.blocks.pool import BlockPool, PoolExhausted
 
 ROOT = root_key("tiny", "")

@@ -1,33 +1,26 @@
-"""Rows as block tables over one model's block pool, and the per-layer cache mlx-lm's forward runs on.
+"""A model's paged KV: rows as block tables over one block pool, and the forwards that run on them.
 
 `PagedKV` is a model's pool (pool.py), its arrays (storage.py) and its chain
-root (chain.py). A `PagedRow` is what one sequence holds: the token ids whose
-KV is in its blocks, in order, and the chain keys of its full blocks. A batch
-is nothing but a list of rows: a row joins or leaves by being put in or taken
-out of that list, and no KV moves (each row's KV stays in its own blocks).
+roots (chain.py). A `PagedRow` (row.py) is what one sequence holds: its blocks,
+its length and the token ids known so far. A batch is nothing but a list of
+rows: a row joins or leaves by being put in or taken out of that list, and no
+KV moves (each row's KV stays in its own blocks).
 
-A forward over rows (`PagedKV.forward`, or `step` + the model + `commit`)
-feeds every row the same number `L` of new tokens: `step` makes sure each
-row's table has blocks for its new positions (allocated for all rows at once,
-or `PoolExhausted` and nothing allocated), and builds the step's arrays once
-for all layers: the block tables, each row's length after the step, the slots
-its new tokens go to and the RoPE offsets. `caches()` are `PagedLayerCache`s
-that mlx-lm's model takes as its cache list: `update_and_fetch` writes the new
-K/V into the layer's blocks, and the routed attention (engine/attention/
-routed_attention.py) recognises the cache and attends over the row's blocks
-(engine/attention/paged_attention.py) instead of over returned K/V. `commit`
-advances the rows and keys every block that became full, so a later row whose
-prompt starts with the same tokens references it (`join`).
-
-A lone row's prefill can also run through mlx-lm's ordinary per-layer cache
-protocol: `row_caches(row)` are `PagedRowCache`s whose first layer's
-`update_and_fetch` builds the step for however many tokens came and whose last
-layer's commits it, so any code that calls `model(tokens, cache=caches)`
-(engine/batch/chunked_prefill.py) prefills into blocks unchanged.
+A forward over rows (`forward`, or `step` + the model + `commit`) feeds every
+row the same number `L` of new positions: `step` makes sure each row's table
+has blocks for them (allocated for all rows at once, or `PoolExhausted` and
+nothing allocated), and builds the step's arrays once for all layers
+(step.py). `caches(step)` are the `PagedLayerCache`s (layer_cache.py) that
+mlx-lm's model takes as its cache list; `row_caches(row)` serve code that
+calls the model with a lone row's per-layer caches (the chunked prefill).
+`commit` advances the rows and keys every block now full of known tokens, so
+a later row whose prompt starts with the same tokens references it (`join`,
+and `catch_up` before each prefill chunk).
 
 A row's prefix match leaves at least its last prompt token to prefill (the
 forward that computes the first logits needs one), and only full blocks are
-shared, so a row never writes into a block another row reads.
+shared, so a row never writes into a block another row reads (`truncate`
+copies one first).
 
 Lease thread only.
 """
@@ -37,198 +30,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import mlx.core as mx
-import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv.blocks.chain import Key, block_key, chain_keys, root_key
+from mlx_trio.engine.kv.blocks.layer_cache import PagedLayerCache, PagedRowCache, RowForward
 from mlx_trio.engine.kv.blocks.pool import BlockPool, PoolExhausted, PoolStats
+from mlx_trio.engine.kv.blocks.row import PagedRow
+from mlx_trio.engine.kv.blocks.step import PagedStep, build_groups
 from mlx_trio.engine.kv.blocks.storage import BlockStorage
-
-
-@attrs.define(eq=False)
-class PagedRow:
-    """One sequence's KV: `blocks` hold the KV of its first `length` positions (position `p` in block
-    `p // block_size`); `tokens` are the ids of its positions known on the host so far, from the start (a
-    prompt is known before it is prefilled; a decode batch learns a step's token after queueing the next
-    step): they may run ahead of `length` or lag it, and a block is keyed once both cover it."""
-
-    tokens: list[int] = attrs.field(factory=list)
-    blocks: list[int] = attrs.field(factory=list)
-    keys: list[Key] = attrs.field(factory=list)  # chain keys of its first len(keys) (full) blocks
-    root: Key = b""  # its chain's root: the model and the row's adapter revision (`PagedKV.root_of`)
-    length: int = 0
-    cached_tokens: int = 0  # prompt tokens its join found in shared blocks
-    released: bool = False
-    # `blocks` mirrored in a growing int32 array (blocks are only appended while a row lives): a step copies
-    # each row's table with one numpy slice, not one Python int a block (B=64 rows of 12.6k tokens: 790 each).
-    _table: np.ndarray = attrs.field(factory=lambda: np.zeros(16, np.int32), repr=False)
-    _mirrored: int = attrs.field(default=0, repr=False)
-
-    def table(self) -> np.ndarray:
-        """`blocks` as an int32 array (a view, valid until the next allocation)."""
-        n = len(self.blocks)
-        if n < self._mirrored:  # the list was replaced: mirror it again
-            self._mirrored = 0
-        if n > len(self._table):
-            grown = np.zeros(max(n, 2 * len(self._table)), np.int32)
-            grown[: self._mirrored] = self._table[: self._mirrored]
-            self._table = grown
-        if n > self._mirrored:
-            self._table[self._mirrored : n] = self.blocks[self._mirrored : n]
-            self._mirrored = n
-        return self._table[:n]
-
-
-# A step's rows are attended in groups of similar table widths, each gathered to its own widest row: one
-# group's widest table is at most this many times its narrowest, so the gather's transient is at most about
-# this many times the KV the rows hold (one long row beside many short ones is never padded to the long one).
-GROUP_WIDTH_RATIO = 2
-
-
-@attrs.frozen(eq=False)
-class StepGroup:
-    """Rows of a step whose tables are of similar width, attended together."""
-
-    index: mx.array | None  # the rows' places in the step's batch (None: all rows, in order)
-    tables: mx.array  # [G, widest] int32; past a row's own blocks, its first block (never read: masked by length)
-    lengths: mx.array  # [G] int32: each row's KV length once this step's tokens are written
-
-
-@attrs.frozen(eq=False)
-class PagedStep:
-    """One forward's arrays, built once for every layer: see `PagedKV.step`."""
-
-    rows: tuple[PagedRow, ...]
-    queries: int  # new positions per row (L)
-    groups: tuple[StepGroup, ...]
-    restore: mx.array | None  # the batch order of the groups' rows concatenated (None: already in order)
-    slots: mx.array  # [B * L] int32: where each new token's K/V goes in the flat block view
-    offset: int | mx.array  # RoPE offset: an int for one row (as mlx-lm's KVCache), else per row [B]
-
-
-class PagedLayerCache:
-    """Layer `layer`'s view of a `PagedStep`: the cache object mlx-lm's attention module is called with.
-
-    `update_and_fetch` writes the step's new K/V into the blocks and returns them unchanged (the routed
-    attention reads the blocks, not its return); `make_mask` is None (the paged attention masks by length).
-    """
-
-    def __init__(self, kv: PagedKV, layer: int, step: PagedStep) -> None:
-        self.kv, self.layer, self.step = kv, layer, step
-
-    @property
-    def offset(self) -> int | mx.array:
-        return self.step.offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.kv.storage.write(self.layer, self.step.slots, keys, values)
-        return keys, values
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> None:
-        if window_size is not None:
-            raise ValueError("paged KV holds full-attention layers only; a sliding window keeps its own layout")
-        return None
-
-    @property
-    def block_keys(self) -> mx.array:
-        return self.kv.storage.keys[self.layer]
-
-    @property
-    def block_values(self) -> mx.array:
-        return self.kv.storage.values[self.layer]
-
-
-def width_groups(widths: Sequence[int], ratio: int = GROUP_WIDTH_RATIO) -> list[list[int]]:
-    """Row indices grouped by table width, narrowest first: in each group the widest is at most `ratio` x the
-    narrowest (equal widths: one group)."""
-    order = sorted(range(len(widths)), key=lambda i: widths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and widths[i] <= ratio * max(1, widths[groups[-1][0]]):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _groups(rows: Sequence[PagedRow], L: int) -> tuple[tuple[StepGroup, ...], mx.array | None]:
-    out = []
-    grouped = width_groups([len(row.blocks) for row in rows])
-    for members in grouped:
-        width = max(len(rows[i].blocks) for i in members)
-        tables = np.empty((len(members), width), np.int32)
-        for k, i in enumerate(members):
-            own = rows[i].table()
-            tables[k, : len(own)] = own
-            tables[k, len(own) :] = own[0]  # past its own blocks: any block of its own (masked by length)
-        index = None if len(grouped) == 1 and members == sorted(members) else mx.array(members, dtype=mx.int32)
-        out.append(StepGroup(index, mx.array(tables),
-                             mx.array([rows[i].length + L for i in members], dtype=mx.int32)))
-    order = [i for members in grouped for i in members]
-    restore = None
-    if order != list(range(len(rows))):
-        back = [0] * len(order)
-        for position, i in enumerate(order):
-            back[i] = position
-        restore = mx.array(back, dtype=mx.int32)
-    return tuple(out), restore
-
-
-class _RowForward:
-    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers."""
-
-    __slots__ = ("kv", "row", "step")
-
-    def __init__(self, kv: PagedKV, row: PagedRow) -> None:
-        self.kv, self.row = kv, row
-        self.step: PagedStep | None = None
-
-
-class PagedRowCache(PagedLayerCache):
-    """Layer `layer` of one row, for code that calls the model with per-layer caches (prefill chunks, token 0).
-
-    The first layer's `update_and_fetch` allocates the forward's blocks and builds its step; the last one's
-    advances the row (its attention still reads the step). Its offset is the row's length, an int, as
-    mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
-    """
-
-    def __init__(self, kv: PagedKV, layer: int, forward: _RowForward) -> None:
-        self.kv, self.layer, self._forward = kv, layer, forward
-
-    @property  # type: ignore[override]
-    def step(self) -> PagedStep:
-        assert self._forward.step is not None, "a row cache is read before its forward wrote it"
-        return self._forward.step
-
-    @property
-    def offset(self) -> int:
-        return self._forward.row.length
-
-    @property
-    def row(self) -> PagedRow:
-        return self._forward.row
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        forward = self._forward
-        if self.layer == 0:
-            forward.step = self.kv.step([forward.row], keys.shape[2])
-        out = super().update_and_fetch(keys, values)
-        if self.layer == len(self.kv.storage.layers) - 1:
-            self.kv.commit(self.step)
-        return out
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """The layer's block arrays: what to evaluate after a forward (mlx-lm evaluates `cache.state`)."""
-        return self.block_keys, self.block_values
-
-    @property
-    def nbytes(self) -> int:
-        """This layer's share of the row's blocks."""
-        shape = self.kv.storage.layers[self.layer]
-        return (2 * len(self.row.blocks) * self.kv.block_size * shape.kv_heads * shape.head_dim
-                * self.kv.storage.dtype.size)
 
 
 class PagedKV:
@@ -304,8 +114,6 @@ class PagedKV:
 
     def extract(self, row: PagedRow, length: int | None = None) -> list[Any]:
         """The row's first `length` positions (all by default) as fresh mlx-lm `KVCache`s, one a layer (a copy)."""
-        from mlx_lm.models.cache import KVCache
-
         length = row.length if length is None else length
         bs = self.block_size
         out = []
@@ -382,7 +190,7 @@ class PagedKV:
             slots = [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.length, row.length + L)]
         offset: int | mx.array = (rows[0].length if len(rows) == 1
                                   else mx.array([row.length for row in rows], dtype=mx.int32))
-        groups, restore = _groups(rows, L)
+        groups, restore = build_groups(rows, L)
         return PagedStep(tuple(rows), L, groups, restore, mx.array(slots, dtype=mx.int32), offset)
 
     def caches(self, step: PagedStep) -> list[PagedLayerCache]:
@@ -390,7 +198,7 @@ class PagedKV:
 
     def row_caches(self, row: PagedRow) -> list[PagedRowCache]:
         """One row's caches for mlx-lm's per-layer protocol (see the module docstring); one forward at a time."""
-        forward = _RowForward(self, row)
+        forward = RowForward(self, row)
         return [PagedRowCache(self, i, forward) for i in range(len(self.storage.layers))]
 
     def commit(self, step: PagedStep, new_tokens: Sequence[Sequence[int]] | None = None) -> None:
