@@ -349,7 +349,7 @@ class EngineActors:
         start = time.monotonic()
         try:
             ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme,
-                                  model.compile_decode, speculation_for(self.config, model))
+                                  model.compile_decode, speculation_for(self.config, model), model.paged_kv)
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)

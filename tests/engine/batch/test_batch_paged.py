@@ -413,3 +413,15 @@ def test_adapter_rows_on_paged_kv_equal_mlx_lm_and_never_share_another_revisions
             a.request_id
     assert made == {"qv": 1, "base": 1, "dora": 1}  # the second row of each revision shares; no first one does
     assert kv.pool.idle and not resident.in_use("qv")
+
+
+def test_warm_up_on_paged_kv_leaves_the_pool_idle() -> None:
+    """--paged-kv warms the paged path (prefill into blocks, steps over tables); every block goes back."""
+    from mlx_trio.engine.batch.warmup import warm_up
+
+    model = _model("llama")
+    kv = _kv("llama", 16)
+    warm_up(model, 512, paged=kv)
+    warm_up(model, 512, speculation=SpeculationConfig.prompt_lookup(3, 3), paged=kv)
+    kv.pool.check()
+    assert kv.pool.idle and kv.stats().cached > 0
