@@ -13,6 +13,7 @@ Parts (`--parts`, default all):
 * ``memory``    one `--long` (3,000) token row decoding beside 15 rows of 100 tokens (`--batch 16`): KV bytes
   the batch holds (`DecodeBatch.nbytes`, what `/stats` `batch.kv_bytes` reports) over the bytes of the tokens
   it holds, paged vs today's padded layout.
+* ``equal``     ms per decode step of 8 and 16 rows of one length (512 tokens), paged vs padded, alternated.
 * ``block``     ms per decode step of a paged batch of 16 rows (300..1,200 tokens) for block sizes 16..256,
   against today's padded step on the same rows; and the same paged step with a pool 32x larger (a step
   that copied its pool instead of writing in place would slow down with it).
@@ -133,10 +134,29 @@ def block(model: Any, vocab: int, steps: int) -> None:
             batch.close()
 
 
+def equal(model: Any, vocab: int, steps: int) -> None:
+    """Rows of one length (the short-prompt load the paged step must not slow): ms a step, B = 8 and 16."""
+    for batch_size in (8, 16):
+        prefilled = [_row(model, f"e{i}", _prompt(i, 512, vocab), None) for i in range(batch_size)]
+        times: dict[str, list[float]] = {"padded": [], "paged": []}
+        for _ in range(3):  # alternated: this machine's load drifts
+            for mode in ("padded", "paged"):
+                kv = _kv(model, batch_size * (512 + 8 * steps) // 16 + 4 * batch_size, 16) if mode == "paged" else None
+                batch = DecodeBatch(model, paged=kv)
+                for row, token0 in prefilled:
+                    keep = row.caches
+                    batch.join_many([(row, token0)])
+                    row.caches = keep
+                times[mode].append(_step_ms(batch, steps))
+                batch.close()
+        print(f"equal B={batch_size} x 512 tokens: padded {statistics.median(times['padded']):.2f} ms, "
+              f"paged {statistics.median(times['paged']):.2f} ms a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model directory (default: the tiny llama)")
-    parser.add_argument("--parts", default="siblings,memory,block")
+    parser.add_argument("--parts", default="siblings,memory,block,equal")
     parser.add_argument("--prefix", type=int, default=2000)
     parser.add_argument("--long", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=16)
@@ -158,6 +178,8 @@ def main() -> None:
         memory(model, vocab, args.long, args.batch, args.block_size)
     if "block" in parts:
         block(model, vocab, args.steps)
+    if "equal" in parts:
+        equal(model, vocab, args.steps)
 
 
 if __name__ == "__main__":

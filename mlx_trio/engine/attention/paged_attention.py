@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
 
-# The most transient bytes one reference call may build (float32 gathered K and V, and the scores): a group
+# The most transient bytes one reference call may build (gathered K and V and the scores, counted at 4 bytes): a group
 # that would build more is attended in pieces of rows, and a long prefill chunk in pieces of queries, so a
 # step's transient stays bounded however large the pool and the rows grow.
 TRANSIENT_BYTES = 256 << 20
