@@ -37,26 +37,29 @@ def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
     """
     step = cache.step
     keys, values = cache.block_keys, cache.block_values
-    outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale)
-            for g in step.groups]
+    outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale,
+                    visible=g.visible) for g in step.groups]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if step.restore is None else out[step.restore]
 
 
 def bounded(queries: mx.array, block_keys: mx.array, block_values: mx.array, tables: mx.array, lengths: mx.array,
-            scale: float, limit: int = TRANSIENT_BYTES) -> mx.array:
-    """`reference_paged_attention`, in pieces of rows (and of queries) that each build at most about `limit` bytes."""
+            scale: float, limit: int = TRANSIENT_BYTES, visible: mx.array | None = None) -> mx.array:
+    """`reference_paged_attention`, in pieces of rows (and of queries) that each build at most about `limit` bytes.
+
+    `visible`: a decode step's mask for all the rows (sliced with them), else built piece by piece."""
     G, H, L, D = queries.shape
     keys_per_row = tables.shape[1] * block_keys.shape[1]
     gathered = 4 * keys_per_row * 2 * block_keys.shape[2] * D  # float32 K and V of one row
     scores = 4 * keys_per_row * H  # one query's scores
     rows = max(1, limit // (gathered + scores * L))
     if rows >= G:
-        return reference_paged_attention(queries, block_keys, block_values, tables, lengths, scale)
+        return reference_paged_attention(queries, block_keys, block_values, tables, lengths, scale, visible)
     if rows > 1 or L == 1:
         return mx.concatenate([
             reference_paged_attention(queries[r : r + rows], block_keys, block_values, tables[r : r + rows],
-                                      lengths[r : r + rows], scale) for r in range(0, G, rows)], axis=0)
+                                      lengths[r : r + rows], scale, None if visible is None else visible[r : r + rows])
+            for r in range(0, G, rows)], axis=0)
     # One row's whole chunk is too much: its queries in pieces, each attending causally up to its own end.
     per = max(1, (limit - gathered) // scores)
     return mx.concatenate([

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_trio.engine.kv.blocks.step import visible_mask
+
 
 def gather_rows(blocks: mx.array, tables: mx.array) -> mx.array:
     """Each row's blocks in table order: `[B, kv_heads, width * block_size, head_dim]` from `[N, bs, Hkv, D]`."""
@@ -27,12 +29,12 @@ def gather_rows(blocks: mx.array, tables: mx.array) -> mx.array:
 
 
 def reference_paged_attention(queries: mx.array, block_keys: mx.array, block_values: mx.array, tables: mx.array,
-                              lengths: mx.array, scale: float) -> mx.array:
-    """softmax(scale * q k^T) v of `queries` `[B, H, L, D]` (row b's positions `lengths[b]-L ..`) over its blocks."""
-    L = queries.shape[2]
+                              lengths: mx.array, scale: float, visible: mx.array | None = None) -> mx.array:
+    """softmax(scale * q k^T) v of `queries` `[B, H, L, D]` (row b's positions `lengths[b]-L ..`) over its blocks.
+
+    `visible`: the step's mask (`visible_mask`), when it built one for every layer."""
     keys = gather_rows(block_keys, tables)
     values = gather_rows(block_values, tables)
-    lengths = lengths.astype(mx.int32)[:, None, None]  # [B, 1, 1]
-    position = lengths - L + mx.arange(L)[None, :, None]  # [B, L, 1]: each query's own position
-    visible = mx.arange(keys.shape[2])[None, None, :] <= position  # [B, L, T]; position < length bounds it too
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible[:, None])
+    if visible is None:
+        visible = visible_mask(lengths, queries.shape[2], keys.shape[2])
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=visible)

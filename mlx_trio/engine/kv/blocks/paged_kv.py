@@ -190,7 +190,7 @@ class PagedKV:
             slots = [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.length, row.length + L)]
         offset: int | mx.array = (rows[0].length if len(rows) == 1
                                   else mx.array([row.length for row in rows], dtype=mx.int32))
-        groups, restore = build_groups(rows, L)
+        groups, restore = build_groups(rows, L, bs)
         return PagedStep(tuple(rows), L, groups, restore, mx.array(slots, dtype=mx.int32), offset)
 
     def caches(self, step: PagedStep) -> list[PagedLayerCache]:

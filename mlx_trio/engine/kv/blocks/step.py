@@ -28,6 +28,9 @@ class StepGroup:
     index: mx.array | None  # the rows' places in the step's batch (None: all rows, in order)
     tables: mx.array  # [G, widest] int32; past a row's own blocks, its first block (never read: masked by length)
     lengths: mx.array  # [G] int32: each row's KV length once this step's tokens are written
+    # A decode step's mask [G, 1, 1, widest * block_size], built once for every layer (`visible_mask`); None for
+    # a prefill chunk (its [L, keys] mask is built piece by piece, within the attention's transient bound).
+    visible: mx.array | None = None
 
 
 @attrs.frozen(eq=False)
@@ -55,7 +58,16 @@ def width_groups(widths: Sequence[int], ratio: int = GROUP_WIDTH_RATIO) -> list[
     return groups
 
 
-def build_groups(rows: Sequence[PagedRow], L: int) -> tuple[tuple[StepGroup, ...], mx.array | None]:
+def visible_mask(lengths: mx.array, queries: int, keys: int) -> mx.array:
+    """`[G, 1, L, keys]`: key `j` is visible to query `i` of row `g` when `j` is not after the query's position
+    (`lengths[g] - L + i`; so never at or past the row's length either)."""
+    position = lengths.astype(mx.int32)[:, None, None] - queries + mx.arange(queries)[None, :, None]
+    return (mx.arange(keys)[None, None, :] <= position)[:, None]
+
+
+def build_groups(rows: Sequence[PagedRow], L: int, block_size: int) -> tuple[tuple[StepGroup, ...], mx.array | None]:
+    """The step's width groups (`width_groups`) with their tables and lengths, and the order that restores the
+    batch's (None: the groups are the batch in order)."""
     out = []
     grouped = width_groups([len(row.blocks) for row in rows])
     for members in grouped:
@@ -66,8 +78,9 @@ def build_groups(rows: Sequence[PagedRow], L: int) -> tuple[tuple[StepGroup, ...
             tables[k, : len(own)] = own
             tables[k, len(own) :] = own[0]  # past its own blocks: any block of its own (masked by length)
         index = None if len(grouped) == 1 and members == sorted(members) else mx.array(members, dtype=mx.int32)
-        out.append(StepGroup(index, mx.array(tables),
-                             mx.array([rows[i].length + L for i in members], dtype=mx.int32)))
+        lengths = mx.array([rows[i].length + L for i in members], dtype=mx.int32)
+        visible = visible_mask(lengths, 1, width * block_size) if L == 1 else None
+        out.append(StepGroup(index, mx.array(tables), lengths, visible))
     order = [i for members in grouped for i in members]
     restore = None
     if order != list(range(len(rows))):
