@@ -188,7 +188,7 @@ class DecodeBatch:
         # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/benchmarks.md). True compiles both.
         self._compile_batches = compile_decode is True
         # Else the step's forward with a third fewer graph nodes where the model allows (engine/model/decode_forward.py).
-        self._lean = DecodeForward.of(model) if paged is None else None
+        self._lean = DecodeForward.of(model)
         self._kv_scheme = kv_scheme
         # Speculation needs caches whose rows can drop a tail (full attention, bf16 or quantized); else none.
         self._speculator = (speculation.speculator() if speculation is not None
@@ -593,7 +593,8 @@ class DecodeBatch:
         """One step over the rows' block tables: each row's new K/V into its last block (allocated as needed)."""
         assert self._paged is not None
         step = self._paged.step(self._paged_rows, 1)
-        logits = self._model(inputs[:, None], cache=self._paged.caches(step))[:, -1, :]
+        caches = self._paged.caches(step)  # the lean forward calls the same cache protocol and attention
+        logits = self._lean(inputs, caches) if self._lean is not None else self._model(inputs[:, None], cache=caches)[:, -1, :]
         self._paged.commit(step)
         return logits
 

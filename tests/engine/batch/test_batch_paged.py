@@ -425,3 +425,23 @@ def test_warm_up_on_paged_kv_leaves_the_pool_idle() -> None:
     warm_up(model, 512, speculation=SpeculationConfig.prompt_lookup(3, 3), paged=kv)
     kv.pool.check()
     assert kv.pool.idle and kv.stats().cached > 0
+
+
+def test_the_lean_decode_forward_runs_on_paged_kv() -> None:
+    """A fused model steps through the lean forward (engine/model/decode_forward.py) on block tables too."""
+    from mlx_trio.engine.model import fused_projections
+    from mlx_trio.engine.model.decode_forward import DecodeForward
+
+    model = load(str(tiny_model(LLAMA)))[0]
+    routed_attention.install(model)
+    fused_projections.fuse(model)
+    assert DecodeForward.of(model) is not None
+    from tests.engine.batch.batch_driver import run_schedule
+
+    kv = paged_layout.paged_kv_for(model, 1 << 22, "tiny-llama-fused", block_size=8)
+    assert DecodeBatch(model, paged=kv)._lean is not None
+    arrivals = _arrivals(SCHEDULE)
+    got = run_schedule(model, arrivals, eos=(), paged=kv)  # DecodeBatch(model): the lean forward, not a wrapper
+    want = run_schedule(_model("llama"), arrivals, eos=())
+    assert {rid: o.tokens for rid, o in got.items()} == {rid: o.tokens for rid, o in want.items()}
+    assert kv.pool.idle
