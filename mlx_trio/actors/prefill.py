@@ -699,15 +699,19 @@ class PrefillActor:
         try:
             if row.prefill_remaining:
                 self._faults.check("prefill")
-                before = row.fed
+                before, cached = row.fed, row.cached_tokens
                 busy = self._busy
                 limit = self._chunk_tokens(before) if busy else None
                 remaining, seconds = await self._lease.run(prefill_chunk_then_token0, row, limit)
                 fed = total - 1 - remaining  # the prompt tokens in the caches after the chunk (token 0's not counted)
-                self.sizer.record(computed_tokens(row, before, fed), before, seconds, row.last_chunk_shape)
+                # --paged-kv: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
+                skipped = row.cached_tokens - cached
+                self.sizer.record(computed_tokens(row, before, fed) - skipped, before + skipped, seconds,
+                                  row.last_chunk_shape)
                 self._chunks += 1
                 self._sized_chunks += busy
-                self._prefill_tokens += fed - before
+                self._prefill_tokens += fed - before - skipped
+                self._cached_tokens += skipped
                 if caching is not None and fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))
                     self._snapshots += 1
