@@ -75,3 +75,18 @@ def test_paged_kv_is_refused_at_start_with_what_it_cannot_combine_with() -> None
 
     engine, _ = configs_from_args(build_parser().parse_args(["serve", "--paged-kv"]))
     assert engine.paged_kv and engine.prompt_cache_off
+
+
+def test_siblings_arriving_together_prefill_their_shared_prefix_about_once() -> None:
+    """8 requests with one long system prompt sent at once to a fresh server: the prefix's blocks are computed
+    about once (each later chunk takes what a sibling cached), and `cached_tokens` says so per response."""
+    config = attrs.evolve(tiny_engine_config(), paged_kv=True, kv_budget_bytes=BUDGET)
+    with ServerThread(config, ServerConfig(port=0)) as server, ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda t: _chat(server.url, t, max_tokens=2), TASKS))
+        with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as http:
+            reused = http.get("/stats").json()["batch"]["kv_blocks"]["prefix_tokens_reused"]
+    prompt = [r["usage"]["prompt_tokens"] for r in responses]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses]
+    computed = sum(prompt) - sum(cached)
+    assert computed <= 1.3 * (max(prompt) + 7 * (max(prompt) - 400)), (prompt, cached)
+    assert sorted(cached)[1] >= 400 and reused >= sum(cached)
