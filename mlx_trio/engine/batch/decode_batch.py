@@ -261,6 +261,11 @@ class DecodeBatch:
         return not self._kv_scheme.quantized or self.is_quantized
 
     @property
+    def is_paged(self) -> bool:
+        """Whether the rows' KV lives in a block pool (`paged=`): every row can join, whatever its caches."""
+        return self._paged is not None
+
+    @property
     def is_solo(self) -> bool:
         """One row on serial-class caches: each step is exactly the serial graph."""
         return self._solo

@@ -104,7 +104,7 @@ def _decode(batch: DecodeBatch, rows: list[SoloRow]) -> None:
     first, *others = rows
     batch.join_many([(first, _token0(first))])
     _steps(batch)
-    if not batch_caches.can_batch(others[0].caches):
+    if not batch.is_paged and not batch_caches.can_batch(others[0].caches):
         return  # this model decodes one row at a time: nothing more to compile
     batch.join_many([(row, _token0(row)) for row in others])
     _steps(batch)

@@ -415,13 +415,23 @@ def test_adapter_rows_on_paged_kv_equal_mlx_lm_and_never_share_another_revisions
     assert kv.pool.idle and not resident.in_use("qv")
 
 
-def test_warm_up_on_paged_kv_leaves_the_pool_idle() -> None:
+def test_warm_up_on_paged_kv_leaves_the_pool_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """--paged-kv warms the paged path (prefill into blocks, steps over tables); every block goes back."""
     from mlx_trio.engine.batch.warmup import warm_up
 
     model = _model("llama")
     kv = _kv("llama", 16)
+    joined: list[int] = []
+    join_many = DecodeBatch.join_many
+
+    def counting(self: DecodeBatch, joiners: Any) -> None:  # a spy on our own class: how many rows joined
+        joined.append(len(joiners))
+        join_many(self, joiners)
+
+    monkeypatch.setattr(DecodeBatch, "join_many", counting)
     warm_up(model, 512, paged=kv)
+    monkeypatch.undo()
+    assert sum(joined) == 3  # every warm-up row decoded in the paged batch
     warm_up(model, 512, speculation=SpeculationConfig.prompt_lookup(3, 3), paged=kv)
     kv.pool.check()
     assert kv.pool.idle and kv.stats().cached > 0
