@@ -115,6 +115,16 @@ class EngineConfig:
     # prefill grid's chunk shapes whose keys end within this many tokens are built before the first request,
     # those up to 4x as far in idle time (actors/plan_warmup.py); 0: none (--cudnn-warm-tokens).
     cudnn_warm_tokens: int = DEFAULT_CUDNN_WARM_TOKENS
+    # Paged KV (--paged-kv; docs/design.md §6.5): full-attention KV in blocks of one pool the size of the KV
+    # budget, made at load; rows share the cached blocks of a common prefix, which replace the prompt cache.
+    paged_kv: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.paged_kv:
+            for flag, on in (("--kv-bits", self.kv_bits is not None),
+                             ("--draft-model", self.draft_model is not None)):  # its own KV is outside the pool
+                if on:
+                    raise ValueError(f"--paged-kv cannot be combined with {flag} yet (not on the paged layout)")
 
     @property
     def serves_adapters(self) -> bool:
@@ -128,4 +138,5 @@ class EngineConfig:
         At `--batch 1` every prompt prefills from scratch, so a request's bits
         depend on no other request, not even an earlier one's cached KV.
         """
-        return self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0 or self.batch == 1
+        return (self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0 or self.batch == 1
+                or self.paged_kv)  # paged: the pool's cached prefix blocks are the prompt cache

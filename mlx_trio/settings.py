@@ -166,6 +166,12 @@ TABLE: tuple[Setting, ...] = (
     Setting("--quantized-kv-start", ("engine.quantized_kv_start",), BATCH, type=non_negative_int,
             help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
                  "chunk, as mlx-lm"),
+    Setting("--paged-kv", ("engine.paged_kv",), BATCH, switch=True,
+            help="hold full-attention KV in fixed-size blocks of one pool the size of --kv-budget, allocated at "
+                 "start: a row holds the blocks of its own tokens (no padding to the longest row), and rows share "
+                 "the cached blocks of a common prompt prefix, which replace the prompt cache (llama-family models "
+                 "without sliding windows; not with --kv-bits or --draft-model); off by default until measured on "
+                 "a GPU"),
     Setting("--no-compile", ("engine.compile_decode",), BATCH, switch=True, default=False,
             to_config=lambda off: False if off else None,
             shown_default="a lone row's steps compiled on the CPU where the model's caches allow, never on a GPU "

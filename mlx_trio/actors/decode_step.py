@@ -147,7 +147,8 @@ class DecodeStepActor:
             self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
                                                         speculation_for(self._lane.config, self._lane.model),
                                                         compile_decode=self._model.compile_decode,
-                                                        max_rows=self._lane.config.batch))
+                                                        max_rows=self._lane.config.batch,
+                                                        paged=self._model.paged_kv))
             while True:
                 if not self._rows:
                     # Idle: sleep until a row arrives (no busy loop, no lease jobs); it joins with every row

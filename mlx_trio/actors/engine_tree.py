@@ -48,7 +48,7 @@ from mlx_trio.engine.kv.layout import default_kv_budget, memory_headroom_bytes
 from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread, release_thread_streams
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
-from mlx_trio.engine.model.load import LoadedModel, load_model
+from mlx_trio.engine.model.load import LoadedModel, load_model, with_paged_kv
 from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
 from mlx_trio.errors import AdapterError, EngineFailure, MlxTrioError, ModelLoadError
@@ -210,12 +210,17 @@ class EngineActors:
         decode = lane.decode_step.statistics() if lane.decode_step is not None else None
         prefill = lane.prefill.statistics() if lane.prefill is not None else None
         admission = lane.admission.statistics() if lane.admission is not None else None
+        paged = lane.model.paged_kv if lane.model is not None else None
+        blocks = paged.counters() if paged is not None else None
         return {
             "configured": self.config.batch, "mode": "batch" if lane.row_cap > 1 else "serial",
             "active_rows": (decode.active_rows if decode else 0) + (1 if prefill and prefill.active_request else 0),
             "pending_rows": admission.mailbox_depth if admission else 0,
             "submitted_rows": retired.submitted + (admission.submitted if admission else 0),
-            "kv_bytes": (decode.kv_bytes if decode else 0) + (prefill.active_kv_bytes if prefill else 0),
+            # Paged: the blocks rows hold (prefilling and decoding; a shared block once), else each row's caches.
+            "kv_bytes": (blocks["used"] * blocks["block_bytes"] if blocks is not None else
+                         (decode.kv_bytes if decode else 0) + (prefill.active_kv_bytes if prefill else 0)),
+            "kv_blocks": blocks,
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
@@ -344,6 +349,8 @@ class EngineActors:
                                             # Adapters wrap q_proj, v_proj, ... by name: keep them apart.
                                             fuse_projections=not self.config.serves_adapters))
             log.info("model %s loaded from %s", model.model_id, model.path)
+            if self.config.paged_kv:  # the pool takes the whole KV budget now (docs/design.md §6.5)
+                model = await lease.run(partial(with_paged_kv, model, self._kv_budget(model)))
             if self.config.draft_model is not None:
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
                                                 cache_dir=self.config.cache_dir))
@@ -379,7 +386,7 @@ class EngineActors:
         start = time.monotonic()
         try:
             ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme,
-                                  model.compile_decode, speculation_for(self.config, model))
+                                  model.compile_decode, speculation_for(self.config, model), model.paged_kv)
         except Exception:
             log.warning("warming up the batch lane failed; the first requests may stall while kernels compile",
                         exc_info=True)
@@ -398,6 +405,16 @@ class EngineActors:
             lane.memory = MemoryBudget(budget, headroom=await lane.lease.run(memory_headroom_bytes))
         if lane.caching is None and layout.batchable:
             lane.caching = self._make_caching(budget)
+        paged = model.paged_kv
+        if paged is not None:  # admission counts blocks: what is admitted always has its blocks in the pool
+            # A verify forward may write its proposals past a row's last token before they are rolled back.
+            margin = self.config.num_draft_tokens if self.config.prompt_lookup else 0
+            return Limits(
+                project_bytes=lambda cmd: paged.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens + margin),
+                transient_bytes=lambda cmd: layout.prefill_peak_bytes(len(cmd.prompt_ids), step),
+                budget_bytes=paged.capacity_bytes,
+                max_rows=lane.row_cap,
+            )
         return Limits(
             project_bytes=lambda cmd: layout.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens),
             transient_bytes=lambda cmd: layout.prefill_peak_bytes(len(cmd.prompt_ids), step),

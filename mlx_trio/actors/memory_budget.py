@@ -1,4 +1,4 @@
-"""The KV budget as the device's memory allows it now (docs/design.md §6.5).
+"""The KV budget as the device's memory allows it now (docs/design.md §6.6).
 
 The budget computed at start is a ceiling, not a promise: another process
 (a second server, a notebook, on a Mac every other application) may take

@@ -460,7 +460,10 @@ class PrefillActor:
         uncached prompt (`_shared_cohort_fits`). While more rows wait than decode, each
         of those budgets is that many times larger (`_wave_scale`). Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
+        With --paged-kv there are no cohorts: each row prefills into the block pool from its cached prefix.
         """
+        if self._model.paged_kv is not None:
+            return [], None
         busy = self._busy
         scale = self._wave_scale()
         chunk = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
@@ -599,7 +602,7 @@ class PrefillActor:
         self._cohort_requests = [cmd for cmd, _ in cohort]
         for cmd in self._cohort_requests:
             request_phase(cmd.request_id, "prefill")
-        specs = [self._row_maker(cmd, hit) for cmd, hit in cohort]
+        specs = [self._row_maker(cmd, hit, paged=False) for cmd, hit in cohort]  # a cohort's own cache: copied at join
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
@@ -647,9 +650,13 @@ class PrefillActor:
             self._cohort_requests = []
 
     def _row_maker(self, cmd: Generate, hit: CacheHit | None,
-                   snapshot_at: int | None = None) -> Callable[[], SoloRow]:
-        """Makes the request's `SoloRow` (on the lease thread: it builds caches and takes the adapter's slot)."""
-        make = partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params,
+                   snapshot_at: int | None = None, *, paged: bool = True) -> Callable[[], SoloRow]:
+        """Makes the request's `SoloRow` (on the lease thread: it builds caches and takes the adapter's slot).
+
+        With --paged-kv (and `paged`) the row prefills into the model's block pool, from the cached blocks of
+        its prompt's prefix (docs/design.md §6.5)."""
+        pool = self._model.paged_kv if paged and hit is None and snapshot_at is None else None
+        make = partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params, paged=pool,
                        prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
                        resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid,
@@ -757,15 +764,19 @@ class PrefillActor:
         try:
             if row.prefill_remaining:
                 self._faults.check("prefill")
-                before = row.fed
+                before, cached = row.fed, row.cached_tokens
                 busy = self._busy
                 limit = self._chunk_tokens(before) if busy else None
                 remaining, seconds = await self._lease.run(prefill_chunk_then_token0, row, limit)
                 fed = total - 1 - remaining  # the prompt tokens in the caches after the chunk (token 0's not counted)
-                self.sizer.record(computed_tokens(row, before, fed), before, seconds, row.last_chunk_shape)
+                # --paged-kv: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
+                skipped = row.cached_tokens - cached
+                self.sizer.record(computed_tokens(row, before, fed) - skipped, before + skipped, seconds,
+                                  row.last_chunk_shape)
                 self._chunks += 1
                 self._sized_chunks += busy
-                self._prefill_tokens += fed - before
+                self._prefill_tokens += fed - before - skipped
+                self._cached_tokens += skipped
                 if caching is not None and fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))
                     self._snapshots += 1

@@ -101,8 +101,9 @@ def test_stats_and_status_shapes(http: httpx.Client) -> None:
     """/stats has the batch fields; /v1/status has the supervision tree with the http child in it."""
     stats = http.get("/stats").json()["batch"]
     assert set(stats) == {"configured", "mode", "active_rows", "pending_rows", "submitted_rows", "kv_bytes",
-                          "kv_budget_bytes", "decode_steps", "decoded_tokens"}
+                          "kv_budget_bytes", "decode_steps", "decoded_tokens", "kv_blocks"}
     assert stats["configured"] == 8 and stats["mode"] == "batch" and stats["kv_budget_bytes"] > 0
+    assert stats["kv_blocks"] is None  # no --paged-kv
     status = http.get("/v1/status").json()
     children = {c["id"]: c for c in status["tree"]["children"]}
     assert children["http"]["state"] == "running" and children["http"]["kind"] == "http"

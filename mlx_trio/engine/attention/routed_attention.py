@@ -52,9 +52,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from mlx_trio.engine.attention import ragged_kernel
+from mlx_trio.engine.attention import paged_attention, ragged_kernel
 from mlx_trio.engine.attention.unfused_attention import unfused_attention
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
+from mlx_trio.engine.kv.blocks.layer_cache import PagedLayerCache
 from mlx_trio.engine.lease_thread import on_cuda
 from mlx_trio.engine.switches import switched_on
 
@@ -205,7 +206,11 @@ class RoutedAttention(nn.Module):
 
         A cohort's shared prefill (`CohortKVCache`: made only under prefill-only cuDNN) runs on MLX's
         plain ops (engine/attention/unfused_attention.py): on cuDNN each cohort's shape would be a new plan.
+        A paged cache (engine/kv/blocks/paged_kv.py) holds the KV in its blocks, not in `keys`/`values`: its
+        attention reads the rows' block tables (engine/attention/paged_attention.py), on every backend.
         """
+        if isinstance(cache, PagedLayerCache):
+            return paged_attention.attend(queries, cache, self.scale)
         if type(cache) is CohortKVCache:
             return unfused_attention(queries, keys, values, self.scale, mask)
         attend = self._route.attend

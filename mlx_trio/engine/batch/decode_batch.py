@@ -55,6 +55,15 @@ is not pipelined (its proposals need the previous tokens on the host); so
 when no row has a proposal, plain pipelined steps run for a while (1, 2, 4,
 ... up to `MAX_QUIET_STEPS`) before the next look.
 
+**Paged KV** (`paged=`, engine/kv/blocks/): the rows' full-attention KV lives
+in blocks of the model's pool, one block table a row; a join copies the
+joiner's own KV into fresh blocks, a leave releases the leaver's, and neither
+touches another row's KV; each step writes every row's new K/V into its last
+block and attends over its own blocks (no padding to the longest row, no
+slots, no solo phase); a speculative step's rejected tail is truncated off each
+row's blocks (`PagedKV.truncate`); an adapter row's blocks are keyed under its
+adapter's revision. Not yet with quantized KV: the constructor refuses it.
+
 Every method runs on the lease thread; none hands out a lazy array.
 """
 
@@ -75,11 +84,14 @@ from mlx_trio.engine.adapters.forward import BASE_ROWS, Selected, release_all, r
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import batch_caches, batch_kv, cache_clone, decode_layout, row_blocks, row_rollback, row_slots
 from mlx_trio.engine.kv.batch_kv import HostPaddedBatchKVCache
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.row import PagedRow
+from mlx_trio.engine.kv.blocks.pool import PoolExhausted
 from mlx_trio.engine.kv.kv_scheme import KvScheme, is_quantized
 from mlx_trio.engine.model.decode_forward import DecodeForward
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry
 from mlx_trio.engine.sampling.batch_sampler import BatchSampler
-from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.batch.solo_row import SoloRow, adapter_revision
 from mlx_trio.engine.sampling.token_logprobs import BatchLogprobs
 from mlx_trio.engine.speculative import verify
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
@@ -156,8 +168,13 @@ class DecodeBatch:
 
     def __init__(self, model: nn.Module, kv_scheme: KvScheme = KvScheme(),
                  speculation: SpeculationConfig | None = None, *, compile_decode: bool | None = False,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, paged: PagedKV | None = None) -> None:
+        if paged is not None and kv_scheme.quantized:
+            raise ValueError("quantized KV (--kv-bits) is not on the paged KV layout yet: run it without paged KV")
         self._model = model
+        # Paged KV (see the module docstring): the pool, and each row's block table, aligned with _rows.
+        self._paged = paged
+        self._paged_rows: list[PagedRow] = []
         # Row slots (engine/kv/row_slots.py): grown by an eighth, up to `max_rows` (the lane's row cap) when given.
         self._max_rows = max_rows
         # The slot of each row (aligned with _rows), or None: row i is in slot i and every slot holds a row.
@@ -166,7 +183,8 @@ class DecodeBatch:
         # While _slots: (each slot's row, or the dummy row B; each row's slot) as index arrays for the forward.
         self._slot_take: tuple[mx.array, mx.array] | None = None
         # The step's forward as a compiled graph where the caches allow (engine/batch/compiled_step.py).
-        self._compiled = compiled_step.CompiledForward(model) if compiled_step.compile_wanted(compile_decode) else None
+        self._compiled = (compiled_step.CompiledForward(model)
+                          if compiled_step.compile_wanted(compile_decode) and paged is None else None)
         # The default (None) compiles a lone row's steps only: over a batch the compiled forward attends the
         # whole masked buffer, which cost more than it saved at B=64 (this CPU: 1.3x the host CPU per streamed
         # token at c=64, 0.73x the tok/s; H200: 0.65x the bare loop; docs/lab-notes/). True compiles both.
@@ -223,6 +241,8 @@ class DecodeBatch:
     def nbytes(self) -> int:
         """The rows' KV bytes, a draft model's included."""
         drafts = self._speculator.nbytes if self._speculator is not None else 0
+        if self._paged is not None:
+            return self._paged.bytes_held(self._paged_rows) + drafts
         return sum(c.nbytes for c in self._caches) + drafts
 
     @property
@@ -241,6 +261,11 @@ class DecodeBatch:
         if self._speculator is None or not self._speculator.active:
             return False
         return not self._kv_scheme.quantized or self.is_quantized
+
+    @property
+    def is_paged(self) -> bool:
+        """Whether the rows' KV lives in a block pool (`paged=`): every row can join, whatever its caches."""
+        return self._paged is not None
 
     @property
     def is_solo(self) -> bool:
@@ -289,7 +314,11 @@ class DecodeBatch:
         block = self._block_of(rows)
         copied = True  # whether the running rows' KV was copied (then the replaced buffers are freed below)
         running_bytes = self.nbytes if self._rows else 0
-        if self._rows and not self._solo and self._slots_usable(rows):
+        if self._paged is not None:
+            with span(f"join.paged x{len(rows)}"):
+                self._join_paged(joiners)
+            copied = False
+        elif self._rows and not self._solo and self._slots_usable(rows):
             with span(f"join.slots x{len(rows)} block={block is not None}"):
                 copied = self._join_slots(rows, block)
         elif not self._rows and len(rows) == 1:
@@ -341,6 +370,34 @@ class DecodeBatch:
         if copied and running_bytes >= JOIN_CLEAR_MIN_BYTES:
             with span("join.clear_cache"):
                 mx.clear_cache()
+
+    def _join_paged(self, joiners: Sequence[tuple[SoloRow, int]]) -> None:
+        """Take each joiner's block table: as it is when it prefilled into this pool, else its own KV copied into
+        fresh blocks (all or none: PoolExhausted leaves the batch and the joiners unchanged)."""
+        paged = self._paged
+        assert paged is not None
+        copies: dict[int, PagedRow] = {}
+        try:
+            for i, (row, _) in enumerate(joiners):
+                if row.paged_row is None or row.paged_kv is not paged:
+                    copies[i] = paged.adopt(row.caches, row.prompt_ids[: row.num_prompt_tokens],
+                                            adapter_revision(row.adapter))
+        except PoolExhausted:
+            for paged_row in copies.values():
+                paged.leave(paged_row)
+            raise
+        for i, (row, token0) in enumerate(joiners):
+            paged_row = copies.get(i)
+            if paged_row is None:  # prefilled into our blocks: taken as it is
+                paged_row, row.paged_row = row.paged_row, None
+            elif row.paged_row is not None and row.paged_kv is not None:  # another pool's: released there
+                row.paged_kv.leave(row.paged_row)
+                row.paged_row = None
+            assert paged_row is not None
+            if len(paged_row.tokens) <= paged_row.length:
+                paged.note_tokens(paged_row, [token0])  # the next input: its block is keyed once full
+            self._paged_rows.append(paged_row)
+        self._num_slots = len(self._paged_rows)
 
     def _slots_usable(self, joiners: Sequence[SoloRow] = ()) -> bool:
         """Whether the batch (and these joiners) can take row slots; else mlx-lm's filter / extend."""
@@ -540,6 +597,8 @@ class DecodeBatch:
         another row's adapter, or none), and the lean forward holds the layers it was built over (a layer
         wrapped since is not called). Traces of base rows only stay right: unselected, a wrapper is its layer.
         """
+        if self._paged is not None:
+            return self._forward_paged(inputs)
         decode_layout.keep_vector_decode(self._caches)  # prefill-only cuDNN: decode on the vector kernel
         if self._selected is not BASE_ROWS:
             return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
@@ -551,6 +610,17 @@ class DecodeBatch:
         if self._lean is not None:
             return self._lean(inputs, self._caches)
         return self._model(inputs[:, None], cache=self._caches)[:, -1, :]
+
+    def _forward_paged(self, inputs: mx.array) -> mx.array:
+        """One step over the rows' block tables: each row's new K/V into its last block (allocated as needed)."""
+        assert self._paged is not None
+        step = self._paged.step(self._paged_rows, 1)
+        caches = self._paged.caches(step)  # the lean forward calls the same cache protocol and attention
+        # While a row holds an adapter, the model's own graph (`_forward_slots` says why).
+        lean = self._lean if self._selected is BASE_ROWS else None
+        logits = lean(inputs, caches) if lean is not None else self._model(inputs[:, None], cache=caches)[:, -1, :]
+        self._paged.commit(step)
+        return logits
 
     def _convert_when_due(self) -> None:
         """A bf16 batch converts every row once one holds `start` tokens (after the forward, as mlx-lm does)."""
@@ -617,8 +687,9 @@ class DecodeBatch:
         self._quiet_wait = 0
         assert self._inputs is not None
         inputs = mx.array(verify.padded_inputs(self._inputs.tolist(), proposals), dtype=mx.uint32)
+        paged_step = self._paged.step(self._paged_rows, inputs.shape[1]) if self._paged is not None else None
         with self._selected.applied():  # the target verifies with each row's adapter (the draft proposes without)
-            logits = self._model(inputs, cache=self._caches)
+            logits = self._model(inputs, cache=self._caches if paged_step is None else self._paged.caches(paged_step))
         # Each position is sampled as the plain step at that point would be (its input joins the
         # penalty history, its draw splits the row's key); a row keeps the draws it emits (`rewind`).
         width = inputs.shape[1]
@@ -638,7 +709,14 @@ class DecodeBatch:
         self._sampler.rewind(checkpoints, accepted)
         emitted = [v[:a + 1] for v, a in zip(verified, accepted)]
         self._sampler.accept_runs(emitted)
-        row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
+        if self._paged is not None:
+            assert paged_step is not None
+            self._paged.commit(paged_step)
+            for paged_row, a, tokens in zip(self._paged_rows, accepted, emitted):
+                self._paged.truncate(paged_row, width - 1 - a)
+                self._paged.note_tokens(paged_row, tokens)  # the accepted proposals, then the next input
+        else:
+            row_rollback.roll_back_rows(self._caches, [width - 1 - a for a in accepted])
         self._fed_steps += 1
         for row, a in zip(self._rows, accepted):
             row.fed_offset += a
@@ -682,6 +760,9 @@ class DecodeBatch:
         tokens = self._inputs.tolist()
         self._device_bound = time.perf_counter() - start > DEVICE_BOUND_WAIT_S
         self._sampler.accept(tokens)
+        if self._paged is not None:  # the next inputs: their ids key the rows' blocks once full
+            for paged_row, token in zip(self._paged_rows, tokens):
+                self._paged.note_tokens(paged_row, (token,))
         if self._speculator is not None:
             self._speculator.extend([(t,) for t in tokens])
         logprobs = self._unread_logprobs
@@ -714,8 +795,15 @@ class DecodeBatch:
             return
         if len(keep) == len(self._rows):
             return
-        copied = not self._solo
-        if not self._solo:
+        copied = not self._solo and self._paged is None
+        if self._paged is not None:  # the leavers' blocks go back; no other row's KV moves
+            kept_rows = set(keep)
+            for i, paged_row in enumerate(self._paged_rows):
+                if i not in kept_rows:
+                    self._paged.leave(paged_row)
+            self._paged_rows = [self._paged_rows[i] for i in keep]
+            self._num_slots = len(keep)
+        elif not self._solo:
             if len(keep) == 1 and batch_caches.can_extract(self._caches):
                 self._caches = [batch_caches.extract_layer(c, self._slot(keep[0])) for c in self._caches]
                 self._solo = True
@@ -746,6 +834,8 @@ class DecodeBatch:
             mx.clear_cache()  # as in join: the filtered-out copies go back to the device
 
     def _caches_state(self) -> list[Any]:
+        if self._paged is not None:
+            return [*self._paged.storage.keys, *self._paged.storage.values]
         return [c.state for c in self._caches]
 
     def cache_entry(self, request_id: str, tokens: tuple[int, ...]) -> CacheEntry | None:
@@ -760,7 +850,9 @@ class DecodeBatch:
         """
         index = self._index(request_id)
         num_fed = self._num_fed(self._rows[index])
-        if self._solo:
+        if self._paged is not None:
+            caches = self._paged.extract(self._paged_rows[index], num_fed)
+        elif self._solo:
             caches = list(self._caches)
         else:
             caches = [batch_caches.extract_layer(c, self._slot(index)) for c in self._caches]
@@ -777,6 +869,10 @@ class DecodeBatch:
     def close(self) -> None:
         """Drop every row and array (in the lease thread, which owns them)."""
         self._rows = []
+        if self._paged is not None:
+            for paged_row in self._paged_rows:
+                self._paged.leave(paged_row)
+            self._paged_rows = []
         release_all(self._adapters)
         self._adapters = []
         self._selected = BASE_ROWS

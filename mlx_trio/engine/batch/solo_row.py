@@ -9,6 +9,11 @@ does it join the `DecodeBatch` (engine/batch/decode_batch.py), which takes its c
 sampler. Because solo state never sees a pad token, recurrent (SSM) layers
 need no padding mask when they later batch.
 
+With paged KV (`paged=`, engine/kv/blocks/) the row's caches are its block
+table's: its prompt first references the cached full blocks it starts with
+(another row's prefix, shared, not recomputed), only the rest is prefilled,
+into blocks of its own, and the decode batch takes the row without a copy.
+
 Every method runs on the lease thread.
 """
 
@@ -24,6 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
@@ -33,6 +40,11 @@ from mlx_trio.engine.sampling.row_sampler import RowSampler
 from mlx_trio.engine.sampling.token_logprobs import LogprobArrays, arrays_of, to_record
 from mlx_trio.logprobs import SampledLogprobs
 from mlx_trio.params import SamplingParams
+
+
+def adapter_revision(adapter: AdapterUse | None) -> str:
+    """The revision a row's KV is computed under: its adapter's ("" for the base model)."""
+    return "" if adapter is None else f"{adapter.name}@{adapter.owner.revision(adapter.name)}"
 
 
 class SoloRow:
@@ -60,6 +72,7 @@ class SoloRow:
         prefill_grid: int | None = 0,
         kv_scheme: KvScheme = KvScheme(),
         adapter: AdapterUse | None = None,
+        paged: PagedKV | None = None,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed); with a quantized `kv_scheme`, one the
         # lookup cut with `kv_scheme.hit_limit`, or the row may not convert where mlx-lm does. `snapshot_at`:
@@ -76,6 +89,15 @@ class SoloRow:
             raise ValueError("prompt_ids must not be empty")
         if hit is not None and hit.usable >= len(prompt_ids):
             raise ValueError("a cache hit must leave the last prompt token to compute")
+        if paged is not None and (hit is not None or snapshot_at is not None):
+            raise ValueError("a paged row's prompt cache is its shared blocks: no entry hit or snapshot")
+        if paged is not None and kv_scheme.quantized:
+            raise ValueError("quantized KV is not on the paged KV layout yet")
+        # Paged KV: the pool and the row's block table (None once the decode batch took it, or unpaged); an adapter
+        # row's blocks are keyed under its adapter's revision.
+        self.paged_kv = paged
+        self.paged_row: PagedRow | None = (paged.join(prompt_ids, adapter_revision(adapter)) if paged is not None
+                                           else None)
         self.adapter = adapter
         self._model = adapted(model, adapter)
         self.request_id = request_id
@@ -86,6 +108,10 @@ class SoloRow:
         self._caches: list[Any] | None = (
             cache_clone.take(hit.caches, hit.trim) if hit is not None else make_prompt_cache(model)
         )
+        if paged is not None:
+            assert self.paged_row is not None
+            self.cached_tokens = self.paged_row.length  # its shared prefix blocks
+            self._caches = list(paged.row_caches(self.paged_row))
         matcher = GrammarMatcher.for_row(params.constraint, grammar_tokenizer,
                                          prompt_ids[len(prompt_ids) - resumed_tokens:] if resumed_tokens else ())
         self.sampler = RowSampler(params, prompt_ids, rng_draws=rng_draws, matcher=matcher)
@@ -186,8 +212,25 @@ class SoloRow:
         prompt token is never prefilled here: it is `first_token()`'s input.
         `evaluate=False` only launches the chunk (`ChunkedPrefill.chunk`); the same kernels, so the same numbers.
         """
+        if self.paged_row is not None:
+            limit = self._paged_limit(limit)
+            if not self.prefill_remaining:
+                return 0
         self._prefill.chunk(limit, evaluate=evaluate)
         return self.prefill_remaining
+
+    def _paged_limit(self, limit: int | None) -> int:
+        """Before a paged chunk: take the blocks other rows cached since (`PagedKV.catch_up`: skipped here, counted
+        as cached), and end the chunk on a block boundary unless it is the prompt's last, so the next one can."""
+        assert self.paged_kv is not None and self.paged_row is not None
+        gained = self.paged_kv.catch_up(self.paged_row)
+        if gained:
+            self._prefill.take(gained)
+            self.cached_tokens += gained
+        prefill = self._prefill
+        n = min(limit or prefill.step_size, prefill.step_size, prefill.remaining)
+        over = (prefill.fed + n) % self.paged_kv.block_size
+        return n - over if n < prefill.remaining and n > over else n
 
     def first_token(self) -> int:
         """Feed the last prompt token (an L=1 step on `caches`) and return token 0, evaluated."""
@@ -250,6 +293,10 @@ class SoloRow:
         """Drop the row's caches and its adapter's slot (in the lease thread, which owns them); also done by `join`."""
         self.caches = []
         self.block = None
+        if self.paged_row is not None:
+            assert self.paged_kv is not None
+            self.paged_kv.leave(self.paged_row)
+            self.paged_row = None
         if self.adapter is not None:
             self.adapter.release()
             self.adapter = None

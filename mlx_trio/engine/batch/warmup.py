@@ -33,6 +33,7 @@ from mlx_trio.engine.kv import batch_caches
 from mlx_trio.engine.batch.decode_batch import DecodeBatch, Decoded
 from mlx_trio.engine.batch.cohort_prefill import prefill_rows
 from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.speculative.speculator import SpeculationConfig
 from mlx_trio.params import SamplingParams
@@ -44,21 +45,29 @@ _STEPS = 3
 
 
 def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(),
-                compile_decode: bool | None = False, speculation: SpeculationConfig | None = None) -> bool:
-    """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran."""
+                compile_decode: bool | None = False, speculation: SpeculationConfig | None = None,
+                paged: PagedKV | None = None) -> bool:
+    """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran.
+
+    With `paged` (--paged-kv) the rows warm the paged path instead: prefill into blocks, steps over tables.
+    """
     if mx.default_device().type != mx.DeviceType.gpu:
         return False
-    warm_up(model, vocab_size, compile_decode=compile_decode)
+    warm_up(model, vocab_size, compile_decode=compile_decode, paged=paged)
     if kv_scheme.quantized:
         warm_up(model, vocab_size, attrs.evolve(kv_scheme, start=0), compile_decode=compile_decode)
     if speculation is not None:
-        warm_up(model, vocab_size, kv_scheme, compile_decode=compile_decode, speculation=speculation)
+        warm_up(model, vocab_size, kv_scheme, compile_decode=compile_decode, speculation=speculation, paged=paged)
     return True
 
 
 def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(), *,
-            compile_decode: bool | None = False, speculation: SpeculationConfig | None = None) -> None:
+            compile_decode: bool | None = False, speculation: SpeculationConfig | None = None,
+            paged: PagedKV | None = None) -> None:
     """Take a few random rows through prefill, join, steps and leave, then free everything.
+
+    With `paged` each row prefills alone into the pool's blocks (no cohort: its cache would be a copy) and
+    the batch decodes over block tables; the blocks go back to the pool (their keys stay cached, evictable).
 
     With `compile_decode` the steps run compiled, so the fused kernels are built here (a new
     `(B, capacity)` later only retraces: engine/batch/compiled_step.py). With `speculation`
@@ -73,11 +82,11 @@ def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(),
     if speculation is not None and speculation.draft_model is None:
         speculation = attrs.evolve(speculation, proposers=partial(_Proposing, token=top - 1))
     makers = [partial(SoloRow, model, f"warm-up-{i}", [rng.randrange(3, top) for _ in range(n)], p,
-                      kv_scheme=kv_scheme)
+                      kv_scheme=kv_scheme, paged=paged)
               for i, (n, p) in enumerate(zip(_PROMPT_TOKENS, params))]
-    outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]
+    outcomes = [*prefill_rows(model, makers[:2]), *prefill_rows(model, makers[2:])]  # paged rows: each alone
     rows = [row for row in outcomes if isinstance(row, SoloRow)]
-    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode)
+    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode, paged=paged)
     try:
         for failed in outcomes:
             if isinstance(failed, Exception):
@@ -95,7 +104,7 @@ def _decode(batch: DecodeBatch, rows: list[SoloRow]) -> None:
     first, *others = rows
     batch.join_many([(first, _token0(first))])
     _steps(batch)
-    if not batch_caches.can_batch(others[0].caches):
+    if not batch.is_paged and not batch_caches.can_batch(others[0].caches):
         return  # this model decodes one row at a time: nothing more to compile
     batch.join_many([(row, _token0(row)) for row in others])
     _steps(batch)

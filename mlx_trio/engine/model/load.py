@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
 from mlx_trio.errors import InvalidParameter, ModelLoadError
-from mlx_trio.engine.attention import routed_attention
+from mlx_trio.engine.attention import paged_layout, routed_attention
 from mlx_trio.engine.distributed.world import current_world, shard_model
 from mlx_trio.engine.model import fused_projections
 from mlx_trio.engine.model.chat import check_chat, template_messages
@@ -60,6 +60,8 @@ class LoadedModel:
     draft: nn.Module | None = None
     # Whether its decode steps compile their forward (engine/batch/compiled_step.py; --no-compile).
     compile_decode: bool | None = False
+    # --paged-kv: the model's block pool (engine/kv/blocks/paged_kv.py `PagedKV`), made by `with_paged_kv`; else None.
+    paged_kv: Any = None
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -214,6 +216,23 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         kv_scheme=kv_scheme,
         compile_decode=compile_decode,
     )
+
+
+def with_paged_kv(model: LoadedModel, budget_bytes: int) -> LoadedModel:
+    """`model` with a block pool of `budget_bytes` (--paged-kv), allocated now; lease thread only.
+
+    Raises ModelLoadError naming why the model cannot hold paged KV (docs/design.md §6.5: a sliding-window
+    layer, an attention the routed attention does not wrap, a distributed group), so the server refuses at start.
+    """
+    reason = paged_layout.refusal(model.model)
+    if reason is None and current_world().distributed:
+        reason = "a distributed group's ranks would each need their own pool and tables (not built yet)"
+    if reason is not None:
+        raise ModelLoadError(f"--paged-kv: model {model.model_id} cannot hold paged KV: {reason}")
+    pool = paged_layout.paged_kv_for(model.model, budget_bytes, model.model_id)
+    log.info("paged KV: %d blocks of %d tokens (%.1f MiB each), %.1f GiB", pool.storage.num_blocks, pool.block_size,
+             pool.storage.bytes_per_block / 2**20, pool.storage.num_blocks * pool.storage.bytes_per_block / 2**30)
+    return attrs.evolve(model, paged_kv=pool)
 
 
 def _model_id(requested: str | None, path: str) -> str:

@@ -37,7 +37,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                  entries: dict[str, CacheEntry | None] | None = None,
                  steps: list[Decoded] | None = None,
                  adapter_of: Callable[[str], Any] | None = None,
-                 compile_decode: bool | None = False) -> dict[str, Outcome]:
+                 compile_decode: bool | None = False, paged: Any = None) -> dict[str, Outcome]:
     """Each arrival joins at its step (after prefilling alone); rows leave once finished, as in DecodeStepActor.
 
     `compile_decode` steps through the compiled forward where it covers the caches (engine/batch/compiled_step.py).
@@ -49,11 +49,12 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
     (`DecodeBatch.cache_entry`), keyed by request id. With `steps`, every
     `Decoded` the steps returned is appended there.
     `adapter_of(request_id)`: the row's `AdapterUse` (None: a base row), taken when its prefill starts.
+    `paged`: a `PagedKV` the rows prefill into and decode on (engine/kv/blocks/).
     """
     params = {a.request_id: a.params for a in arrivals}
     params_prompt = {a.request_id: a.prompt_ids for a in arrivals}
     out = {a.request_id: Outcome() for a in arrivals}
-    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode)
+    batch = DecodeBatch(model, kv_scheme, speculation, compile_decode=compile_decode, paged=paged)
 
     def note_format() -> None:
         if converted_at is not None and batch.size and batch.is_quantized:
@@ -94,7 +95,7 @@ def run_schedule(model: Any, arrivals: list[Arrival], *, eos: Collection[int],
                 pending.remove(a)
                 row = SoloRow(model, a.request_id, a.prompt_ids, a.params, prefill_step_size=prefill_step_size,
                               grammar_tokenizer=grammar_tokenizer, kv_scheme=kv_scheme,
-                              adapter=adapter_of(a.request_id) if adapter_of is not None else None)
+                              adapter=adapter_of(a.request_id) if adapter_of is not None else None, paged=paged)
                 while row.prefill_chunk():
                     pass
                 record(a.request_id, row.first_token(), row.token0_logprobs)

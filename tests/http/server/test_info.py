@@ -59,7 +59,7 @@ async def test_stats_reports_the_batch_fields() -> None:
         await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert (await client.get("/stats")).json() == {"batch": {
             "configured": 4, "mode": "serial", "active_rows": 0, "pending_rows": 0, "submitted_rows": 1,
-            "kv_bytes": 0, "kv_budget_bytes": None, "decode_steps": 0, "decoded_tokens": 0,
+            "kv_bytes": 0, "kv_budget_bytes": None, "decode_steps": 0, "decoded_tokens": 0, "kv_blocks": None,
         }, "prompt_cache": {"enabled": False}, "speculative": {"proposed": 0, "accepted": 0, "acceptance": 0.0}}
 
 

@@ -1,0 +1,186 @@
+"""Paged KV (issue #45) on the engine's own path: prefix sharing, bytes held per token, block size, step time.
+
+Usage:
+    PYTHONPATH=$PWD python benchmarks/paged_kv.py                 # CPU, the tiny llama: about a minute
+    PYTHONPATH=$PWD python benchmarks/paged_kv.py --model PATH    # any llama-family mlx-lm model (the H200)
+
+Parts (`--parts`, default all):
+
+* ``siblings``  8 rows sharing a `--prefix` (2,000) token prefix with distinct 64-token tails: prompt tokens
+  computed, paged vs today's layout, with the rows arriving one after another (each prefills, samples token 0
+  and joins before the next starts) and all at once (their 256-token chunks interleaved, as the prefill actor
+  runs concurrent prompts: each chunk first takes the blocks the others cached meanwhile).
+* ``memory``    one `--long` (3,000) token row decoding beside 15 rows of 100 tokens (`--batch 16`): KV bytes
+  the batch holds (`DecodeBatch.nbytes`, what `/stats` `batch.kv_bytes` reports) over the bytes of the tokens
+  it holds, paged vs today's padded layout.
+* ``equal``     ms per decode step of 8 and 16 rows of one length (512 tokens), paged vs padded, alternated.
+* ``block``     ms per decode step of a paged batch of 16 rows (300..1,200 tokens) for block sizes 16..256,
+  against today's padded step on the same rows; and the same paged step with a pool 32x larger (a step
+  that copied its pool instead of writing in place would slow down with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load
+
+from mlx_trio.engine.attention import paged_layout, routed_attention
+from mlx_trio.engine.batch.decode_batch import DecodeBatch
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.params import SamplingParams
+
+
+def _kv(model: Any, blocks: int, block_size: int) -> PagedKV:
+    shapes = paged_layout.layer_shapes(model)
+    dtype = paged_layout.model_dtype(model)
+    budget = blocks * paged_layout.BlockStorage.block_bytes(shapes, block_size, dtype)
+    return paged_layout.paged_kv_for(model, budget, "bench", block_size=block_size)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return [(131 * seed + 7 * j + j * j) % (vocab - 10) + 3 for j in range(n)]
+
+
+def _row(model: Any, rid: str, prompt: list[int], kv: PagedKV | None) -> tuple[SoloRow, int]:
+    row = SoloRow(model, rid, prompt, SamplingParams(max_tokens=1 << 20), prefill_step_size=512, paged=kv)
+    while row.prefill_chunk():
+        pass
+    return row, row.first_token()
+
+
+def siblings(model: Any, vocab: int, prefix: int, block_size: int) -> None:
+    common = _prompt(999, prefix, vocab)
+    prompts = [common + _prompt(i, 64, vocab) for i in range(8)]
+    for mode in ("paged-after", "paged-together", "padded"):
+        kv = _kv(model, 4 * (prefix + 8 * 64) // block_size + 64, block_size) if mode != "padded" else None
+        batch = DecodeBatch(model, paged=kv)
+        start = time.perf_counter()
+        if mode == "paged-together":  # all start at once; chunks interleaved as the prefill actor runs them
+            rows = [SoloRow(model, f"s{i}", p, SamplingParams(max_tokens=1 << 20), paged=kv)
+                    for i, p in enumerate(prompts)]
+            while any(row.prefill_remaining for row in rows):
+                for row in rows:
+                    if row.prefill_remaining:
+                        row.prefill_chunk(256)
+            joined = [(row, row.first_token()) for row in rows]
+        else:  # one after another: each prefills and joins before the next starts
+            joined = []
+            for i, p in enumerate(prompts):
+                joined.append(_row(model, f"s{i}", p, kv))
+        computed = sum(len(row.prompt_ids) - row.cached_tokens for row, _ in joined)
+        batch.join_many(joined)
+        seconds = time.perf_counter() - start
+        batch.close()
+        print(f"siblings {mode:14s}: prompt tokens computed {computed} of {8 * (prefix + 64)} "
+              f"(target: at most {1.3 * (prefix + 8 * 64):.0f}), {seconds:.2f} s")
+
+
+def memory(model: Any, vocab: int, long: int, batch_size: int, block_size: int) -> None:
+    lengths = [long] + [100] * (batch_size - 1)
+    for paged in (True, False):
+        kv = _kv(model, sum(n + 64 for n in lengths) // block_size + 2 * batch_size, block_size) if paged else None
+        batch = DecodeBatch(model, paged=kv)
+        for i, n in enumerate(lengths):
+            batch.join_many([_row(model, f"m{i}", _prompt(i, n, vocab), kv)])
+        for _ in range(32):
+            batch.step_decoded()
+        batch.flush_decoded()
+        tokens = sum(batch.num_fed(rid) for rid in batch.request_ids)
+        per_token = (kv.storage.bytes_per_block // block_size if kv is not None
+                     else _kv(model, 1, 1).storage.bytes_per_block)
+        held = batch.nbytes
+        print(f"memory {'paged ' if paged else 'padded'}: {held / 1e6:.2f} MB of KV held for {tokens} tokens "
+              f"({tokens * per_token / 1e6:.2f} MB worth): {held / (tokens * per_token):.2f}x the tokens")
+        batch.close()
+
+
+def _step_ms(batch: DecodeBatch, steps: int) -> float:
+    times = []
+    for _ in range(5):
+        tic = time.perf_counter()
+        for _ in range(steps):
+            batch.step_decoded()
+        batch.flush_decoded()
+        times.append((time.perf_counter() - tic) * 1e3 / steps)
+    return statistics.median(times)
+
+
+def block(model: Any, vocab: int, steps: int) -> None:
+    lengths = [300 + 60 * i for i in range(16)]
+    prefilled = [_row(model, f"b{i}", _prompt(i, n, vocab), None) for i, n in enumerate(lengths)]
+
+    def batch_of(kv: PagedKV | None) -> DecodeBatch:
+        batch = DecodeBatch(model, paged=kv)
+        for row, token0 in prefilled:  # each batch copies the rows' KV (a paged one into its blocks)
+            keep = row.caches
+            batch.join_many([(row, token0)])
+            row.caches = keep
+        return batch
+
+    padded = batch_of(None)
+    print(f"block: padded step {_step_ms(padded, steps):.2f} ms (B=16, 300..1,200 tokens)")
+    padded.close()
+    for size in (16, 32, 64, 128, 256):
+        need = sum(n + 6 * steps for n in lengths) // size + 2 * 16
+        for scale in (1, 32) if size == 16 else (1,):
+            batch = batch_of(_kv(model, scale * need, size))
+            print(f"block: paged step {_step_ms(batch, steps):.2f} ms, block size {size}, pool {scale * need} blocks")
+            batch.close()
+
+
+def equal(model: Any, vocab: int, steps: int) -> None:
+    """Rows of one length (the short-prompt load the paged step must not slow): ms a step, B = 8 and 16."""
+    for batch_size in (8, 16):
+        prefilled = [_row(model, f"e{i}", _prompt(i, 512, vocab), None) for i in range(batch_size)]
+        times: dict[str, list[float]] = {"padded": [], "paged": []}
+        for _ in range(3):  # alternated: this machine's load drifts
+            for mode in ("padded", "paged"):
+                kv = _kv(model, batch_size * (512 + 8 * steps) // 16 + 4 * batch_size, 16) if mode == "paged" else None
+                batch = DecodeBatch(model, paged=kv)
+                for row, token0 in prefilled:
+                    keep = row.caches
+                    batch.join_many([(row, token0)])
+                    row.caches = keep
+                times[mode].append(_step_ms(batch, steps))
+                batch.close()
+        print(f"equal B={batch_size} x 512 tokens: padded {statistics.median(times['padded']):.2f} ms, "
+              f"paged {statistics.median(times['paged']):.2f} ms a step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an mlx-lm model directory (default: the tiny llama)")
+    parser.add_argument("--parts", default="siblings,memory,block,equal")
+    parser.add_argument("--prefix", type=int, default=2000)
+    parser.add_argument("--long", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    if args.model is None:
+        from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+        args.model = str(tiny_model(LLAMA))
+    model = load(args.model)[0]
+    routed_attention.install(model)
+    vocab = model.args.vocab_size
+    parts = args.parts.split(",")
+    print(f"model {args.model}, device {mx.default_device()}")
+    if "siblings" in parts:
+        siblings(model, vocab, args.prefix, args.block_size)
+    if "memory" in parts:
+        memory(model, vocab, args.long, args.batch, args.block_size)
+    if "block" in parts:
+        block(model, vocab, args.steps)
+    if "equal" in parts:
+        equal(model, vocab, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Attention over a paged cache's block tables: one interface, the kernel chosen by the backend.
+
+`attend(queries, cache, scale)` is what the routed attention calls for a
+`PagedLayerCache` (engine/kv/blocks/paged_kv.py), for decode steps and prefill
+chunks alike. Today every backend runs the MLX-ops reference
+(paged_reference.py), which is exact and runs anywhere, the CPU included.
+
+KERNELS: where a backend's kernel goes. A `mx.fast.cuda_kernel` (CUDA) or
+`mx.fast.metal_kernel` (Metal) variant that reads each row's blocks in place
+(no gather) is to be added here as `_kernel_for(backend)`, selected only on
+that backend, after a load-time self-check against the reference (as
+ragged_kernel.self_check does), and only where it measures faster; its
+correctness test is to be parametrized over backends and run where the backend
+exists. None is written yet: neither backend is available to test it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_trio.engine.attention.paged_reference import reference_paged_attention
+
+
+# The most transient bytes one reference call may build (gathered K and V and the scores, counted at 4 bytes): a group
+# that would build more is attended in pieces of rows, and a long prefill chunk in pieces of queries, so a
+# step's transient stays bounded however large the pool and the rows grow.
+TRANSIENT_BYTES = 256 << 20
+
+
+def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
+    """The attention of `queries` `[B, H, L, D]` over `cache`'s rows' blocks (its step's tables and lengths).
+
+    Group by group (rows of similar table widths: `PagedStep.groups`), so the reference's gather pads a
+    row at most to about twice its own blocks, never to the longest row of the batch.
+    """
+    step = cache.step
+    keys, values = cache.block_keys, cache.block_values
+    outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale,
+                    visible=g.visible) for g in step.groups]
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out if step.restore is None else out[step.restore]
+
+
+def bounded(queries: mx.array, block_keys: mx.array, block_values: mx.array, tables: mx.array, lengths: mx.array,
+            scale: float, limit: int = TRANSIENT_BYTES, visible: mx.array | None = None) -> mx.array:
+    """`reference_paged_attention`, in pieces of rows (and of queries) that each build at most about `limit` bytes.
+
+    `visible`: a decode step's mask for all the rows (sliced with them), else built piece by piece."""
+    G, H, L, D = queries.shape
+    keys_per_row = tables.shape[1] * block_keys.shape[1]
+    gathered = 4 * keys_per_row * 2 * block_keys.shape[2] * D  # float32 K and V of one row
+    scores = 4 * keys_per_row * H  # one query's scores
+    rows = max(1, limit // (gathered + scores * L))
+    if rows >= G:
+        return reference_paged_attention(queries, block_keys, block_values, tables, lengths, scale, visible)
+    if rows > 1 or L == 1:
+        return mx.concatenate([
+            reference_paged_attention(queries[r : r + rows], block_keys, block_values, tables[r : r + rows],
+                                      lengths[r : r + rows], scale, None if visible is None else visible[r : r + rows])
+            for r in range(0, G, rows)], axis=0)
+    # One row's whole chunk is too much: its queries in pieces, each attending causally up to its own end.
+    per = max(1, (limit - gathered) // scores)
+    return mx.concatenate([
+        mx.concatenate([
+            reference_paged_attention(queries[r : r + 1, :, q : q + per], block_keys, block_values,
+                                      tables[r : r + 1], lengths[r : r + 1] - (L - min(L, q + per)), scale)
+            for q in range(0, L, per)], axis=2)
+        for r in range(G)], axis=0)
