@@ -160,7 +160,7 @@ class Engine:
 
     async def report_leaks(self) -> list[str]:
         """At shutdown: what the engine still holds with every request ended, each logged at ERROR on
-        `mlx_trio.leaks` (docs/design.md §7).
+        the leak log (`mlx_trio.api.leaks_log`) (docs/design.md §7).
 
         Waits up to `IDLE_SETTLE_S` for the pools to go idle first. An engine
         closed mid-stream (a `stream` not ended) is not judged: returns [].

@@ -191,7 +191,7 @@ async def _drain_unless_signalled(server: HttpServer, signals: AsyncIterator[int
         report = await server.drain()
         log.info("drain done in %.1f s: %d request(s) were in flight, %d cut",
                  report.elapsed_s, report.in_flight_at_start, report.cut)
-        # With every request ended, a pool still held is a leak: logged on mlx_trio.leaks (docs/design.md §7.3).
+        # With every request ended, a pool still held is a leak: logged on the leak log (mlx_trio.api.leaks_log) (docs/design.md §7.3).
         report_leaks = getattr(server.engine, "report_leaks", None)
         if report_leaks is not None:
             await report_leaks()

@@ -36,7 +36,7 @@ class _Records(logging.Handler):
 def leak_records() -> Iterator[list[logging.LogRecord]]:
     """Fail the test if an engine it ran in-process was closed idle yet holding a pool (docs/design.md §7).
 
-    `open_engine` logs each leak on `mlx_trio.leaks` when it closes with every
+    `open_engine` logs each leak on the leak log (`mlx_trio.api.leaks_log`) when it closes with every
     request ended (`Engine.report_leaks`). A test that leaks on purpose asks
     for this fixture and clears the list once it has checked it.
     """

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from mlx_trio import open_engine
+from mlx_trio.api import leaks_log
 from mlx_trio.actors.messages import Generate
 from mlx_trio.events import TextDelta
 from mlx_trio.params import SamplingParams
@@ -35,7 +36,7 @@ async def test_a_leaked_reservation_is_logged_at_close(leak_records) -> None:
         leaked = Generate("req-leaked", (1, 2, 3), SamplingParams(max_tokens=4), reply=send)
         engine.actors.lane.admission._reserve(leaked)  # a reservation whose release was forgotten
     messages = [record.getMessage() for record in leak_records]
-    assert {record.name for record in leak_records} == {"mlx_trio.leaks"}
+    assert {record.name for record in leak_records} == {leaks_log.name}
     assert any("admission reserved bytes" in message for message in messages), messages
     assert any("admission rows in flight: 1" in message for message in messages), messages
     leak_records.clear()

@@ -87,6 +87,9 @@ async def test_faults_in_a_row_in_other_actors_never_end_a_stream(unfaulted: lis
                                                                   tmp_path: Path) -> None:
     async with open_engine(str(tiny_model(LLAMA)), **OPTIONS, prompt_cache_dir=str(tmp_path)) as engine:
         streams = await _streams(engine, actor)
+        with trio.move_on_after(10):  # cache-persistence's next SSD write may come after the streams ended
+            while not engine.faults.fired:
+                await trio.sleep(0.01)
         fired = len(engine.faults.fired)
         # prefill and gpu-lease faults fire at the long prompt's next chunk; decode-step's at the next step of a
         # short row beside it, admission's when a queued one is admitted, cache-persistence's at the next SSD

@@ -101,7 +101,7 @@ class ServerThread:
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
 
     def report_leaks(self) -> list[str]:
-        """What the engine still holds with every request ended (logged on `mlx_trio.leaks`; [] mid-stream)."""
+        """What the engine still holds with every request ended (logged on the leak log, `mlx_trio.api.leaks_log`; [] mid-stream)."""
         assert self.server is not None and self.server.engine is not None
         return trio.from_thread.run(self.server.engine.report_leaks, trio_token=self._token)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-# Tokens per block unless the model's load says otherwise. Chosen on the CPU (benchmarks/paged_block_size.py:
+# Tokens per block unless the model's load says otherwise. Chosen on the CPU (benchmarks/paged_kv.py, its `block` part:
 # the tiny models' decode step is flat from 16 to 64 and a 16-token block wastes at most 15 tokens a row);
 # an H200 measurement is to choose it for CUDA (docs/design.md §6.5).
 DEFAULT_BLOCK_SIZE = 16
