@@ -26,7 +26,9 @@ from mlx_trio.testing.tiny_models import LLAMA, TinyModelSpec, tiny_model
 from tests.distributed.served import two_rank_server
 from tests.prompts import PROMPTS
 
-pytestmark = pytest.mark.slow  # two processes that each load, shard and warm up: ~30 s each on 2 cores
+# Slow: two processes that each load, shard and warm up (~30 s each on 2 cores). One recovery case runs in the
+# default suite (issue #44: a killed rank 0 used to end the server): its bound is what CI must keep.
+SLOW = pytest.mark.slow
 
 
 def _complete(url: str, prompt: str) -> str:
@@ -36,6 +38,7 @@ def _complete(url: str, prompt: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
+@SLOW
 async def test_four_concurrent_http_requests_on_two_ranks_give_the_one_process_text(tmp_path: Path) -> None:
     path = tiny_model(LLAMA)
     async with open_engine(str(path), batch=1) as engine:
@@ -55,6 +58,7 @@ async def test_four_concurrent_http_requests_on_two_ranks_give_the_one_process_t
         assert process.wait(60) == 0  # rank 0 drained and stopped its follower
 
 
+@SLOW
 async def test_serve_pipeline_parallel_gives_the_one_process_text(tmp_path: Path) -> None:
     """`serve --pipeline-parallel 2` on a qwen2 model: 4 concurrent requests over HTTP, the one-process text."""
     path = tiny_model(TinyModelSpec("qwen2"))
@@ -65,6 +69,7 @@ async def test_serve_pipeline_parallel_gives_the_one_process_text(tmp_path: Path
             assert list(pool.map(lambda p: _complete(url, p), PROMPTS[:4])) == expected
 
 
+@SLOW
 def test_a_hung_follower_is_reported_by_health_within_its_collective_timeout(tmp_path: Path) -> None:
     """Rank 1 blocks in its 3rd heartbeat (fault injection): rank 0's /health turns 503 and names the
     collective timeout; the HTTP server stays up to say so. Under mlx.launch, which cannot launch the
@@ -164,6 +169,7 @@ def _sessions(status: dict[str, Any]) -> int:
     return len(sessions.get("children", []))
 
 
+@SLOW
 async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with_the_one_process_text(
         tmp_path: Path) -> None:
     """SIGKILL rank 1 while 4 streams decode on 2 ranks (--batch 4): OpenAI chat and Anthropic messages,
@@ -224,8 +230,9 @@ async def test_a_killed_follower_is_launched_again_and_every_stream_resumes_with
 RECOVERY_BOUND_S = 60.0
 
 
-@pytest.mark.parametrize(("victim", "how"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
-                         ids=["follower", "rank0", "hung-follower"])
+@pytest.mark.parametrize(("victim", "how"), [pytest.param(1, signal.SIGKILL, id="follower", marks=SLOW),
+                                             pytest.param(0, signal.SIGKILL, id="rank0"),
+                                             pytest.param(1, signal.SIGSTOP, id="hung-follower", marks=SLOW)])
 async def test_a_killed_rank_is_served_from_again_within_the_bound_and_its_stream_resumes(
         tmp_path: Path, victim: int, how: signal.Signals) -> None:
     """SIGKILL one rank (issue #44: rank 0's death used to end the server), or stop a follower (SIGSTOP: a
