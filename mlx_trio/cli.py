@@ -30,7 +30,7 @@ import trio
 from mlx_trio import __version__, profiling, scale_out
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
 from mlx_trio.bench import cli as bench_cli
-from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig
+from mlx_trio.config import DEFAULT_PREFILL_CHUNK_MS, DEFAULT_PROMPT_CONCURRENCY, EngineConfig, parse_batch
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter, ModelLoadError, MlxTrioError
 from mlx_trio.front.protocol import SECRET_ENV as FRONT_SECRET_ENV
@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="mlx-lm model directory or hub id (default: the bundled SmolLM2-135M-Instruct)")
     arg("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     arg("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
-    arg("--batch", "--decode-concurrency", dest="batch", type=positive_int, default=8,
+    arg("--batch", "--decode-concurrency", dest="batch", type=parse_batch, default=None,
         help="requests decoded together (the concurrency cap); 1 decodes one request at a time with no "
-             "prompt cache, so its tokens depend on no other request (default: %(default)s)")
+             "prompt cache, so its tokens depend on no other request (default: auto, from the KV budget)")
     arg("--kv-budget", dest="kv_budget", type=positive_int, default=None,
         help="bytes of KV cache admission may reserve (default: device memory minus weights and headroom)")
     arg("--kv-bits", type=int, choices=(4, 8), default=None,

@@ -39,6 +39,7 @@ from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
+from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
@@ -179,7 +180,9 @@ class EngineActors:
         prefill = lane.prefill.statistics() if lane.prefill is not None else None
         admission = lane.admission.statistics() if lane.admission is not None else None
         return {
-            "configured": self.config.batch, "mode": "batch" if lane.row_cap > 1 else "serial",
+            # The row cap: `--batch N`, or auto's choice once the model is known (None before), and which it was.
+            "configured": self.config.batch if self.config.batch is not None else lane.auto_rows,
+            "auto": self.config.batch is None, "mode": "batch" if lane.row_cap > 1 else "serial",
             "active_rows": (decode.active_rows if decode else 0) + (1 if prefill and prefill.active_request else 0),
             "pending_rows": admission.mailbox_depth if admission else 0,
             "submitted_rows": admission.submitted if admission else 0,
@@ -316,6 +319,7 @@ class EngineActors:
                 self.lane.adapters = await self._load_adapters(lease, model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
             await self._warm_up(lease, model)
+            self._choose_row_cap(model)
         except Exception as exc:
             # Retrying cannot fix a missing or broken model: report it instead of restarting.
             error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")
@@ -352,6 +356,17 @@ class EngineActors:
             log.info("batch lane warmed up in %.1f s", time.monotonic() - start)
 
     # -- admission's limits and the prompt cache, once the model is known -------------------
+
+    def _choose_row_cap(self, model: LoadedModel) -> None:
+        """`--batch auto`: the row cap from the KV budget and the model (actors/row_cap.py), before the model
+        settles, so the actors waiting for it (decode-step's batch, admission's limits) see the cap."""
+        if self.config.batch is not None or self.lane.auto_rows is not None:
+            return
+        budget = self._kv_budget(model)
+        self.lane.auto_rows = auto_row_cap(budget, model.kv_layout.row_bytes)
+        log.info("--batch auto: %d rows (%.1f GiB of KV budget, %.0f MiB per row of %d tokens, within %d..%d; "
+                 "set --batch N to choose)", self.lane.auto_rows, budget / 2**30,
+                 model.kv_layout.row_bytes(AUTO_CONTEXT_TOKENS) / 2**20, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, AUTO_CEILING)
 
     async def _admission_limits(self) -> Limits:
         lane = self.lane
