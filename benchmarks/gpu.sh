@@ -434,6 +434,19 @@ for m in $MODELS; do
       --log-dir "/tmp/bench-logs-long-$m" \
       || { echo "gpu.sh: long part for $m ended with status $?; server logs:"; tail -n 20 /tmp/bench-logs-long-$m/*.log; }; }
   ;; esac
+  case " $PARTS " in *" longctx "*)
+    # Issue #46's workload: heavy-tailed prompts (x LONGCTX_SCALE words; 0.3 gives a ~12k-token mean with these
+    # models' BPE), a shared system prefix, follow-up turns, outputs 50-900; a rate sweep, each stack at its
+    # default row cap (ours: --batch auto). Report: TTFT p50/p90/p99, prefill tok/s under load, the highest rate
+    # with TTFT p90 <= 5 s, and each stack's start-up.
+    lim=$(budget "${LONGCTX_LIMIT_S:-540}")
+    echo; echo "### http, $m: long-context workload, rates ${LONGCTX_RATES:-1.5,3,6} (limit ${lim}s)"
+    enough "longctx $m" "$lim" && { timeout -k 20 "$lim" $PY -m mlx_trio.bench $SERVE_FLAGS --model "$dir" \
+      --workload long-context --length-scale "${LONGCTX_SCALE:-0.3}" --rates "${LONGCTX_RATES:-1.5,3,6}" \
+      --requests "${LONGCTX_REQUESTS:-60}" --concurrency 512 --rounds 1 --timeout-s 120 \
+      --out "$RESULTS/longctx-$m.json" --log-dir "/tmp/bench-logs-longctx-$m" ${LONGCTX_ARGS:-} \
+      || echo "gpu.sh: longctx part for $m ended with status $?"; }
+  ;; esac
   case " $PARTS " in *" verify "*)
     script_part verify "${VERIFY_LIMIT_S:-120}" "verify shapes, $m: L=1/4 forwards at new, seen and grid key lengths" \
       $PY benchmarks/verify_shapes.py --model "$dir" --batches 1,4,16 --queries 1,3,4
