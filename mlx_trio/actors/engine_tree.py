@@ -13,8 +13,9 @@ and what they share live in one `Lane` record (actors/lane.py); the
 the lane and the actors started before it, and puts it in the lane.
 
 Every actor reports started at once and waits for the model inside its run,
-so the tree (and /health, saying "loading model") is up while the model
-loads. The model is loaded once; a restarted lease reuses its evaluated
+so the tree (and /health, saying "loading model: " and the phase: reading
+weights, the draft model, adapters, warming up) is up while the model loads;
+each phase is logged as it starts. The model is loaded once; a restarted lease reuses its evaluated
 weights.
 """
 
@@ -83,6 +84,7 @@ class EngineActors:
         self.config = config
         self.lane = Lane(config, faults)
         self._budget: int | None = None
+        self._started = time.monotonic()  # when loading began (start-up progress)
         world = current_world()
         # Scale-out only: rank 0's heartbeat over its followers (actors/rank_watch.py); last, so under
         # rest_for_one its crash restarts only itself.
@@ -129,7 +131,7 @@ class EngineActors:
         if lane.load_error is not None:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
-            return False, "loading model"
+            return False, lane.startup  # "loading model: <the phase>"
         if self.group_lost is not None:
             return False, f"scale-out group lost: {self.group_lost}"
         down = self.retrying.down
@@ -300,7 +302,16 @@ class EngineActors:
                 lease.abandon()
                 raise LeaseWedged(f"a lease job ran longer than the {limit:g} s step watchdog")
 
+    def _phase(self, what: str) -> None:
+        """Name the start-up phase now running: in /health's reason and in the log, with the seconds so far."""
+        self.lane.startup = f"loading model: {what}"
+        log.info("start-up: %s (%.1f s)", what, time.monotonic() - self._started)
+
     async def _load(self, lease: GpuLease) -> None:
+        self._started = time.monotonic()
+        model_name = self.config.model
+        self._phase(f"reading the weights of {model_name}" if model_name is not None
+                    else "reading the bundled model's weights (converting it first, the first time)")
         try:
             model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir,
                                             kv_scheme=kv_scheme_of(self.config),
@@ -312,14 +323,18 @@ class EngineActors:
                                             fuse_projections=not self.config.serves_adapters))
             log.info("model %s loaded from %s", model.model_id, model.path)
             if self.config.draft_model is not None:
+                self._phase(f"reading the draft model {self.config.draft_model}")
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
                                                 cache_dir=self.config.cache_dir))
                 log.info("draft model %s loaded", self.config.draft_model)
             if self.config.serves_adapters:
+                self._phase(f"loading {len(self.config.lora_modules)} adapter(s)")
                 self.lane.adapters = await self._load_adapters(lease, model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
+            self._phase("warming up the batch lane (compiling its kernels)")
             await self._warm_up(lease, model)
             self._choose_row_cap(model)
+            self._phase("done; serving once every actor runs")
         except Exception as exc:
             # Retrying cannot fix a missing or broken model: report it instead of restarting.
             error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")

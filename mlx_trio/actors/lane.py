@@ -59,6 +59,8 @@ class Lane:
     # Loaded once; outlives every restart (a restarted lease reuses the evaluated weights).
     model: LoadedModel | None = None
     load_error: MlxTrioError | None = None
+    # While the model loads: what start-up is doing now ("loading model: <phase>"), /health's reason.
+    startup: str = "loading model"
     _model_settled: trio.Event = attrs.field(factory=trio.Event, init=False)
     lease: GpuLease | None = None
     decode_step: DecodeStepActor | None = None
