@@ -88,12 +88,12 @@ def test_batch_defaults_to_auto() -> None:
         assert engine.batch is None and server.batch is None
 
 
-@pytest.mark.parametrize("argv", [["--batch", "0"], ["--batch", "many"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
                                   ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
                                   ["--shutdown-timeout", "nan"], ["--restart-period", "0"],
                                   ["--step-watchdog", "inf"], ["--write-timeout", "-1"], ["--max-restarts", "-1"], ["--chat-template-args", '{"chat_template": "x"}'],
                                   ["--body-timeout", "0"], ["--prompt-cache-io-timeout", "-1"],
-                                  ["--lora-modules", "nopath"], ["--lora-modules", "=p"], ["--max-loras", "0"],
+                                  ["--lora-modules", "nopath"], ["--batch", "many"], ["--lora-modules", "=p"], ["--max-loras", "0"],
                                   ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""
