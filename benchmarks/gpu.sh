@@ -398,6 +398,16 @@ for m in $MODELS; do
       --long-prompt-words "$LONG_PROMPT_WORDS" --long-output-tokens 1024 --output-tokens 16 \
       --ours-args "--batch 8" --mlx-lm-args "--decode-concurrency 8"
   ;; esac
+  case " $PARTS " in *" longctx "*)
+    # Issue #46's workload: heavy-tailed prompts (x LONGCTX_SCALE words; 0.3 gives a ~12k-token mean with these
+    # models' BPE), a shared system prefix, follow-up turns, outputs 50-900; a rate sweep, each stack at its
+    # default row cap (ours: --batch auto). Report: TTFT p50/p90/p99, prefill tok/s under load, the highest rate
+    # with TTFT p90 <= 5 s, and each stack's start-up.
+    bench_part longctx "${LONGCTX_LIMIT_S:-540}" "http, $m: long-context workload, rates ${LONGCTX_RATES:-1.5,3,6}" \
+      $SERVE_FLAGS --workload long-context --length-scale "${LONGCTX_SCALE:-0.3}" --rates "${LONGCTX_RATES:-1.5,3,6}" \
+      --requests "${LONGCTX_REQUESTS:-60}" --concurrency 512 --rounds 1 --timeout-s 120 \
+      --out "$RESULTS/longctx-$m.json" ${LONGCTX_ARGS:-}
+  ;; esac
   case " $PARTS " in *" ragged "*)
     script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \
       $PY benchmarks/ragged_attention.py --model "$dir" --json "$RESULTS/ragged-$m.json" ${RAGGED_ARGS:-}

@@ -28,6 +28,22 @@ def _lora_modules(value: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple
     return tuple((str(name), str(path)) for name, path in items)
 
 
+def parse_batch(value: str | int | None) -> int | None:
+    """`--batch`: "auto" (or None) is None, the row cap chosen at start (actors/row_cap.py); else an int >= 1.
+
+    Raises ValueError naming the flag for anything else (argparse and the flag table turn it into a usage error).
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        rows = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--batch must be 'auto' or an integer >= 1, got {value!r}") from None
+    if rows < 1:
+        raise ValueError(f"--batch must be 'auto' or an integer >= 1, got {value!r}")
+    return rows
+
+
 @attrs.frozen
 class EngineConfig:
     """Everything `open_engine` needs; flag names follow mlx_lm.server.
@@ -41,7 +57,8 @@ class EngineConfig:
     model: str | None = None
     # Concurrency cap = batch size (mlx_lm.server's --decode-concurrency). 1 caps
     # the lane at one row, the determinism pin: a lone row never shares a step.
-    batch: int = 8
+    # None (`--batch auto`): chosen from the KV budget and the model once it loads (actors/row_cap.py).
+    batch: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     # KV budget for admission; None derives it from device memory minus weights.
     kv_budget_bytes: int | None = None
     cache_dir: Path | None = None

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
-from mlx_trio.config import EngineConfig
+from mlx_trio.config import EngineConfig, parse_batch
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.server.config import ServerConfig
@@ -150,9 +150,9 @@ TABLE: tuple[Setting, ...] = (
             help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\''),
     # batching and KV
     Setting("--batch", ("engine.batch", "server.batch"), BATCH, aliases=("--decode-concurrency",),
-            type=positive_int,
-            help="requests decoded together (the concurrency cap); 1 decodes one request at a time with no "
-                 "prompt cache, so its tokens depend on no other request"),
+            type=parse_batch, shown_default="auto, from the KV budget and the model (docs/design.md §1.2)",
+            help="requests decoded together (the concurrency cap), or 'auto'; 1 decodes one request at a time "
+                 "with no prompt cache, so its tokens depend on no other request"),
     Setting("--max-queue", ("engine.max_queue",), BATCH, type=positive_int,
             help="requests waiting for the decoder before new ones get 503 + Retry-After"),
     Setting("--kv-budget", ("engine.kv_budget_bytes",), BATCH, type=positive_int,

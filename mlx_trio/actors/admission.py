@@ -75,7 +75,7 @@ class AdmissionActor:
         self._project: Callable[[Generate], int] | None = None
         self._transient: Callable[[Generate], int] = lambda cmd: 0
         self._budget = 0
-        self._max_rows = lane.config.batch
+        self._max_rows = lane.row_cap  # until the limits arrive (the model loads)
         self._max_queue = lane.config.max_queue
         # Invariant: _pending holds every submitted, not yet admitted request, in arrival order.
         self._pending: collections.deque[Generate] = collections.deque()

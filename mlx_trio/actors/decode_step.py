@@ -102,8 +102,8 @@ class DecodeStepActor:
         self._lane = lane
         self._lease = lease
         self._faults = lane.faults
-        # Prefill hands over at most --batch rows at a time (admission's cap).
-        self.join_send, self._joins = trio.open_memory_channel[JoinRow](lane.config.batch)
+        # Prefill hands over at most --batch rows at a time (admission's cap; under auto, not known yet).
+        self.join_send, self._joins = trio.open_memory_channel[JoinRow](lane.row_bound)
         self._batch: DecodeBatch | None = None
         self._rows: dict[str, RunningRow] = {}
         # Joins taken from the channel but not yet in the batch: a failure in between must
@@ -147,7 +147,7 @@ class DecodeStepActor:
             self._batch = await self._lease.run(partial(DecodeBatch, self._model.model, self._model.kv_scheme,
                                                         speculation_for(self._lane.config, self._lane.model),
                                                         compile_decode=self._model.compile_decode,
-                                                        max_rows=self._lane.config.batch,
+                                                        max_rows=self._lane.row_cap,
                                                         paged=self._model.paged_kv))
             while True:
                 if not self._rows:

@@ -13,8 +13,9 @@ and what they share live in one `Lane` record (actors/lane.py); the
 the lane and the actors started before it, and puts it in the lane.
 
 Every actor reports started at once and waits for the model inside its run,
-so the tree (and /health, saying "loading model") is up while the model
-loads. The model is loaded once; a restarted lease reuses its evaluated
+so the tree (and /health, saying "loading model: " and the phase: reading
+weights, the draft model, adapters, warming up) is up while the model loads;
+each phase is logged as it starts. The model is loaded once; a restarted lease reuses its evaluated
 weights.
 """
 
@@ -39,6 +40,7 @@ from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
+from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
@@ -112,6 +114,7 @@ class EngineActors:
         self.lane = Lane(config, faults)
         self._retired = RetiredCounts()
         self._budget: int | None = None
+        self._started = time.monotonic()  # when loading began (start-up progress)
         world = current_world()
         # Scale-out only: rank 0's heartbeat over its followers (actors/rank_watch.py); last, so under
         # rest_for_one its crash restarts only itself.
@@ -158,7 +161,7 @@ class EngineActors:
         if lane.load_error is not None:
             return False, f"model failed to load: {lane.load_error}"
         if lane.model is None:
-            return False, "loading model"
+            return False, lane.startup  # "loading model: <the phase>"
         if self.group_lost is not None:
             return False, f"scale-out group lost: {self.group_lost}"
         down = self.retrying.down
@@ -213,7 +216,9 @@ class EngineActors:
         paged = lane.model.paged_kv if lane.model is not None else None
         blocks = paged.counters() if paged is not None else None
         return {
-            "configured": self.config.batch, "mode": "batch" if lane.row_cap > 1 else "serial",
+            # The row cap: `--batch N`, or auto's choice once the model is known (None before), and which it was.
+            "configured": self.config.batch if self.config.batch is not None else lane.auto_rows,
+            "auto": self.config.batch is None, "mode": "batch" if lane.row_cap > 1 else "serial",
             "active_rows": (decode.active_rows if decode else 0) + (1 if prefill and prefill.active_request else 0),
             "pending_rows": admission.mailbox_depth if admission else 0,
             "submitted_rows": retired.submitted + (admission.submitted if admission else 0),
@@ -338,7 +343,16 @@ class EngineActors:
                 lease.abandon()
                 raise LeaseWedged(f"a lease job ran longer than the {limit:g} s step watchdog")
 
+    def _phase(self, what: str) -> None:
+        """Name the start-up phase now running: in /health's reason and in the log, with the seconds so far."""
+        self.lane.startup = f"loading model: {what}"
+        log.info("start-up: %s (%.1f s)", what, time.monotonic() - self._started)
+
     async def _load(self, lease: GpuLease) -> None:
+        self._started = time.monotonic()
+        model_name = self.config.model
+        self._phase(f"reading the weights of {model_name}" if model_name is not None
+                    else "reading the bundled model's weights (converting it first, the first time)")
         try:
             model = await lease.run(partial(load_model, self.config.model, cache_dir=self.config.cache_dir,
                                             kv_scheme=kv_scheme_of(self.config),
@@ -352,13 +366,18 @@ class EngineActors:
             if self.config.paged_kv:  # the pool takes the whole KV budget now (docs/design.md §6.5)
                 model = await lease.run(partial(with_paged_kv, model, self._kv_budget(model)))
             if self.config.draft_model is not None:
+                self._phase(f"reading the draft model {self.config.draft_model}")
                 model = await lease.run(partial(with_draft_model, model, self.config.draft_model,
                                                 cache_dir=self.config.cache_dir))
                 log.info("draft model %s loaded", self.config.draft_model)
             if self.config.serves_adapters:
+                self._phase(f"loading {len(self.config.lora_modules)} adapter(s)")
                 self.lane.adapters = await self._load_adapters(lease, model)
             # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
+            self._phase("warming up the batch lane (compiling its kernels)")
             await self._warm_up(lease, model)
+            self._choose_row_cap(model)
+            self._phase("done; serving once every actor runs")
         except Exception as exc:
             # Retrying cannot fix a missing or broken model: report it instead of restarting.
             error = exc if isinstance(exc, MlxTrioError) else ModelLoadError(f"loading the model failed: {exc!r}")
@@ -395,6 +414,17 @@ class EngineActors:
             log.info("batch lane warmed up in %.1f s", time.monotonic() - start)
 
     # -- admission's limits and the prompt cache, once the model is known -------------------
+
+    def _choose_row_cap(self, model: LoadedModel) -> None:
+        """`--batch auto`: the row cap from the KV budget and the model (actors/row_cap.py), before the model
+        settles, so the actors waiting for it (decode-step's batch, admission's limits) see the cap."""
+        if self.config.batch is not None or self.lane.auto_rows is not None:
+            return
+        budget = self._kv_budget(model)
+        self.lane.auto_rows = auto_row_cap(budget, model.kv_layout.row_bytes)
+        log.info("--batch auto: %d rows (%.1f GiB of KV budget, %.0f MiB per row of %d tokens, within %d..%d; "
+                 "set --batch N to choose)", self.lane.auto_rows, budget / 2**30,
+                 model.kv_layout.row_bytes(AUTO_CONTEXT_TOKENS) / 2**20, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, AUTO_CEILING)
 
     async def _admission_limits(self) -> Limits:
         lane = self.lane

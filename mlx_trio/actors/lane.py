@@ -27,6 +27,7 @@ import trio
 from mlx_trio.actors.arrivals import Arrivals
 from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.messages import Generate, GenerationEnded
+from mlx_trio.actors.row_cap import row_bound
 from mlx_trio.actors.prompt_caching import AdapterCaching
 from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
 from mlx_trio.config import EngineConfig
@@ -58,6 +59,8 @@ class Lane:
     # Loaded once; outlives every restart (a restarted lease reuses the evaluated weights).
     model: LoadedModel | None = None
     load_error: MlxTrioError | None = None
+    # While the model loads: what start-up is doing now ("loading model: <phase>"), /health's reason.
+    startup: str = "loading model"
     _model_settled: trio.Event = attrs.field(factory=trio.Event, init=False)
     lease: GpuLease | None = None
     decode_step: DecodeStepActor | None = None
@@ -74,12 +77,26 @@ class Lane:
     # The KV budget in force (actors/memory_budget.py): set once the budget is known; outlives restarts.
     memory: MemoryBudget | None = None
 
+    # `--batch auto`: the cap chosen from the KV budget and the model (actors/row_cap.py), set before the model
+    # settles, so every actor that waits for the model sees it; None under `--batch N`.
+    auto_rows: int | None = None
+
     @property
     def row_cap(self) -> int:
-        """Rows decoding together: `--batch`, or 1 for a model whose caches cannot merge."""
+        """Rows decoding together: `--batch N`, auto's choice, or 1 for a model whose caches cannot merge.
+
+        Before the model is known under `--batch auto`: the most auto may choose (`row_bound`).
+        """
         if self.model is not None and not self.model.kv_layout.batchable:
             return 1
-        return self.config.batch
+        if self.config.batch is not None:
+            return self.config.batch
+        return self.auto_rows if self.auto_rows is not None else self.row_bound
+
+    @property
+    def row_bound(self) -> int:
+        """The most rows this lane may ever hold, known before the model: sizes the channels between actors."""
+        return row_bound(self.config.batch)
 
     # -- the model -----------------------------------------------------------
 

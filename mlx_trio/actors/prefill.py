@@ -149,7 +149,7 @@ class PrefillActor:
         # What a shared cohort job costs (`_shared_cohort_fits`): a fit of its own, from such jobs only.
         self.cohort_cost = CohortCost()
         # At most --batch requests are admitted at once, so this never fills.
-        self.inbox_send, self._inbox = trio.open_memory_channel[Generate](config.batch)
+        self.inbox_send, self._inbox = trio.open_memory_channel[Generate](lane.row_bound)
         # Requests taken from the inbox and not started (FIFO), the prompts prefilling
         # (at most --prompt-concurrency, in start order), and a cohort being prefilled together.
         self._backlog: collections.deque[Generate] = collections.deque()

@@ -5,10 +5,11 @@ this package never imports mlx and measures any OpenAI-compatible server alike:
 
 | file | job |
 |---|---|
-| `workloads.py` | deterministic sessions for a seed: agents, uniform, long-prompt |
+| `workloads.py` | deterministic sessions for a seed: agents, uniform, long-prompt, agent-loop, serving, long-context |
 | `client.py` | one streamed chat completion, timed (TTFT, inter-chunk gaps, e2e, usage) |
 | `runner.py` | one workload against one server at one concurrency; A B A B over servers |
 | `metrics.py` | percentiles, wall-clock throughput, per-run summaries, ratios |
+| `long_context.py` | the long-context report: TTFT p50/p90/p99, prefill tok/s under load, the rate sweep |
 | `servers.py` | start and stop `mlx-trio serve` / `mlx_lm.server` on free loopback ports |
 | `model_info.py` | EOS ids read from a model directory's JSON files |
 | `progress.py` | a progress bar (rich, else tqdm, else none) |

@@ -27,7 +27,7 @@ STACKS = ("ours", "ours-nocache", "mlx_lm", "ours-cudnn", "ours-mlx-attention")
 # Agents arrive as a Poisson process; without --rate they come this fast (sessions per second).
 AGENTS_DEFAULT_RATE_PER_S = 4.0
 # The workloads whose arrivals are staggered by default (at AGENTS_DEFAULT_RATE_PER_S).
-POISSON_BY_DEFAULT = ("agents", "serving")
+POISSON_BY_DEFAULT = ("agents", "serving", "long-context")
 
 
 DESCRIPTION = """\
@@ -46,7 +46,9 @@ examples:
 Workloads: agents (multi-turn sessions sharing a system prompt, Poisson arrivals), uniform
 (independent prompts, each with the sampling options of --options), long-prompt (one long prefill while other streams decode), serving (prompts
 log-uniform in --min/--max-prompt-words, outputs --output-tokens..--max-output-tokens, per-row
-sampling options mixed, Poisson arrivals).
+sampling options mixed, Poisson arrivals), long-context (heavy-tailed 1k-100k-word prompts behind a
+shared system prefix, follow-up turns, outputs 50-900, Poisson arrivals; --rates sweeps the rate,
+--length-scale shrinks it for a CPU).
 More in docs/bench.md."""
 
 
@@ -115,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serving: longest prompt, words; lengths are log-uniform in between (default: %(default)s)")
     arg("--max-output-tokens", type=positive_int, default=d.max_output_tokens,
         help="serving: longest output; max_tokens is uniform in --output-tokens..this (default: %(default)s)")
+    arg("--rates", type=_float_list, default=None,
+        help="sweep these arrival rates (sessions per second, a comma list), each run like one --rate; the "
+             "long-context report gives the highest that kept TTFT p90 within --ttft-target (default: --rate only)")
+    arg("--length-scale", type=float, default=d.length_scale,
+        help="long-context: every length times this; 0.01 turns 1k-100k-word prompts into 10-1000 for a CPU "
+             "(default: %(default)s)")
+    arg("--max-turns", type=positive_int, default=d.max_turns,
+        help="long-context: turns per session at most, follow-ups resending the conversation (default: %(default)s)")
+    arg("--ttft-target", type=float, default=5.0,
+        help="long-context: the TTFT target, seconds: the share within it, and the rate sweep's bound "
+             "(default: %(default)s)")
     arg("--eos-id", type=non_negative_int, action="append", default=None,
         help="EOS token id to suppress with logit_bias -100 (repeatable; default: read from --model)")
     arg("--no-eos-bias", action="store_true", help="send no logit_bias (output lengths then vary)")
@@ -148,6 +161,7 @@ def workload_params(args: argparse.Namespace) -> workloads.WorkloadParams:
         long_output_tokens=args.long_output_tokens, tool_result_words=args.tool_result_words,
         min_prompt_words=args.min_prompt_words, max_prompt_words=max(args.min_prompt_words, args.max_prompt_words),
         max_output_tokens=max(args.output_tokens, args.max_output_tokens), options=args.options,
+        length_scale=args.length_scale, max_turns=args.max_turns,
     )
 
 
@@ -165,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
     from mlx_trio.bench.orchestrate import main, main_from_json
 
     return main_from_json(args) if args.from_json is not None else main(args)
+
+
+def _float_list(text: str) -> list[float]:
+    values = [float(part) for part in text.split(",") if part.strip()]
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("needs positive finite rates, e.g. 1,2,4")
+    return values
 
 
 def _int_list(text: str) -> list[int]:

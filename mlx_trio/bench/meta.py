@@ -56,6 +56,13 @@ def run_metadata(args: argparse.Namespace, *, model: str | None, eos_ids: Sequen
     if args.workload == "long-prompt":
         shape = (f"C background streams of {params['long_output_tokens']} tokens, then 1 prompt of "
                  f"{params['long_prompt_words']} words and {params['output_tokens']} output tokens")
+    elif args.workload == "long-context":
+        rates = getattr(args, "rates", None)
+        arrivals = (f"Poisson sweep {','.join(f'{r:g}' for r in rates)}/s" if rates
+                    else "all at once" if rate is None else f"Poisson {rate}/s")
+        shape = (f"{params['num_requests']} requests/run, prompts 1k-100k words heavy-tailed (mean ~12k) behind a "
+                 f"shared system prefix, up to {params['max_turns']} turns a session, outputs 50-900 tokens, "
+                 f"lengths x{params['length_scale']:g}, arrivals {arrivals}")
     else:
         arrivals = "all at once" if rate is None else f"Poisson {rate}/s"
         outputs = (f"{params['output_tokens']}-{params['max_output_tokens']} output tokens, prompts "

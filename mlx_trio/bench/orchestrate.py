@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from mlx_trio.bench import metrics, report, workloads
+from mlx_trio.bench import long_context, metrics, report, workloads
 from mlx_trio.bench.cli import workload_params
 from mlx_trio.bench.meta import run_metadata
 from mlx_trio.bench.model_info import eos_logit_bias, eos_token_ids
@@ -95,8 +95,14 @@ def _report(args: argparse.Namespace, records: list[RunRecord], meta: dict[str, 
     summaries = _summaries(records)
     print(f"\nworkload {meta['workload']}: {meta['workload_line']}\n")
     print(report.markdown_table(summaries))
+    if meta["workload"] == "long-context" or any(r.rate_per_s is not None for r in records):
+        target = getattr(args, "ttft_target", long_context.DEFAULT_TTFT_TARGET_S)
+        print("\n" + long_context.markdown(_load_summaries(records, target), ttft_target_s=target))
     if text := report.notes(summaries):
         print("\n" + text)
+    started = [(s["name"], s["startup_s"]) for s in meta.get("servers", []) if s.get("startup_s") is not None]
+    if started:
+        print("\nstart-up (launch to ready): " + ", ".join(f"{name} {t:.1f} s" for name, t in started))
     print(f"\n{meta['machine_line']}\ncommand: {meta['command']}")
     if meta.get("interrupted"):
         print("interrupted: the table holds the runs that finished before the bench was stopped")
@@ -155,9 +161,25 @@ async def _measure(args: argparse.Namespace, servers: list[Any], params: workloa
         result = await warmup(server.url, options)
         if not result.ok:
             log.warning("%s: warmup request failed: %s", server.name, result.error)
-    await run_matrix(servers, args.workload, params, args.concurrency, args.rounds, options,
-                     requests_per_stream=args.requests_per_stream, progress=choose(not args.no_progress),
-                     records=records)
+    for k, rate in enumerate(getattr(args, "rates", None) or [None]):
+        # A sweep runs the whole matrix once per rate, each record remembering its rate, and gives each rate
+        # its own seeds, so that no rate finds an earlier rate's prompts in a prefix cache.
+        first = len(records)
+        rated = params if rate is None else attrs.evolve(params, rate_per_s=rate, seed=params.seed * 100 + k)
+        await run_matrix(servers, args.workload, rated, args.concurrency, args.rounds, options,
+                         requests_per_stream=args.requests_per_stream, progress=choose(not args.no_progress),
+                         records=records)
+        records[first:] = [attrs.evolve(r, rate_per_s=rated.rate_per_s) for r in records[first:]]
+
+
+def _load_summaries(records: list[RunRecord], ttft_target_s: float) -> list[long_context.LoadSummary]:
+    """One per (server, rate): the long-context report's rows (bench/long_context.py)."""
+    groups: dict[tuple[float | None, str], list[RunRecord]] = {}
+    order = {server: i for i, server in enumerate(dict.fromkeys(r.server for r in records))}  # the table's order
+    for record in records:
+        groups.setdefault((record.rate_per_s, record.server), []).append(record)
+    return [long_context.summarize_load(server, rate, [r.results for r in runs], ttft_target_s=ttft_target_s)
+            for (rate, server), runs in sorted(groups.items(), key=lambda kv: (order[kv[0][1]], kv[0][0] or 0.0))]
 
 
 def _summaries(records: list[RunRecord]) -> list[metrics.Summary]:
@@ -197,7 +219,7 @@ def _unique(name: str, taken: set[str]) -> str:
 def _describe(server: Any) -> dict[str, Any]:
     if isinstance(server, ManagedServer):
         return {"name": server.name, "stack": server.stack, "extra_args": list(server.extra_args),
-                "restarts": server.restarts}
+                "restarts": server.restarts, "startup_s": server.startup_s}
     return {"name": server.name, "url": server.url}
 
 

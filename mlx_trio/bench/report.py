@@ -113,7 +113,7 @@ def document(summaries: Sequence[Summary], records: Sequence[RunRecord], meta: M
         "ratios": ratio_rows,
         "runs": [
             {"server": r.server, "concurrency": r.concurrency, "round": r.round, "server_died": r.server_died,
-             "gpu_busy_percent": r.gpu_busy_percent,
+             "gpu_busy_percent": r.gpu_busy_percent, "rate_per_s": r.rate_per_s,
              "requests": [attrs.asdict(x, filter=lambda a, _: a.name != "text") for x in r.results]}
             for r in records
         ],
@@ -126,7 +126,8 @@ def records_from_document(doc: Mapping[str, Any]) -> list[RunRecord]:
     for run in doc["runs"]:
         results = tuple(RequestResult(**{**r, "itl_s": tuple(r["itl_s"])}) for r in run["requests"])
         records.append(RunRecord(run["server"], run["concurrency"], run["round"], results,
-                                 server_died=run["server_died"], gpu_busy_percent=run.get("gpu_busy_percent")))
+                                 server_died=run["server_died"], gpu_busy_percent=run.get("gpu_busy_percent"),
+                                 rate_per_s=run.get("rate_per_s")))
     return records
 
 

@@ -65,6 +65,8 @@ class RunRecord:
     server_died: bool = False
     # The GPU's mean busy percentage during the run (`gpu_busy`), None where nvidia-smi is absent.
     gpu_busy_percent: float | None = None
+    # The workload's arrival rate (sessions per second; None: all at once), where a run sweeps rates (`--rates`).
+    rate_per_s: float | None = None
 
 
 def run_seed(seed: int, concurrency_index: int, round_index: int) -> int:

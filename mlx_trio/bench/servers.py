@@ -108,6 +108,9 @@ class ManagedServer:
     startup_timeout_s: float = 600.0
     port: int = 0
     restarts: int = 0
+    # Seconds from the first launch to its ready path answering 200 (None before it started): the start-up
+    # time issue #46 compares with mlx_lm.server's.
+    startup_s: float | None = None
     # Another checkout's package: run from its directory (cwd comes first on `python -m`'s path).
     cwd: str | None = None
     env: Mapping[str, str] = attrs.field(factory=dict)  # added to this process's environment
@@ -137,11 +140,14 @@ class ManagedServer:
         self._log.write(f"\n$ {shlex.join(argv)}  # pid {self._proc.pid}\n".encode())
         self._log.flush()
         log.info("%s: started pid %d on port %d (log %s)", self.name, self._proc.pid, self.port, self.log_path)
+        launched = time.monotonic()
         try:
             await self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        if self.startup_s is None:
+            self.startup_s = time.monotonic() - launched
 
     async def ensure_up(self) -> None:
         """Restart the process if it has exited (it died in an earlier run)."""

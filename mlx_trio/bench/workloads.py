@@ -26,6 +26,14 @@ the servers' `usage.prompt_tokens` gives the exact counts.
   `output_tokens` and `max_output_tokens`, and per-row sampling options
   mixed: a quarter each greedy, a 2-token `logit_bias`, presence/frequency
   penalties, temperature/top_p with a seed (`SERVING_KINDS`).
+* **long-context**: a long-context chat trace's shape (issue #46): sessions
+  arriving as a Poisson process at `rate_per_s`, each opening with a prompt
+  whose length is heavy-tailed (log-normal, median 6.5k, clamped to 1k-100k
+  words: mean about 12k) behind one shared system prefix, then up to
+  `max_turns - 1` follow-ups that resend the conversation (multi-turn reuse);
+  outputs log-uniform in 50-900 tokens. `length_scale` shrinks every length
+  (prompts, system prefix, outputs) for a CPU; mlx_trio/bench/long_context.py
+  reports TTFT percentiles, prefill tokens/s under load and the rate sweep.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from typing import Any
 
 import attrs
 
-WORKLOADS = ("agents", "uniform", "long-prompt", "agent-loop", "serving")
+WORKLOADS = ("agents", "uniform", "long-prompt", "agent-loop", "serving", "long-context")
 
 # Roughly one token each (with the leading space) on Llama/SmolLM-style BPE vocabularies.
 _WORDS = tuple("""
@@ -134,6 +142,10 @@ class WorkloadParams:
     max_output_tokens: int = 512
     # uniform: the per-row sampling options of every request (one of `OPTION_KINDS`).
     options: str = "greedy"
+    # long-context: every length times this (1.0 on a GPU; 0.01 makes the prompts 10-1000 words for a CPU).
+    length_scale: float = 1.0
+    # long-context: turns per session at most (the first, then follow-ups that resend the conversation).
+    max_turns: int = 3
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -283,12 +295,63 @@ def serving(params: WorkloadParams, concurrency: int) -> Workload:
     return Workload("serving", tuple(sessions), max_in_flight=concurrency)
 
 
+# long-context: prompt words, log-normal around this median with this sigma (mean about 12k once clamped),
+# clamped to [LONG_MIN_WORDS, LONG_MAX_WORDS]; outputs log-uniform in [LONG_MIN_OUTPUT, LONG_MAX_OUTPUT];
+# the shared system prefix and each follow-up turn's words.
+LONG_MEDIAN_WORDS = 6500
+LONG_SIGMA = 1.15
+LONG_MIN_WORDS, LONG_MAX_WORDS = 1000, 100_000
+LONG_MIN_OUTPUT, LONG_MAX_OUTPUT = 50, 900
+LONG_SYSTEM_WORDS = 1000
+LONG_FOLLOWUP_WORDS = 200
+
+
+def heavy_tailed_words(rng: random.Random, scale: float = 1.0) -> int:
+    """One long-context prompt length in words: log-normal, clamped to 1k-100k, times `scale` (at least 1)."""
+    drawn = min(LONG_MAX_WORDS, max(LONG_MIN_WORDS, rng.lognormvariate(math.log(LONG_MEDIAN_WORDS), LONG_SIGMA)))
+    return max(1, round(drawn * scale))
+
+
+def long_context(params: WorkloadParams, concurrency: int) -> Workload:
+    """Poisson sessions at `rate_per_s` (all at once when None), ceil(N / mean turns) of them, about N requests.
+
+    Session i has 1 + (i-th draw of 0..max_turns-1) turns; the first sends the
+    shared system prefix and a heavy-tailed document, each later one a short
+    follow-up after the whole conversation so far, so a prefix cache can reuse
+    the earlier turns. `concurrency` caps the sessions in flight (make it
+    large for an open loop).
+    """
+    if params.length_scale <= 0:
+        raise ValueError(f"length_scale must be > 0, got {params.length_scale}")
+    rng = random.Random(params.seed)
+    scale = params.length_scale
+    shared = f"You answer questions about long documents. Notes: {words(rng, max(1, round(LONG_SYSTEM_WORDS * scale)))}."
+    turns_each = [1 + rng.randrange(max(1, params.max_turns)) for _ in range(params.num_requests)]
+    sessions: list[Session] = []
+    total = 0
+    for i, arrival_s in enumerate(poisson_arrivals(rng, params.num_requests, params.rate_per_s)):
+        if total >= params.num_requests:
+            break
+        num_turns = min(turns_each[i], params.num_requests - total)
+        total += num_turns
+
+        def output() -> int:
+            return max(1, round(log_uniform_int(rng, LONG_MIN_OUTPUT, LONG_MAX_OUTPUT) * scale))
+
+        first = Turn(f"Document {i}: {words(rng, heavy_tailed_words(rng, scale))}.", output())
+        later = tuple(Turn(f"Follow-up {t} on document {i}: "
+                           f"{words(rng, max(1, round(LONG_FOLLOWUP_WORDS * scale)))}.", output())
+                      for t in range(1, num_turns))
+        sessions.append(Session(f"long-{i}", shared, (first, *later), arrival_s=arrival_s, tag="long-context"))
+    return Workload("long-context", tuple(sessions), max_in_flight=concurrency)
+
+
 def build(name: str, params: WorkloadParams, concurrency: int) -> Workload:
     """The named workload (one of `WORKLOADS`) for one run at `concurrency`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     generators = {"agents": agents, "uniform": uniform, "long-prompt": long_prompt, "agent-loop": agent_loop,
-                  "serving": serving}
+                  "serving": serving, "long-context": long_context}
     if name not in generators:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     return generators[name](params, concurrency)

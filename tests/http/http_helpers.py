@@ -152,7 +152,7 @@ async def cli_server(tmp_path: Path, *flags: str) -> AsyncIterator[tuple[subproc
 
 
 def tiny_engine_config(**defaults: Any) -> EngineConfig:
-    """A tiny Llama on the batch lane (the CLI's default --batch 8), 8 tokens per request unless asked."""
+    """A tiny Llama on the batch lane (the default --batch auto), 8 tokens per request unless asked."""
     from mlx_trio.testing.tiny_models import LLAMA, tiny_model  # noqa: PLC0415
 
     return EngineConfig(model=str(tiny_model(LLAMA)), defaults=SamplingParams(**{"max_tokens": 8, **defaults}))

@@ -29,11 +29,11 @@ def _configs(*argv: str):  # type: ignore[no-untyped-def]
 
 
 def test_defaults_match_mlx_lm_server() -> None:
-    """No flags: loopback:8080, 512 max tokens, greedy, no key, no CORS origins, batch 8, derived KV budget."""
+    """No flags: loopback:8080, 512 max tokens, greedy, no key, no CORS origins, batch auto, derived KV budget."""
     engine, server = _configs()
     assert (server.host, server.port, server.api_key, server.allowed_origins, server.batch) == (
-        "127.0.0.1", 8080, None, (), 8)
-    assert engine.batch == 8 and engine.kv_budget_bytes is None
+        "127.0.0.1", 8080, None, (), None)
+    assert engine.batch is None and engine.kv_budget_bytes is None
     assert engine.model is None and engine.defaults.max_tokens == 512 and engine.defaults.temperature == 0.0
     assert engine.prefill_step_size == 2048 and engine.max_queue == 256
     assert server.shutdown_timeout_s == 30.0 and server.enable_fault_injection is False
@@ -81,12 +81,19 @@ def test_batch_and_its_alias_are_accepted(flag: str) -> None:
     assert getattr(engine, "batch", 3) == 3
 
 
+def test_batch_defaults_to_auto() -> None:
+    """No --batch, or --batch auto: the engine chooses the cap from the KV budget (None in the configs)."""
+    for argv in ((), ("--batch", "auto")):
+        engine, server = _configs(*argv)
+        assert engine.batch is None and server.batch is None
+
+
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--chat-template-args", "[1]"], ["--chat-template-args", "{x"],
                                   ["--port", "http"], ["--max-tokens", "-1"], ["--shutdown-timeout", "-1"],
                                   ["--shutdown-timeout", "nan"], ["--restart-period", "0"],
                                   ["--step-watchdog", "inf"], ["--write-timeout", "-1"], ["--max-restarts", "-1"], ["--chat-template-args", '{"chat_template": "x"}'],
                                   ["--body-timeout", "0"], ["--prompt-cache-io-timeout", "-1"],
-                                  ["--lora-modules", "nopath"], ["--lora-modules", "=p"], ["--max-loras", "0"],
+                                  ["--lora-modules", "nopath"], ["--batch", "many"], ["--lora-modules", "=p"], ["--max-loras", "0"],
                                   ["--chat-template-args", '{"tokenize": false}']])
 def test_bad_flags_exit_2(argv: list[str]) -> None:
     """Invalid flag values are usage errors (exit status 2) before anything starts."""

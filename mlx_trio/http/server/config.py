@@ -42,8 +42,8 @@ class ServerConfig:
     `/v1/models` and responses (None: the engine's model id).
     `chat_template_args` are defaults under each request's
     `chat_template_kwargs` (mlx_lm.server's `--chat-template-args`).
-    `batch` is the configured decode concurrency, reported by `/stats` when
-    the engine does not report it itself. `enable_fault_injection` serves
+    `batch` is the configured decode concurrency (None: `--batch auto`), reported
+    by `/stats` when the engine does not report it itself. `enable_fault_injection` serves
     `GET/POST /v1/admin/faults` (404 otherwise). `shutdown_timeout_s` is how
     long a graceful drain (`HttpServer.drain`, SIGTERM in `mlx-trio serve`)
     lets running requests finish before it cuts them. `strict_max_tokens`
@@ -66,7 +66,7 @@ class ServerConfig:
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=attrs.validators.gt(0))
     model_name: str | None = None
     chat_template_args: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
-    batch: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    batch: int | None = attrs.field(default=1, validator=attrs.validators.optional(attrs.validators.ge(1)))
     # How long hypercorn lets in-flight requests finish once the server task is cancelled
     # (after a drain there are none left; without one, e.g. in tests, this is the only grace).
     graceful_timeout_s: float = 3.0

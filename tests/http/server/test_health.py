@@ -17,7 +17,7 @@ from mlx_trio.http import HttpServer, ServerConfig
 
 
 async def test_health_is_503_until_the_model_has_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the model load held back, /health is 503 "loading model" and completions are 503; then 200."""
+    """With the model load held back, /health is 503 "loading model: <phase>" and completions are 503; then 200."""
     release = threading.Event()
     load_model = mlx_trio.actors.engine_tree.load_model
 
@@ -34,7 +34,9 @@ async def test_health_is_503_until_the_model_has_loaded(monkeypatch: pytest.Monk
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             response = await client.get("/health")
             assert response.status_code == 503
-            assert response.json() == {"status": "unavailable", "reason": "loading model"}
+            # The phase is named (actors/engine_tree.py `_phase`): here the weights being read.
+            assert response.json() == {"status": "unavailable",
+                                       "reason": f"loading model: reading the weights of {engine.config.model}"}
             assert (await client.get("/v1/models")).json()["data"][0]["id"]
             chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             assert (await client.post("/v1/chat/completions", json=chat)).status_code == 503
