@@ -19,7 +19,7 @@ a request ends, whichever actor holds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
@@ -151,6 +151,10 @@ class Lane:
         prefilling = self.prefill.statistics().active_kv_bytes if self.prefill is not None else 0
         return decoding + prefilling + (self.caching.nbytes if self.caching is not None else 0)
 
+    def _paged_kv(self) -> Any:
+        """The model's block pool under --paged-kv (engine/kv/blocks/), else None."""
+        return self.model.paged_kv if self.model is not None else None
+
     def not_idle(self) -> list[str]:
         """What the lane's pools still hold, one line each (empty: idle). Read from each pool's own statistics.
 
@@ -176,6 +180,8 @@ class Lane:
             ("prefill KV bytes", prefill.active_kv_bytes if prefill else 0),
             ("adapter slots held", ", ".join(f"{name} x{holds}" for name, holds in resident.items() if holds)),
             ("prompt-cache puts pending", self.caching.cache.pending if self.caching is not None else 0),
+            # --paged-kv: blocks rows reference (cached blocks no row holds are the prompt cache, not a leak).
+            ("paged KV blocks in use", paged.counters()["used"] if (paged := self._paged_kv()) is not None else 0),
             ("arrivals never reached", self.arrivals.expected()),
             ("GPU lease jobs queued", lease.queue_depth if lease else 0),
             ("GPU lease job running", lease.running_since is not None if lease else False),
