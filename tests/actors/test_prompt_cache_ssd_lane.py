@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,8 +49,8 @@ async def _first_run(spec, directory: Path) -> tuple[tuple[int, ...], tuple[int,
     return ids, prompt
 
 
-def _keep_only_the_prompt_entry(directory: Path, prompt: tuple[int, ...]) -> None:
-    """Remove every SSD entry but the boundary snapshot a lookup of `prompt` reads.
+def _keep_only_the_prompt_entry(directory: Path, prompt: tuple[int, ...]) -> tuple[CacheFileStore, Any]:
+    """Remove every SSD entry but the boundary snapshot a lookup of `prompt` reads; returns the store and its info.
 
     The first run also stores a finish-time entry (prompt + answer, no prefix of the prompt) when it
     lives one decode step past its `Finished`: it always does since the engine waits for its pools to go
@@ -64,6 +65,7 @@ def _keep_only_the_prompt_entry(directory: Path, prompt: tuple[int, ...]) -> Non
     for other in stored:
         if other.key != info.key:
             store.remove(other.key)
+    return store, info
 
 
 @pytest.mark.parametrize("spec", [LLAMA, LLAMA_SWA], ids=["full", "rotating"])
@@ -200,17 +202,7 @@ async def test_an_entry_that_passes_its_checksum_but_does_not_fit_is_dropped(tmp
     """An SSD entry with a valid checksum but the wrong head_dim, dtype or layer count: two requests sharing
     its prefix both complete with the uncached tokens, the file is removed and counted (issue #21 point 6)."""
     cold, prompt = await _first_run(LLAMA, tmp_path)
-    # The first run may store a finish-time entry (prompt + answer, no prefix of the prompt) besides its
-    # boundary snapshot (timing on a loaded box): keep the longest entry that serves the prompt, and only it.
-    with safe_open(next(tmp_path.glob(f"*{SUFFIX}")), framework="numpy") as f:
-        identity = CacheIdentity.from_metadata(f.metadata())
-    store = CacheFileStore(tmp_path, max_bytes=2**30, identity=identity)
-    stored = store.scan()
-    info = store.longest_prefix(prompt, max_len=len(prompt) - 1)
-    assert info is not None
-    for other in stored:
-        if other.key != info.key:
-            store.remove(other.key)
+    store, info = _keep_only_the_prompt_entry(tmp_path, prompt)
     path = info.path
     bad = _reshaped(store.read(info.key), how)
     store.remove(info.key)
