@@ -92,7 +92,7 @@ def test_each_response_is_counted_before_the_next_read(server: tuple[ServerThrea
 @pytest.mark.parametrize("length", [30, 3 * STEP + 8], ids=["cohort", "interleaved-chunks"])
 def test_eight_concurrent_prompts_are_counted_whole(server: tuple[ServerThread, str], length: int) -> None:
     """Short prompts arriving together prefill as a cohort; long ones chunk by chunk, interleaved."""
-    served, _ = server
+    served, speculation = server
     prompts = [_prompt(100 + length + i, length + i) for i in range(8)]
     before = _stats(served.url)
     start = threading.Barrier(len(prompts))
@@ -106,4 +106,7 @@ def test_eight_concurrent_prompts_are_counted_whole(server: tuple[ServerThread, 
     delta = _delta(_stats(served.url), before)
     assert delta["prefill_tokens"] == sum(_uncached(usage) for usage in usages), (delta, usages)
     assert delta["decoded_tokens"] == sum(usage["completion_tokens"] - 1 for usage in usages), delta
-    assert delta["decode_steps"] > 0 and delta["proposed"] > 0, delta
+    assert delta["decode_steps"] > 0 and delta["proposed"] >= delta["accepted"], delta
+    # A draft model proposes at every speculative step; prompt lookup only where an n-gram recurs, and after a
+    # step with none it waits up to MAX_QUIET_STEPS plain steps, which joins under load may shift past the end.
+    assert delta["proposed"] > 0 or speculation == "lookup", delta
