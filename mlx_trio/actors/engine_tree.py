@@ -222,9 +222,7 @@ class EngineActors:
             "active_rows": (decode.active_rows if decode else 0) + (1 if prefill and prefill.active_request else 0),
             "pending_rows": admission.mailbox_depth if admission else 0,
             "submitted_rows": retired.submitted + (admission.submitted if admission else 0),
-            # Paged: the blocks rows hold (prefilling and decoding; a shared block once), else each row's caches.
-            "kv_bytes": (blocks["used"] * blocks["block_bytes"] if blocks is not None else
-                         (decode.kv_bytes if decode else 0) + (prefill.active_kv_bytes if prefill else 0)),
+            "kv_bytes": lane.rows_kv_bytes(),
             "kv_blocks": blocks,
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,

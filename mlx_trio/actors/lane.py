@@ -145,11 +145,20 @@ class Lane:
         """How many rows are in the decode batch now (0 when none)."""
         return self.decode_step.num_rows if self.decode_step is not None else 0
 
-    def held_kv_bytes(self) -> int:
-        """KV bytes this lane holds now: the decode batch's, the prompts prefilling, and the prompt cache's."""
+    def rows_kv_bytes(self) -> int:
+        """KV bytes the rows hold now (`/stats` `batch.kv_bytes`): under --paged-kv the blocks they reference (a
+        shared block once), else the decode batch's caches and those of the prompts prefilling."""
+        paged = self._paged_kv()
+        if paged is not None:
+            blocks = paged.counters()
+            return blocks["used"] * blocks["block_bytes"]
         decoding = self.decode_step.statistics().kv_bytes if self.decode_step is not None else 0
         prefilling = self.prefill.statistics().active_kv_bytes if self.prefill is not None else 0
-        return decoding + prefilling + (self.caching.nbytes if self.caching is not None else 0)
+        return decoding + prefilling
+
+    def held_kv_bytes(self) -> int:
+        """KV bytes this lane holds now: the rows' (`rows_kv_bytes`) and the prompt cache's."""
+        return self.rows_kv_bytes() + (self.caching.nbytes if self.caching is not None else 0)
 
     def _paged_kv(self) -> Any:
         """The model's block pool under --paged-kv (engine/kv/blocks/), else None."""

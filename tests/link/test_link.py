@@ -166,6 +166,18 @@ class ReplayingEngine(FakeEngine):
         yield Finished("length", Usage(1, request.tokens))
 
 
+async def _collect(remote: Any, request: Any, seen: list[Any]) -> None:
+    """Read `request`'s stream from `remote` into `seen` (a resumed stream too)."""
+    async for event in remote.stream(request):
+        seen.append(event)
+
+
+async def _until_finished(seen: list[Any]) -> None:
+    with trio.fail_after(10):
+        while not seen or not isinstance(seen[-1], Finished):
+            await trio.sleep(0.01)
+
+
 async def test_a_stream_resumes_on_the_next_engine_when_the_link_breaks(tmp_path: Path) -> None:
     """The caller sees one stream, each token once; the resumed attempt has an id of its own."""
     engine = ReplayingEngine()
@@ -173,11 +185,7 @@ async def test_a_stream_resumes_on_the_next_engine_when_the_link_breaks(tmp_path
         request = await remote.prepare_off_loop("x", max_tokens=12)
         seen: list[Any] = []
         async with trio.open_nursery() as nursery:
-            async def consume() -> None:
-                async for event in remote.stream(request):
-                    seen.append(event)
-
-            nursery.start_soon(consume)
+            nursery.start_soon(_collect, remote, request, seen)
             with trio.fail_after(5):
                 while len(seen) < 4:
                     await trio.sleep(0.001)
@@ -189,9 +197,7 @@ async def test_a_stream_resumes_on_the_next_engine_when_the_link_breaks(tmp_path
             with pytest.raises(EngineDown):  # what changes the engine is not sent again
                 await remote.load_adapter("a", "/nowhere")
             nursery.start_soon(LinkServer(engine, server.path).run)  # type: ignore[arg-type]
-            with trio.fail_after(10):
-                while not seen or not isinstance(seen[-1], Finished):
-                    await trio.sleep(0.01)
+            await _until_finished(seen)
             nursery.cancel_scope.cancel()
     texts = [e.text for e in seen if isinstance(e, TextDelta)]
     assert "".join(texts) == "".join(f"w{i} " for i in range(12))
@@ -413,11 +419,7 @@ async def test_a_stream_of_a_lost_group_resumes_on_the_next_engine_with_no_error
         request = await remote.prepare_off_loop("x", max_tokens=12)
         seen: list[Any] = []
         async with trio.open_nursery() as nursery:
-            async def consume() -> None:
-                async for event in remote.stream(request):
-                    seen.append(event)
-
-            nursery.start_soon(consume)
+            nursery.start_soon(_collect, remote, request, seen)
             with trio.fail_after(5):
                 while engine.group_lost is None:
                     await trio.sleep(0.001)
@@ -427,9 +429,7 @@ async def test_a_stream_of_a_lost_group_resumes_on_the_next_engine_with_no_error
             await server.ended.wait()
             nxt = ReplayingEngine()
             nursery.start_soon(LinkServer(nxt, server.path).run)  # type: ignore[arg-type]
-            with trio.fail_after(10):
-                while not seen or not isinstance(seen[-1], Finished):
-                    await trio.sleep(0.01)
+            await _until_finished(seen)
             nursery.cancel_scope.cancel()
     assert [i for e in seen if isinstance(e, TextDelta) for i in e.token_ids] == list(range(12))
     assert engine.ids == ["req-1"] and nxt.ids == ["req-1.r1"]
