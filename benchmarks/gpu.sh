@@ -54,6 +54,10 @@
 #   cohorts: benchmarks/cohort_shapes.py (issue #20): one cohort prefill job (`prefill_rows`) by rows (1..32 short
 #           prompts), at padded shapes new to the process vs seen; COHORTS_ARGS for more flags. PARTS=cohorts,
 #           <= COHORTS_LIMIT_S (120).
+#   paged:  benchmarks/paged_kv.py (issue #45): decode ms a step of 8 and 64 equal 512-token rows, paged vs padded
+#           (target within 5 %); KV bytes held per token of a PAGED_LONG (30000) row beside 15 short ones; 8 siblings
+#           sharing a PAGED_PREFIX (12400) token prefix: prompt tokens computed and seconds, paged vs padded.
+#           PARTS=paged MODELS=1b, <= PAGED_LIMIT_S (240); PAGED_PARTS to pick (equal,memory,siblings,block).
 #   distributed: benchmarks/distributed.py (issue #27): 2 tensor-parallel ranks vs 1 (tok/s, TTFT, the
 #           broadcast's cost per lease job). Needs 2 GPUs (NCCL: one rank per GPU; kind nvidia-h200-x2):
 #           MODELS=1b PARTS=distributed DIST_BACKEND=nccl (about 2 minutes after the model is built).
@@ -407,6 +411,11 @@ for m in $MODELS; do
       $SERVE_FLAGS --workload long-context --length-scale "${LONGCTX_SCALE:-0.3}" --rates "${LONGCTX_RATES:-1.5,3,6}" \
       --requests "${LONGCTX_REQUESTS:-60}" --concurrency 512 --rounds 1 --timeout-s 120 \
       --out "$RESULTS/longctx-$m.json" ${LONGCTX_ARGS:-}
+  ;; esac
+  case " $PARTS " in *" paged "*)
+    script_part paged "${PAGED_LIMIT_S:-240}" "paged KV, $m: step B=8/64 equal rows, bytes per token, siblings ${PAGED_PREFIX:-12400}-token prefix" \
+      $PY benchmarks/paged_kv.py --model "$dir" --parts "${PAGED_PARTS:-equal,memory,siblings}" --equal-batches 8,64 \
+      --prefix "${PAGED_PREFIX:-12400}" --long "${PAGED_LONG:-30000}" --batch 16 ${PAGED_ARGS:-}
   ;; esac
   case " $PARTS " in *" ragged "*)
     script_part ragged "${RAGGED_LIMIT_S:-150}" "ragged decode attention, $m: kernel check, us per call, B=64 padded step" \

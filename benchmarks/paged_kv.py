@@ -13,7 +13,8 @@ Parts (`--parts`, default all):
 * ``memory``    one `--long` (3,000) token row decoding beside 15 rows of 100 tokens (`--batch 16`): KV bytes
   the batch holds (`DecodeBatch.nbytes`, what `/stats` `batch.kv_bytes` reports) over the bytes of the tokens
   it holds, paged vs today's padded layout.
-* ``equal``     ms per decode step of 8 and 16 rows of one length (512 tokens), paged vs padded, alternated.
+* ``equal``     ms per decode step of `--equal-batches` (8,16) rows of one length (512 tokens), paged vs padded,
+  alternated.
 * ``block``     ms per decode step of a paged batch of 16 rows (300..1,200 tokens) for block sizes 16..256,
   against today's padded step on the same rows; and the same paged step with a pool 32x larger (a step
   that copied its pool instead of writing in place would slow down with it).
@@ -134,14 +135,14 @@ def block(model: Any, vocab: int, steps: int) -> None:
             batch.close()
 
 
-def equal(model: Any, vocab: int, steps: int) -> None:
-    """Rows of one length (the short-prompt load the paged step must not slow): ms a step, B = 8 and 16."""
-    for batch_size in (8, 16):
-        prefilled = [_row(model, f"e{i}", _prompt(i, 512, vocab), None) for i in range(batch_size)]
+def equal(model: Any, vocab: int, steps: int, batches: list[int], length: int) -> None:
+    """Rows of one `length` (the short-prompt load the paged step must not slow): ms a step at each batch size."""
+    for batch_size in batches:
+        prefilled = [_row(model, f"e{i}", _prompt(i, length, vocab), None) for i in range(batch_size)]
         times: dict[str, list[float]] = {"padded": [], "paged": []}
         for _ in range(3):  # alternated: this machine's load drifts
             for mode in ("padded", "paged"):
-                kv = _kv(model, batch_size * (512 + 8 * steps) // 16 + 4 * batch_size, 16) if mode == "paged" else None
+                kv = _kv(model, batch_size * (length + 8 * steps) // 16 + 4 * batch_size, 16) if mode == "paged" else None
                 batch = DecodeBatch(model, paged=kv)
                 for row, token0 in prefilled:
                     keep = row.caches
@@ -149,8 +150,9 @@ def equal(model: Any, vocab: int, steps: int) -> None:
                     row.caches = keep
                 times[mode].append(_step_ms(batch, steps))
                 batch.close()
-        print(f"equal B={batch_size} x 512 tokens: padded {statistics.median(times['padded']):.2f} ms, "
-              f"paged {statistics.median(times['paged']):.2f} ms a step")
+        padded, paged = statistics.median(times["padded"]), statistics.median(times["paged"])
+        print(f"equal B={batch_size} x {length} tokens: padded {padded:.2f} ms, paged {paged:.2f} ms a step "
+              f"(paged/padded {paged / padded:.3f}; target <= 1.05)")
 
 
 def main() -> None:
@@ -162,6 +164,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--equal-batches", default="8,16", help="batch sizes of the equal part (the H200: 8,64)")
+    parser.add_argument("--equal-length", type=int, default=512)
     args = parser.parse_args()
     if args.model is None:
         from mlx_trio.testing.tiny_models import LLAMA, tiny_model
@@ -179,7 +183,7 @@ def main() -> None:
     if "block" in parts:
         block(model, vocab, args.steps)
     if "equal" in parts:
-        equal(model, vocab, args.steps)
+        equal(model, vocab, args.steps, [int(b) for b in args.equal_batches.split(",")], args.equal_length)
 
 
 if __name__ == "__main__":
