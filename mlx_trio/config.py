@@ -14,9 +14,10 @@ from mlx_trio.params import SamplingParams
 DEFAULT_PREFILL_CHUNK_MS = 100.0
 # Prompts prefilled at once, chunks interleaved (--prompt-concurrency; mlx_lm.server's default).
 DEFAULT_PROMPT_CONCURRENCY = 8
-# Keys (tokens) up to which cuDNN's prefill plans are built at start under prefill-only cuDNN: 174 chunk
-# shapes on the 256-token grid (--cudnn-warm-tokens; docs/design.md §4.6).
-DEFAULT_CUDNN_WARM_TOKENS = 8192
+# Keys (tokens) up to which cuDNN's prefill plans are built in idle time under prefill-only cuDNN: the reach
+# the start-up plans (8192) and idle time (4x as far) had together before issue #46 (--cudnn-warm-tokens;
+# docs/design.md §4.6).
+DEFAULT_CUDNN_WARM_TOKENS = 32768
 # Adapters resident at once (--max-loras: one per row of the default --batch) and their largest
 # rank (--max-lora-rank, vLLM's default).
 DEFAULT_MAX_LORAS = 8
@@ -129,8 +130,8 @@ class EngineConfig:
     # served (their per-row arrays and wrapped layers would be trace constants).
     compile_decode: bool | None = None
     # Under prefill-only cuDNN attention (MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill), cuDNN's plans of the
-    # prefill grid's chunk shapes whose keys end within this many tokens are built before the first request,
-    # those up to 4x as far in idle time (actors/plan_warmup.py); 0: none (--cudnn-warm-tokens).
+    # prefill grid's chunk shapes whose keys end within this many tokens are built in idle time, never before
+    # the first request (actors/plan_warmup.py); 0: none (--cudnn-warm-tokens).
     cudnn_warm_tokens: int = DEFAULT_CUDNN_WARM_TOKENS
     # Paged KV (--paged-kv; docs/design.md §6.5): full-attention KV in blocks of one pool the size of the KV
     # budget, made at load; rows share the cached blocks of a common prefix, which replace the prompt cache.

@@ -193,8 +193,8 @@ TABLE: tuple[Setting, ...] = (
                  "waits for a long one"),
     Setting("--cudnn-warm-tokens", ("engine.cudnn_warm_tokens",), PREFILL, type=non_negative_int,
             help="with MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill on CUDA: build cuDNN's plans for the prefill chunk "
-                 "shapes of contexts up to this many tokens before the first request, and those up to 4x as far "
-                 "while idle, so no request pays for planning them; 0 turns it off"),
+                 "shapes of contexts up to this many tokens while idle (never before the first request: a chunk at a "
+                 "new shape meanwhile builds its own), so later requests don't pay for planning them; 0 turns it off"),
     # request defaults
     Setting("--max-tokens", ("sampling.max_tokens",), SAMPLING, type=positive_int,
             help="default max_tokens of a request"),

@@ -173,9 +173,6 @@ class EngineActors:
         stalled = self._lease_stalled_s()
         if stalled is not None:
             return False, f"gpu-lease stalled {stalled:.0f} s: one job has run that long while requests wait"
-        warming = lane.prefill.warming if lane.prefill is not None else None
-        if warming is not None:
-            return False, f"warming up: {warming}; requests wait until it is done"
         return True, "ok"
 
     def _lease_stalled_s(self) -> float | None:

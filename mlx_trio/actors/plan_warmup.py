@@ -1,21 +1,21 @@
-"""cuDNN's prefill plans built before requests pay for them: at the prefill actor's start, then in idle time.
+"""cuDNN's prefill plans built before requests pay for them, in idle time only.
 
 Under prefill-only cuDNN attention every prefill chunk shape cuDNN has not
 planned costs a plan build (60-93 ms on an H200, 1B shape, against 6-10 ms
 a planned chunk; docs/lab-notes/2026-12-01-h200-prefill-only-cudnn.md), and cuDNN's
 plans are per thread, so a new lease thread starts with none. The shape
 grid makes the chunks of a prefill that starts on a grid point a short list
-(engine/batch/prefill_plans.py). So the prefill actor, before it takes its
-first request, runs one chunk at each listed shape whose keys end within
-`--cudnn-warm-tokens` (`warm_ahead`, one lease job per shape, progress in the
-log); requests that arrive meanwhile wait in its inbox. The shapes of longer
-contexts, up to `IDLE_FACTOR` times as far, are planned one per lease job
-while nothing else runs (`warm_next`: a request arriving then waits for at
-most that one plan), once nothing ran for a while (actors/prefill.py
-`PLAN_QUIET_S`: an agent's next turn, sent the moment the last one ends,
-finds no plan job in its way). The warm-up never fills more than `CACHE_SHARE` of
-cuDNN's plan cache (`MLX_CUDA_SDPA_CACHE_SIZE`, engine/lease_thread.py), so
-the shapes of longer contexts, met as requests go, keep room.
+(engine/batch/prefill_plans.py). Nothing is planned before the first request
+(issue #46: planning 174 shapes at start held /health back for over a minute):
+a chunk at a new shape pays its own plan, and the chunk sizer counts its
+first visit (design §2.2). The shapes of contexts up to `--cudnn-warm-tokens`
+are planned one per lease job while nothing else runs (`warm_next`: a request
+arriving then waits for at most that one plan), once nothing ran for a while
+(actors/prefill.py `PLAN_QUIET_S`: an agent's next turn, sent the moment the
+last one ends, finds no plan job in its way). The warm-up never fills more
+than `CACHE_SHARE` of cuDNN's plan cache (`MLX_CUDA_SDPA_CACHE_SIZE`,
+engine/lease_thread.py), so the shapes of longer contexts, met as requests
+go, keep room.
 
 Nothing happens unless the lease thread chose prefill-only cuDNN on CUDA.
 """
@@ -34,12 +34,10 @@ from mlx_trio.supervision.faults import InjectedFault
 
 log = logging.getLogger("mlx_trio.plans")
 
-# Idle time plans the shapes of contexts up to this many times --cudnn-warm-tokens.
-IDLE_FACTOR = 4
 # The warm-up fills at most this share of cuDNN's plan cache.
 CACHE_SHARE = 0.5
-# A progress line at most this often while plans are built at start.
-PROGRESS_S = 2.0
+# A progress line at most this often while idle time builds plans.
+PROGRESS_S = 10.0
 
 
 class _Stopped(Exception):
@@ -49,19 +47,18 @@ class _Stopped(Exception):
 class PlanWarmup:
     """The grid's shapes still to plan on this lease thread, and the lease jobs that plan them."""
 
-    def __init__(self, lease: GpuLease, warmer: PlanWarmer | None, shapes: list[ChunkShape], ahead_keys: int) -> None:
+    def __init__(self, lease: GpuLease, warmer: PlanWarmer | None, shapes: list[ChunkShape]) -> None:
         self._lease = lease
         self._warmer = warmer
-        self._ahead = [s for s in shapes if s.keys <= ahead_keys]
-        self._idle = [s for s in shapes if s.keys > ahead_keys]
+        self._idle = list(shapes)
+        self._total = len(shapes)
+        self._shown = time.monotonic()  # when the last progress line was logged
         self.planned = 0  # shapes planned so far
-        # (planned, total) while `warm_ahead` runs (requests wait for it: /health says so), else None.
-        self.progress: tuple[int, int] | None = None
 
     @classmethod
     def none(cls, lease: GpuLease) -> PlanWarmup:
         """A warm-up with nothing to plan."""
-        return cls(lease, None, [], 0)
+        return cls(lease, None, [])
 
     @classmethod
     async def open(cls, lease: GpuLease, model: object, *, grid: int | None, step_size: int,
@@ -73,44 +70,23 @@ class PlanWarmup:
         if warm_tokens <= 0 or not prefill_only_cudnn():
             return cls.none(lease)  # no lease job at all
         try:
-            warmer, shapes = await lease.run(plan_list, model, grid, step_size, IDLE_FACTOR * warm_tokens)
+            warmer, shapes = await lease.run(plan_list, model, grid, step_size, warm_tokens)
         except (LeaseClosed, InjectedFault):
             raise  # not the warm-up's fault: the actor restarts
         except Exception:
             # A warm-up that cannot start must not stop the prefill actor: requests plan as they go.
             log.warning("listing cuDNN's prefill shapes failed; plans are built as requests meet them", exc_info=True)
             return cls.none(lease)
-        return cls(lease, warmer, shapes[:int(CACHE_SHARE * plan_cache_capacity())], warm_tokens)
+        shapes = shapes[:int(CACHE_SHARE * plan_cache_capacity())]
+        if shapes:
+            log.info("cuDNN's plans for %d prefill chunk shapes (keys up to %d tokens; --cudnn-warm-tokens) are built "
+                     "in idle time; until then a chunk at a new shape builds its own", len(shapes), shapes[-1].keys)
+        return cls(lease, warmer, shapes)
 
     @property
     def pending(self) -> bool:
         """Whether idle time has shapes left to plan."""
         return bool(self._idle)
-
-    async def warm_ahead(self) -> list[ChunkShape]:
-        """Plan every shape within `--cudnn-warm-tokens`, one lease job each, logging the progress; returns them."""
-        ahead, self._ahead = self._ahead, []
-        if not ahead:
-            return []
-        total, start, shown = len(ahead), time.monotonic(), time.monotonic()
-        log.info("building cuDNN's plans for %d prefill chunk shapes (keys up to %d tokens; --cudnn-warm-tokens)",
-                 total, ahead[-1].keys)
-        try:
-            for done, shape in enumerate(ahead, 1):
-                self.progress = (done - 1, total)
-                try:
-                    await self._plan(shape)
-                except _Stopped:
-                    return ahead[:done - 1]
-                if time.monotonic() - shown >= PROGRESS_S and done < total:
-                    shown = time.monotonic()
-                    log.info("cuDNN plans: %d/%d prefill shapes, %.1f s", done, total, shown - start)
-        finally:
-            self.progress = None
-        took = time.monotonic() - start
-        log.info("cuDNN plans for %d prefill shapes built in %.1f s (%.0f ms each); %d more in idle time",
-                 total, took, 1e3 * took / total, len(self._idle))
-        return ahead
 
     async def warm_next(self) -> ChunkShape | None:
         """Plan the next idle-time shape (one lease job); returns it (None when none was left)."""
@@ -121,6 +97,11 @@ class PlanWarmup:
             await self._plan(shape)
         except _Stopped:
             return None
+        if not self._idle:
+            log.info("cuDNN's plans for all %d prefill chunk shapes are built", self._total)
+        elif time.monotonic() - self._shown >= PROGRESS_S:
+            self._shown = time.monotonic()
+            log.info("cuDNN plans (idle time): %d/%d prefill chunk shapes", self.planned, self._total)
         return shape
 
     async def _plan(self, shape: ChunkShape) -> None:

@@ -216,20 +216,11 @@ class PrefillActor:
                 self._lane.end_request(cmd)
             self._backlog.clear()
 
-    @property
-    def warming(self) -> str | None:
-        """What the actor does before taking requests (the start-up cuDNN plans), for /health; None once it takes them."""
-        progress = self._plans.progress
-        if progress is None:
-            return None
-        return f"building cuDNN prefill plans ({progress[0]}/{progress[1]} chunk shapes; --cudnn-warm-tokens)"
-
     async def _warm_plans(self) -> None:
-        """Before the first request: cuDNN's plans of the grid's prefill shapes (actors/plan_warmup.py)."""
+        """The list of cuDNN's grid shapes that idle time plans (actors/plan_warmup.py); plans none itself."""
         config = self._lane.config
         self._plans = await PlanWarmup.open(self._lease, self._model.model, grid=config.prefill_grid,
                                             step_size=self._prefill_step_size, warm_tokens=config.cudnn_warm_tokens)
-        self.sizer.know(sizer_shape(shape) for shape in await self._plans.warm_ahead())
 
     async def _idle(self) -> bool:
         """With nothing to prefill: take the next request into the backlog and return True.
