@@ -19,7 +19,7 @@ import trio
 
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded
-from mlx_trio.engine.kv.layout import free_memory_bytes
+from mlx_trio.engine.kv.layout import device_memory_reading
 from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
 from mlx_trio.events import FinishReason
 
@@ -221,10 +221,10 @@ class AdmissionActor:
         while True:
             before = memory.current
             if follows:
-                free = await lease.run(free_memory_bytes)
-                follows = free is not None  # a backend that reports no free memory never will
-                if follows:
-                    memory.follow(free, self._lane.held_kv_bytes())
+                reading = await lease.run(device_memory_reading)
+                follows = reading is not None  # a backend that reports no free memory never will
+                if reading is not None:
+                    memory.follow(*reading)
             memory.relax()
             if memory.current != before:
                 log.warning("KV budget now %.1f MiB (was %.1f MiB): %s", memory.current / 2**20, before / 2**20,

@@ -46,7 +46,7 @@ from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
 from mlx_trio.engine.kv.kv_scheme import KvScheme
-from mlx_trio.engine.kv.layout import default_kv_budget, memory_headroom_bytes
+from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread, release_thread_streams
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
@@ -427,7 +427,7 @@ class EngineActors:
         layout, step = model.kv_layout, self.config.prefill_step_size
         budget = self._kv_budget(model)
         if lane.memory is None and lane.lease is not None:
-            lane.memory = MemoryBudget(budget, headroom=await lane.lease.run(memory_headroom_bytes))
+            lane.memory = MemoryBudget(budget)
         if lane.caching is None and layout.batchable:
             lane.caching = self._make_caching(budget)
         paged = model.paged_kv

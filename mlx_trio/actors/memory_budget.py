@@ -9,8 +9,13 @@ crashes in two minutes, 194 of 200 requests failed). So the budget in force
 is the least of
 
 - the configured one (`--kv-budget`, or what was free at start);
-- what the device says is free now, plus the KV we hold, less headroom, where
-  the backend reports free memory (`follow`, re-read about once a second);
+- the configured one less what *other* processes took since the first
+  reading, where the backend reports free memory (`follow`, re-read about
+  once a second). Our own process's memory (KV, activations, MLX's cache of
+  freed buffers) never counts against it: on an H200 (2026-12-05) a budget of
+  "free memory plus the KV we hold" fell to 6.9 GiB of 107 GiB while our own
+  long prefills' transients and padded batches held the rest, and answered
+  14 of 60 requests 503 with no other process on the device;
 - after an out-of-memory error, a cap below the KV held when it struck
   (`shrink`), lifted step by step while none strikes again (`relax`);
 
@@ -55,13 +60,15 @@ class MemoryBudget:
     """The KV budget in force: `current` bytes, at most `configured`; see the module docstring."""
 
     configured: int
-    headroom: int = 0  # bytes left free for activations and other processes when following free memory
     clock: Callable[[], float] = time.monotonic
     _free_cap: int | None = attrs.field(default=None, init=False)
     _oom_cap: int | None = attrs.field(default=None, init=False)
     _oom_at: float = attrs.field(default=0.0, init=False)
     out_of_memory_errors: int = attrs.field(default=0, init=False)
     free_bytes: int | None = attrs.field(default=None, init=False)  # the device's free memory at the last read
+    # Device memory not held by other processes (free + ours) at the first reading, and what they took since.
+    _baseline: int | None = attrs.field(default=None, init=False)
+    taken_by_others: int = attrs.field(default=0, init=False)
 
     @property
     def floor(self) -> int:
@@ -77,11 +84,20 @@ class MemoryBudget:
     def degraded(self) -> bool:
         return self.current < self.configured
 
-    def follow(self, free: int | None, held: int) -> None:
-        """The device reports `free` bytes while we hold `held` bytes of KV: the budget may use what is free,
-        less the headroom (None: this backend reports no free memory; the budget follows errors alone)."""
+    def follow(self, free: int | None, ours: int = 0) -> None:
+        """The device reports `free` bytes while this process's MLX holds `ours` (active + cached buffers): the
+        budget shrinks by what other processes took since the first reading (None: this backend reports no free
+        memory; the budget follows errors alone). The configured budget was set with the memory free at start,
+        so only others' growth since then can make it too large."""
         self.free_bytes = free
-        self._free_cap = None if free is None else max(held + free - self.headroom, 0)
+        if free is None:
+            self._free_cap = None
+            return
+        available = free + ours
+        if self._baseline is None:
+            self._baseline = available
+        self.taken_by_others = max(self._baseline - available, 0)
+        self._free_cap = max(self.configured - self.taken_by_others, 0)
 
     def shrink(self, held: int) -> None:
         """Memory ran out while `held` bytes of KV were in use: cap the budget below that."""
@@ -107,12 +123,14 @@ class MemoryBudget:
         if self.degraded:
             why = []
             if self._free_cap is not None and self._free_cap < self.configured:
-                why.append(f"the device has {_gib(self.free_bytes or 0)} free")
+                why.append(f"other processes took {_gib(self.taken_by_others)} since start; "
+                           f"the device has {_gib(self.free_bytes or 0)} free")
             if self._oom_cap is not None:
                 why.append(f"{self.out_of_memory_errors} out-of-memory error(s)")
             reason = (f"degraded: memory: KV budget {_gib(self.current)} of {_gib(self.configured)} configured "
                       f"({'; '.join(why) or 'floor'}); fewer rows are admitted until memory is free again")
         return {"configured_bytes": self.configured, "current_bytes": self.current, "free_bytes": self.free_bytes,
+                "taken_by_others_bytes": self.taken_by_others,
                 "out_of_memory_errors": self.out_of_memory_errors, "degraded": self.degraded, "reason": reason}
 
 

@@ -53,15 +53,20 @@ def test_an_out_of_memory_error_caps_the_budget_below_what_was_held_then_it_rela
     assert risen == sorted(risen) and risen[-1] == 1000 and not budget.degraded
 
 
-def test_the_budget_follows_the_free_memory_the_device_reports() -> None:
-    budget = MemoryBudget(1000, headroom=100)
-    budget.follow(free=500, held=200)  # another process took memory: 200 held + 500 free - 100 headroom
-    assert budget.current == 600 and budget.degraded and "free" in str(budget.report()["reason"])
-    budget.follow(free=5000, held=200)
+def test_the_budget_follows_what_other_processes_take_since_start() -> None:
+    budget = MemoryBudget(1000)
+    budget.follow(free=1100, ours=100)  # the first reading: 1200 left to us by the others
     assert budget.current == 1000 and not budget.degraded
-    budget.follow(free=None, held=0)  # a backend that reports nothing: the configured budget
+    budget.follow(free=200, ours=1000)  # our own KV, activations and cached buffers grew: not a squeeze
+    assert budget.current == 1000 and not budget.degraded
+    budget.follow(free=300, ours=500)  # another process took 400
+    assert budget.current == 600 and budget.degraded and budget.taken_by_others == 400
+    assert "other processes took" in str(budget.report()["reason"])
+    budget.follow(free=5000, ours=100)  # it left (and more is free than at start): never above the configured
+    assert budget.current == 1000 and not budget.degraded
+    budget.follow(free=None)  # a backend that reports nothing: the configured budget
     assert budget.current == 1000
-    budget.follow(free=0, held=0)
+    budget.follow(free=0, ours=0)
     assert budget.current == int(1000 * FLOOR_FRACTION)  # never below the floor
 
 
@@ -135,9 +140,9 @@ async def test_a_budget_squeezed_at_run_time_queues_rows_and_refuses_what_cannot
         lengths = [len(engine.prepare(p).prompt_ids) for p in PROMPTS[:4]]
         row = max(layout.row_bytes(n + MAX_TOKENS) for n in lengths)
         need = row + max(layout.prefill_peak_bytes(n, step) for n in lengths)  # one row and its prefill's peak
-        memory.headroom = 0
         memory.configured = need * 4  # a small device, so the floor (a sixteenth) is a quarter of a row
-        memory.follow(free=need + row // 2, held=0)  # another process took the rest: not all four fit at once
+        memory.follow(free=need * 4, ours=0)  # the first reading
+        memory.follow(free=need + row // 2, ours=0)  # another process took the rest: not all four fit at once
         assert memory.degraded and admission.budget_now == need + row // 2
         peak, most = 0, 0
 
@@ -155,10 +160,10 @@ async def test_a_budget_squeezed_at_run_time_queues_rows_and_refuses_what_cannot
         assert streams == solo[:4], (streams, solo[:4])
         assert most <= need + row // 2 and 1 <= peak < 4  # fewer rows at once than the four that came, never more
         await _idle(engine)
-        memory.follow(free=need // 3, held=0)  # less than the row needs, nothing running: 503 now, not a wait
+        memory.follow(free=need // 3, ours=0)  # less than the row needs, nothing running: 503 now, not a wait
         with pytest.raises(Overloaded) as refused:
             await engine.complete(PROMPTS[0], max_tokens=MAX_TOKENS)
         assert refused.value.retry_after_s and "short of memory" in str(refused.value)
-        memory.follow(free=None, held=0)
+        memory.follow(free=None)
         assert (await engine.complete(PROMPTS[0], max_tokens=MAX_TOKENS)).token_ids == solo[0]
         await _idle(engine)

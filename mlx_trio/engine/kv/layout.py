@@ -195,14 +195,14 @@ def memory_headroom_bytes() -> int:
     return max(int(device_memory_bytes() * _HEADROOM_FRACTION), _MIN_HEADROOM_BYTES)
 
 
-def free_memory_bytes() -> int | None:
-    """What the KV could still grow into now: the device's free memory plus MLX's cache of freed buffers (ours to
-    reuse), where the backend reports free memory (CUDA); None elsewhere (Metal and the CPU report none). Lease
-    thread (actors/memory_budget.py re-reads it about once a second)."""
+def device_memory_reading() -> tuple[int, int] | None:
+    """(the device's free bytes, the bytes this process's MLX holds: active + its cache of freed buffers), where
+    the backend reports free memory (CUDA); None elsewhere (Metal and the CPU report none). Their sum is what other
+    processes leave us. Lease thread (actors/memory_budget.py re-reads it about once a second)."""
     free = mx.device_info().get("free_memory")
     if not isinstance(free, int) or free <= 0:
         return None
-    return free + mx.get_cache_memory()
+    return free, mx.get_active_memory() + mx.get_cache_memory()
 
 
 def default_kv_budget(weights: int) -> int:
