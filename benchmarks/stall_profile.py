@@ -3,7 +3,7 @@
 Usage (H200, see benchmarks/gpu.sh for staging):
     python benchmarks/stall_profile.py --shape llama-1b --streams 4 --long-tokens 8500
     MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill python benchmarks/stall_profile.py ... --prefill-chunk-ms 40,100 \
-        --cudnn-warm-tokens 9216   (cuDNN's plans of every chunk of the 8.5k prompt built at start)
+        --cudnn-warm-tokens 9216   (idle time plans only the 8.5k prompt's chunk shapes; none before it is ready)
     (a CPU check: python benchmarks/stall_profile.py --streams 2 --long-tokens 1500 --rounds 1 --stream-tokens 600)
 
 `--prefill-chunk-ms` takes a comma list: each target runs in turn on a fresh engine in this
@@ -65,8 +65,8 @@ class Profile:
     rounds: list[tuple[float, float]]
     log: list[tuple[str, float, float]]
     trio_steps: list[tuple[str, float, float]]
-    start_s: float = 0.0  # from opening the engine to its warm-up request's end (cuDNN plans built ahead included)
-    plans: int = 0  # prefill chunk shapes planned by then (actors/plan_warmup.py)
+    start_s: float = 0.0  # from opening the engine to its warm-up request's end
+    plans: int = 0  # prefill chunk shapes planned by then, in idle time (actors/plan_warmup.py)
 
 
 async def profile(model_dir: Path, args: argparse.Namespace) -> None:
@@ -243,8 +243,8 @@ def main() -> int:
                    default=[attrs.fields(EngineConfig).prefill_chunk_ms.default],
                    help="the busy prefill chunk's target time (the server's flag); a comma list runs each in turn")
     p.add_argument("--cudnn-warm-tokens", type=int, default=attrs.fields(EngineConfig).cudnn_warm_tokens.default,
-                   help="the server's flag: under MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill, cuDNN's prefill plans "
-                        "of contexts up to this many tokens are built before the first request")
+                   help="the server's flag: under MLX_TRIO_ATTENTION_BACKEND=cudnn-prefill, idle time builds "
+                        "cuDNN's prefill plans of contexts up to this many tokens (never before readiness)")
     p.add_argument("--model", help="a model directory (wins over --shape), e.g. gpu.sh's built shape")
     p.add_argument("--json", type=Path, help="write the per-round summary here")
     p.add_argument("--top", type=int, default=6)

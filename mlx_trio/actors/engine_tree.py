@@ -368,9 +368,6 @@ class EngineActors:
             if self.config.serves_adapters:
                 self._phase(f"loading {len(self.config.lora_modules)} adapter(s)")
                 self.lane.adapters = await self._load_adapters(lease, model)
-            # Every --batch runs the batch lane (B=1 too): compile its kernels before the first request.
-            self._phase("warming up the batch lane (compiling its kernels)")
-            await self._warm_up(lease, model)
             self._choose_row_cap(model)
             self._phase("done; serving once every actor runs")
         except Exception as exc:
@@ -380,6 +377,10 @@ class EngineActors:
             self.lane.settle_model(None, error)
             return
         self.lane.settle_model(model)
+        # Every --batch runs the batch lane (B=1 too). Its kernels compile in the first lease job after
+        # readiness, not before it (issue #46): /health does not wait, and a request arriving meanwhile
+        # waits for that one job, about what its own first steps would have paid to compile them.
+        await self._warm_up(lease, model)
 
     async def _load_adapters(self, lease: GpuLease, model: LoadedModel) -> ResidentAdapters:
         """The served adapters (`--lora-modules`); one that cannot be served is logged and left out."""
@@ -396,7 +397,10 @@ class EngineActors:
         return adapters
 
     async def _warm_up(self, lease: GpuLease, model: LoadedModel) -> None:
-        """Compile the lane's kernels before the first request (engine/batch/warmup.py); serve even if it fails."""
+        """Compile the lane's kernels in one lease job once serving (engine/batch/warmup.py); serve even if it fails.
+
+        Runs before the watchdog starts, as it did before readiness: a slow first compile is not a wedged step.
+        """
         start = time.monotonic()
         try:
             ran = await lease.run(warm_up_gpu, model.model, model.vocab_size, model.kv_scheme,
@@ -406,7 +410,8 @@ class EngineActors:
                         exc_info=True)
             return
         if ran:
-            log.info("batch lane warmed up in %.1f s", time.monotonic() - start)
+            log.info("batch lane warmed up in %.1f s (after readiness: requests that came meanwhile waited for it)",
+                     time.monotonic() - start)
 
     # -- admission's limits and the prompt cache, once the model is known -------------------
 

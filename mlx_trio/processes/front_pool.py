@@ -22,13 +22,15 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from mlx_trio.http.server.config import ServerConfig
-from mlx_trio.http.server.drain import DrainReport
+
+if TYPE_CHECKING:  # at run time only in `drain`: it imports Quart, ~0.15 s before the launcher starts the engine
+    from mlx_trio.http.server.drain import DrainReport
 
 log = logging.getLogger("mlx_trio.link")
 
@@ -102,6 +104,8 @@ class FrontPool:
 
     async def drain(self, timeout_s: float | None = None) -> DrainReport:
         """SIGTERM every front (each drains its own requests), then wait for them to exit."""
+        from mlx_trio.http.server.drain import DrainReport  # noqa: PLC0415  (see the imports)
+
         timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
         self._draining = True
         start = time.monotonic()

@@ -82,11 +82,18 @@ async def _freeze_when_known(engine: RemoteEngine) -> None:
     of the front (docs/lab-notes/2026-12-04-h200-pass20.md).
     """
     await engine.model_known.wait()
+    # On a worker thread: its imports take seconds on a small CPU (1-1.5 s, 2-core CPU, SmolLM2's tool
+    # parser) and on the event loop they held every /health and request back just as the model got ready.
+    await trio.to_thread.run_sync(_read_output_format, engine)
+    gc.freeze()
+
+
+def _read_output_format(engine: RemoteEngine) -> None:
+    """Unpickle the engine's output format once, so that what it imports is frozen with the rest."""
     try:
-        engine.output_format  # noqa: B018  (unpickled here, so what it imports is frozen with the rest)
+        engine.output_format  # noqa: B018
     except EngineFailure:  # the link broke meanwhile: freeze what there is
         pass
-    gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
