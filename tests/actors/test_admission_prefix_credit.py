@@ -67,3 +67,53 @@ async def test_siblings_sharing_a_cached_prefix_are_admitted_together_where_the_
             while engine.status()["counters"]["kv_blocks"]["used"] or engine.actors.lane.pins:
                 await trio.sleep(0.01)
         assert engine.actors.lane.admission.statistics().reserved_bytes == 0
+
+
+async def test_a_lease_crash_drops_the_pins_of_the_requests_it_ended_and_the_streams_resume_exact() -> None:
+    """The pool outlives a crashed lease, so must not keep its pins' references: a pin whose unpin finds no lease
+    waits in `Lane.stale_pins` and the restarted admission drops it before it pins anything."""
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, paged_kv=True, kv_budget_bytes=BUDGET) as engine:
+        await engine.complete(SIBLINGS[0], max_tokens=MAX_TOKENS, temperature=0)  # the prefix's blocks cached
+        _, undisturbed = await _peak_in_flight(engine, SIBLINGS)
+        engine.faults.arm("gpu-lease", "raise")
+        _, resumed = await _peak_in_flight(engine, SIBLINGS)
+        assert engine.faults.fired, "the fault never fired"
+        assert resumed == undisturbed
+        lane = engine.actors.lane
+        with trio.fail_after(10):
+            while engine.status()["counters"]["kv_blocks"]["used"] or lane.pins or lane.stale_pins:
+                await trio.sleep(0.01)
+
+
+class _InlineLease:
+    """Runs each job at once on the caller's thread (the pool's bookkeeping is pure Python)."""
+
+    async def run(self, fn, *args):
+        return fn(*args)
+
+    def submit_nowait(self, fn, *args) -> None:
+        fn(*args)
+
+
+async def test_a_pin_whose_unpin_finds_no_lease_is_dropped_by_the_next_admission_not_leaked() -> None:
+    from types import SimpleNamespace
+
+    from mlx_trio.actors.lane import Lane
+    from mlx_trio.config import EngineConfig
+    from mlx_trio.supervision.faults import Faults
+    from tests.engine.kv.test_prefix_pin import _kv, _prefill
+
+    kv = _kv(8)
+    _prefill(kv, list(range(1, 10)))
+    lane = Lane(EngineConfig(batch=2), Faults())
+    lane.model = SimpleNamespace(paged_kv=kv)  # type: ignore[assignment]
+    crashed, orphan = kv.pin_prefix(list(range(1, 10))), kv.pin_prefix(list(range(1, 10)))
+    lane.unpin(crashed)  # no lease serving: parked, still referenced
+    lane.pins["gone"] = orphan  # a request no actor holds any more
+    assert lane.stale_pins == [crashed] and not kv.pool.idle
+    assert any("prefix pins held: 2" in line for line in lane.not_idle())
+    lane.lease = _InlineLease()  # type: ignore[assignment]
+    await lane.drop_stale_pins()
+    assert kv.pool.idle and not lane.pins and not lane.stale_pins
+    lane.unpin(crashed)  # idempotent once dropped
+    kv.pool.check()
