@@ -248,7 +248,8 @@ class AdmissionActor:
         head = self._pending[0]
         peak_transient = max([self._transient(head), *self._transients.values()])
         credit = self._credit(head)
-        need = sum(self._reserved.values()) + self._own_bytes(head, credit) + self._shared_bytes(credit) + peak_transient
+        need = (sum(self._reserved.values()) + self._own_bytes(head, credit) + self._shared_bytes(credit)
+                + peak_transient)
         budget = self.budget_now
         if need > budget:
             if not self._reserved:
