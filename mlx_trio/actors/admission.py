@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -42,6 +43,11 @@ class Limits:
     transient_bytes: Callable[[Generate], int]
     budget_bytes: int
     max_rows: int  # 1 for a model whose caches cannot batch
+    # --paged-kv: pin the cached blocks a request's prompt starts with, in one lease job that keeps the pin only
+    # if the request fits with it (`fits(blocks)`, evaluated there: no step runs between the two), else None; and
+    # the bytes of one block. A pinned block is counted once however many requests credit it, not in each.
+    pin_prefix: Callable[[Generate, Callable[[frozenset[int]], bool]], Awaitable[Any]] | None = None
+    block_bytes: int = 0
 
 
 GetLimits = Callable[[], Awaitable[Limits]]
@@ -74,6 +80,8 @@ class AdmissionActor:
         self._faults = lane.faults
         self._project: Callable[[Generate], int] | None = None
         self._transient: Callable[[Generate], int] = lambda cmd: 0
+        self._pin_prefix: Callable[[Generate, Callable[[frozenset[int]], bool]], Awaitable[Any]] | None = None
+        self._block_bytes = 0
         self._budget = 0
         self._max_rows = lane.row_cap  # until the limits arrive (the model loads)
         self._max_queue = lane.config.max_queue
@@ -82,6 +90,8 @@ class AdmissionActor:
         # KV bytes of each row in flight, and its prefill transient (only the largest counts).
         self._reserved: dict[str, int] = {}
         self._transients: dict[str, int] = {}
+        # --paged-kv: the pinned cached blocks each row in flight was credited (its `_reserved` excludes them).
+        self._shared: dict[str, frozenset[int]] = {}
         self._wake = trio.Event()
         self._closed = False
         self._submitted = self._admitted = 0
@@ -118,6 +128,7 @@ class AdmissionActor:
         """A row is gone (finished, cancelled or failed): give its bytes and slot back."""
         if self._reserved.pop(request_id, None) is not None:
             self._transients.pop(request_id, None)
+            self._shared.pop(request_id, None)
             self._wake.set()
 
     def statistics(self) -> AdmissionStatistics:
@@ -133,6 +144,9 @@ class AdmissionActor:
             limits = await self._get_limits()
             self._project, self._budget, self._max_rows = limits.project_bytes, limits.budget_bytes, limits.max_rows
             self._transient = limits.transient_bytes
+            self._pin_prefix, self._block_bytes = limits.pin_prefix, limits.block_bytes
+            if self._pin_prefix is not None:
+                await self._lane.drop_stale_pins()  # the pins of requests a crash ended (actors/lane.py)
             # A restarted admission inherits the rows still prefilling or decoding, so it never over-admits.
             for cmd in self._lane.in_flight():
                 self._reserve(cmd)
@@ -147,8 +161,15 @@ class AdmissionActor:
             self._pending.clear()
 
     async def _admit_head(self) -> None:
-        while not self._head_fits():
-            self._wake = trio.Event()
+        while True:
+            self._wake = trio.Event()  # before the pin's await: a wake during it is not lost
+            await self._pin_head()
+            if self._head_fits():
+                break
+            if self._pending:  # a waiting head holds no pin: its blocks stay evictable for the rows admitted
+                pin = self._lane.pins.pop(self._pending[0].request_id, None)
+                if pin is not None:
+                    self._lane.unpin(pin)
             await self._wake.wait()
         self._faults.check("admission")
         cmd = self._pending[0]
@@ -172,6 +193,46 @@ class AdmissionActor:
         self._pending.popleft()
         self._admitted += 1
 
+    async def _pin_head(self) -> None:
+        """--paged-kv: pin the head's cached prefix (on each try: blocks cached since count too), so its credit
+        holds until its row takes the blocks over at join or `Lane.end_request` drops the pin.
+
+        The pin is kept only if the head fits with it, judged in the pin's own lease job against the reservations
+        as they stand (they only shrink meanwhile): pinned blocks are never evictable room a row admitted before
+        counted on, so no step runs out of blocks (PoolExhausted)."""
+        if self._pin_prefix is None or self._project is None or not self._pending:
+            return
+        if len(self._reserved) >= self._max_rows:
+            return
+        head = self._pending[0]
+        old = self._lane.pins.pop(head.request_id, None)
+        if old is not None:
+            self._lane.unpin(old)
+        project, block = self._project(head), self._block_bytes
+        held = frozenset[int]().union(*self._shared.values())
+        room = (self.budget_now - sum(self._reserved.values())
+                - max([self._transient(head), *self._transients.values()]))
+
+        def fits(credit: frozenset[int]) -> bool:  # on the lease thread: reads only these snapshots
+            return project - len(credit) * block + len(held | credit) * block <= room
+
+        pin = await self._pin_prefix(head, fits)
+        if pin is not None:
+            self._lane.pins[head.request_id] = pin
+
+    def _credit(self, cmd: Generate) -> frozenset[int]:
+        """The cached blocks `cmd`'s pin holds: referenced by its row, never allocated (counted once for all)."""
+        pin = self._lane.pins.get(cmd.request_id)
+        return frozenset(pin.blocks) if pin is not None else frozenset()
+
+    def _own_bytes(self, cmd: Generate, credit: frozenset[int]) -> int:
+        """What `cmd`'s row may allocate: its projection less the pinned prefix it references."""
+        assert self._project is not None
+        return self._project(cmd) - len(credit) * self._block_bytes
+
+    def _shared_bytes(self, *more: frozenset[int]) -> int:
+        return len(frozenset().union(*self._shared.values(), *more)) * self._block_bytes
+
     def _head_fits(self) -> bool:
         if not self._pending or self._project is None:
             return False
@@ -186,7 +247,9 @@ class AdmissionActor:
             return False
         head = self._pending[0]
         peak_transient = max([self._transient(head), *self._transients.values()])
-        need = sum(self._reserved.values()) + self._project(head) + peak_transient
+        credit = self._credit(head)
+        need = (sum(self._reserved.values()) + self._own_bytes(head, credit) + self._shared_bytes(credit)
+                + peak_transient)
         budget = self.budget_now
         if need > budget:
             if not self._reserved:
@@ -237,7 +300,9 @@ class AdmissionActor:
 
     def _reserve(self, cmd: Generate) -> int:
         assert self._project is not None
-        self._reserved[cmd.request_id] = need = self._project(cmd)
+        credit = self._credit(cmd)
+        self._reserved[cmd.request_id] = need = self._own_bytes(cmd, credit)
+        self._shared[cmd.request_id] = credit
         self._transients[cmd.request_id] = self._transient(cmd)
         return need
 
@@ -246,4 +311,4 @@ class AdmissionActor:
         return max(self.budget_now - self._reserved_bytes(), 0) if self._project is not None else 0
 
     def _reserved_bytes(self) -> int:
-        return sum(self._reserved.values()) + max(self._transients.values(), default=0)
+        return sum(self._reserved.values()) + self._shared_bytes() + max(self._transients.values(), default=0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -37,6 +37,7 @@ from mlx_trio.actors.decode_step import DecodeStepActor, speculation_for
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.memory_budget import MemoryBudget
+from mlx_trio.actors.messages import Generate
 from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
@@ -439,7 +440,23 @@ class EngineActors:
         if paged is not None:  # admission counts blocks: what is admitted always has its blocks in the pool
             # A verify forward may write its proposals past a row's last token before they are rolled back.
             margin = self.config.num_draft_tokens if self.config.prompt_lookup else 0
+
+            async def pin_prefix(cmd: Generate, fits: Callable[[frozenset[int]], bool]) -> Any:
+                # An adapter's rows are keyed under its revision, which may change before the row joins: no credit.
+                if cmd.adapter is not None or lane.lease is None:
+                    return None
+
+                def job() -> Any:
+                    pin = paged.pin_prefix(cmd.prompt_ids)
+                    if pin.blocks and fits(frozenset(pin.blocks)):
+                        return pin
+                    paged.unpin(pin)
+                    return None
+
+                return await lane.lease.run(job)
+
             return Limits(
+                pin_prefix=pin_prefix, block_bytes=paged.row_bytes(1),
                 project_bytes=lambda cmd: paged.row_bytes(len(cmd.prompt_ids) + cmd.params.max_tokens + margin),
                 transient_bytes=lambda cmd: layout.prefill_peak_bytes(len(cmd.prompt_ids), step),
                 budget_bytes=paged.capacity_bytes,

@@ -19,6 +19,7 @@ a request ends, whichever actor holds it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
@@ -31,7 +32,7 @@ from mlx_trio.actors.row_cap import row_bound
 from mlx_trio.actors.prompt_caching import AdapterCaching
 from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
 from mlx_trio.config import EngineConfig
-from mlx_trio.errors import MlxTrioError
+from mlx_trio.errors import LeaseClosed, MlxTrioError
 from mlx_trio.supervision.faults import Faults
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ class Lane:
     arrivals: Arrivals = attrs.field(factory=Arrivals, init=False)
     # The KV budget in force (actors/memory_budget.py): set once the budget is known; outlives restarts.
     memory: MemoryBudget | None = None
+    # --paged-kv: each admitted (or queued head) request's pinned cached prefix (`PagedKV.pin_prefix`), which
+    # admission credits; its row takes it over at join, `end_request` drops it. Pins whose unpin found no lease
+    # serving wait in `stale_pins` for the next admission to drop them (`drop_stale_pins`).
+    pins: dict[str, Any] = attrs.field(factory=dict, init=False)
+    stale_pins: list[Any] = attrs.field(factory=list, init=False)
 
     # `--batch auto`: the cap chosen from the KV budget and the model (actors/row_cap.py), set before the model
     # settles, so every actor that waits for the model sees it; None under `--batch N`.
@@ -190,6 +196,7 @@ class Lane:
             ("adapter slots held", ", ".join(f"{name} x{holds}" for name, holds in resident.items() if holds)),
             ("prompt-cache puts pending", self.caching.cache.pending if self.caching is not None else 0),
             # --paged-kv: blocks rows reference (cached blocks no row holds are the prompt cache, not a leak).
+            ("prefix pins held", len(self.pins) + len(self.stale_pins)),
             ("paged KV blocks in use", paged.counters()["used"] if (paged := self._paged_kv()) is not None else 0),
             ("arrivals never reached", self.arrivals.expected()),
             ("GPU lease jobs queued", lease.queue_depth if lease else 0),
@@ -220,3 +227,32 @@ class Lane:
             self.caching.settle_put(request.request_id)
         if row is not None and self.lease is not None:
             self.lease.free_nowait(row.close)  # type: ignore[attr-defined]
+        pin = self.pins.pop(request.request_id, None)
+        if pin is not None:
+            self.unpin(pin)
+
+    def unpin(self, pin: Any) -> None:
+        """Drop a prefix pin on the lease thread (a no-op once its row took it over), never waits. With no lease
+        serving (it crashed) the pin waits in `stale_pins`: the pool outlives the lease, its references must not."""
+        paged = self._paged_kv()
+        try:
+            if self.lease is None:
+                raise LeaseClosed("no lease")
+            self.lease.submit_nowait(partial(paged.unpin, pin))
+        except LeaseClosed:
+            self.stale_pins.append(pin)
+
+    async def drop_stale_pins(self) -> None:
+        """Drop (one lease job) the pins no request holds: those whose unpin found no lease serving, and those
+        of requests no longer in flight. Admission calls it as it starts, before it pins anything."""
+        flying = {cmd.request_id for cmd in self.in_flight()}
+        for rid in [rid for rid in self.pins if rid not in flying]:
+            self.stale_pins.append(self.pins.pop(rid))
+        stale, self.stale_pins = self.stale_pins, []
+        paged = self._paged_kv()
+        if stale and paged is not None and self.lease is not None:
+            try:
+                await self.lease.run(lambda: [paged.unpin(pin) for pin in stale])
+            except BaseException:
+                self.stale_pins.extend(stale)
+                raise

@@ -647,7 +647,9 @@ class PrefillActor:
         With --paged-kv (and `paged`) the row prefills into the model's block pool, from the cached blocks of
         its prompt's prefix (docs/design.md §6.5)."""
         pool = self._model.paged_kv if paged and hit is None and snapshot_at is None else None
-        make = partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params, paged=pool,
+        # The prefix admission pinned and credited (`Lane.pins`): the row takes its references over.
+        pin = self._lane.pins.get(cmd.request_id) if pool is not None else None
+        make = partial(SoloRow, self._model.model, cmd.request_id, cmd.prompt_ids, cmd.params, paged=pool, pin=pin,
                        prefill_step_size=self._prefill_step_size, rng_draws=cmd.rng_draws, hit=hit,
                        snapshot_at=snapshot_at, grammar_tokenizer=self._model.grammar_tokenizer,
                        resumed_tokens=cmd.resumed_tokens, prefill_grid=self._prefill_grid,

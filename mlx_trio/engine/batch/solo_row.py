@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_trio.engine.adapters.forward import adapted
 from mlx_trio.engine.adapters.resident import AdapterUse
 from mlx_trio.engine.kv import cache_clone, decode_layout
-from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV, PrefixPin
 from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
@@ -73,6 +73,7 @@ class SoloRow:
         kv_scheme: KvScheme = KvScheme(),
         adapter: AdapterUse | None = None,
         paged: PagedKV | None = None,
+        pin: PrefixPin | None = None,
     ) -> None:
         # `hit`: start from a prompt-cache entry (cloned, never consumed); with a quantized `kv_scheme`, one the
         # lookup cut with `kv_scheme.hit_limit`, or the row may not convert where mlx-lm does. `snapshot_at`:
@@ -94,10 +95,11 @@ class SoloRow:
         if paged is not None and kv_scheme.quantized:
             raise ValueError("quantized KV is not on the paged KV layout yet")
         # Paged KV: the pool and the row's block table (None once the decode batch took it, or unpaged); an adapter
-        # row's blocks are keyed under its adapter's revision.
+        # row's blocks are keyed under its adapter's revision. `pin`: the prefix admission pinned and credited
+        # (`PagedKV.pin_prefix`), whose references the row takes over.
         self.paged_kv = paged
-        self.paged_row: PagedRow | None = (paged.join(prompt_ids, adapter_revision(adapter)) if paged is not None
-                                           else None)
+        self.paged_row: PagedRow | None = (paged.join(prompt_ids, adapter_revision(adapter), pin=pin)
+                                           if paged is not None else None)
         self.adapter = adapter
         self._model = adapted(model, adapter)
         self.request_id = request_id

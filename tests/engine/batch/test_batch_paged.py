@@ -399,8 +399,9 @@ def test_adapter_rows_on_paged_kv_equal_mlx_lm_and_never_share_another_revisions
     made: dict[str, int] = {}
     join = kv.join
 
-    def counting_join(prompt, adapter_revision=""):  # what each row found cached (a spy, not a patch of mlx-lm)
-        row = join(prompt, adapter_revision)
+    # What each row found cached (a spy, not a patch of mlx-lm).
+    def counting_join(prompt, adapter_revision="", pin=None):
+        row = join(prompt, adapter_revision, pin=pin)
         made[adapter_revision.split("@")[0] or "base"] = made.get(adapter_revision.split("@")[0] or "base", 0) + (
             row.cached_tokens > 0)
         return row

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
@@ -39,6 +40,17 @@ from mlx_trio.engine.kv.blocks.pool import BlockPool, PoolExhausted, PoolStats
 from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.blocks.step import PagedStep, build_groups
 from mlx_trio.engine.kv.blocks.storage import BlockStorage
+
+
+@attrs.define(eq=False)
+class PrefixPin:
+    """References to the cached blocks a queued request's prompt starts with (`PagedKV.pin_prefix`), held until
+    its row takes them over (`join`) or it is dropped (`unpin`); `taken` once either happened."""
+
+    blocks: list[int]
+    keys: list[Key]
+    root: Key
+    taken: bool = False
 
 
 class PagedKV:
@@ -63,14 +75,45 @@ class PagedKV:
             root = self._roots[adapter_revision] = root_key(self.model_identity, adapter_revision)
         return root
 
-    def join(self, prompt: Sequence[int], adapter_revision: str = "") -> PagedRow:
-        """A new row for `prompt`, referencing the cached full blocks its prompt starts with (all but its last token
-        may be found); `prompt[row.length:]` is left to prefill. `adapter_revision`: the row's adapter's, if any."""
+    def pin_prefix(self, prompt: Sequence[int], adapter_revision: str = "") -> PrefixPin:
+        """Retain the cached full blocks `prompt` starts with (those `join` would find), so they cannot be evicted
+        between admission crediting them and the row joining: `join(..., pin=)` takes the references over, or
+        `unpin` drops them (a request dropped before it joined). A pin holds no byte admission must reserve."""
         root = self.root_of(adapter_revision)
         keys = chain_keys(root, list(prompt[: max(0, len(prompt) - 1)]), self.block_size)
         blocks = self.pool.lookup(keys)
         for block in blocks:
             self.pool.retain(block)
+        return PrefixPin(blocks, keys[: len(blocks)], root)
+
+    def unpin(self, pin: PrefixPin) -> None:
+        """Drop a pin no row took over; idempotent, and a no-op once `join` took it."""
+        if not pin.taken:
+            pin.taken = True
+            self.pool.release(pin.blocks)
+
+    def blocks_to_allocate(self, num_tokens: int, pin: PrefixPin | None = None) -> int:
+        """Blocks a row of `num_tokens` positions allocates at most when it joins with `pin`: the pinned prefix is
+        referenced, not allocated (admission's credit for a cached prefix)."""
+        return -(-num_tokens // self.block_size) - (len(pin.blocks) if pin is not None else 0)
+
+    def join(self, prompt: Sequence[int], adapter_revision: str = "", pin: PrefixPin | None = None) -> PagedRow:
+        """A new row for `prompt`, referencing the cached full blocks its prompt starts with (all but its last token
+        may be found); `prompt[row.length:]` is left to prefill. `adapter_revision`: the row's adapter's, if any.
+        `pin` (from `pin_prefix` of the same prompt and revision): its references become the row's, and the
+        lookup goes on past them (blocks cached since it was pinned)."""
+        root = self.root_of(adapter_revision)
+        keys = chain_keys(root, list(prompt[: max(0, len(prompt) - 1)]), self.block_size)
+        blocks: list[int] = []
+        if pin is not None:
+            if pin.taken or pin.root != root or pin.keys != keys[: len(pin.keys)]:
+                raise ValueError("a pin is taken once, by a row of the prompt and adapter it was made for")
+            pin.taken = True
+            blocks = list(pin.blocks)
+        found = self.pool.lookup(keys[len(blocks):])
+        for block in found:
+            self.pool.retain(block)
+        blocks += found
         cached = len(blocks) * self.block_size
         self.reused_tokens += cached
         return PagedRow(list(prompt), blocks, keys[: len(blocks)], root, cached, cached)
