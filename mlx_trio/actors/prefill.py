@@ -1,11 +1,13 @@
-"""The prefill actor: joiners prefill on their own caches, one chunk per lease job (docs/design.md §2).
+"""The prefill actor: joiners prefill on their own caches, chunk by chunk in lease jobs (docs/design.md §2).
 
-Each chunk of a prompt is one GPU-lease job, queued behind the decode jobs
-already waiting, so running rows stall at most one chunk. While rows decode
+A prompt's chunks run in GPU-lease jobs queued behind the decode jobs
+already waiting, so running rows stall at most one job. While rows decode
 or other prompts wait, a chunk is sized from its measured cost to take about
 `--prefill-chunk-ms` (actors/chunk_sizer.py), never more than
-`--prefill-step-size` tokens, so it shrinks as the context grows; a lone
-request with nothing else running uses full `--prefill-step-size` chunks,
+`--prefill-step-size` tokens, so it shrinks as the context grows, and one
+job runs such chunks up to that target times the decode job's steps (a
+prefill budget per cycle: `plan_chunks`, §2.2.3); a lone request with
+nothing else running uses one full `--prefill-step-size` chunk a job,
 exactly mlx-lm's (the goldens).
 
 Up to `--prompt-concurrency` prompts prefill at once, their chunks
@@ -21,7 +23,7 @@ row's own caches (mlx-lm's convention), in the last chunk's lease job
 unless a snapshot is due in between; a row that is already finished at
 token 0 never joins the batch. Prompt-cache hits start a prefill part-way;
 boundary snapshots are stored on the way. A prompt whose session left stops
-at the next chunk boundary: its KV is freed (its prefix, when long enough,
+at the end of the job in flight: its KV is freed (its prefix, when long enough,
 kept in the prompt cache) and the next prompt runs. A request that ends here
 (an error, a left session, EOS or max_tokens at token 0) ends through
 `Lane.end_request`. Under prefill-only cuDNN attention the actor first
@@ -765,11 +767,12 @@ class PrefillActor:
             raise
 
     async def _run_chunk(self, job: _Job) -> None:
-        """One chunk of `job` (one lease job, decode steps and other prompts' chunks in between).
+        """One lease job of `job`'s chunks (decode steps and other prompts' chunks in between).
 
-        When busy (`_busy`) the chunk is sized to `--prefill-chunk-ms` at the
-        row's context; otherwise it is a full `prefill_step_size` chunk, as
-        mlx-lm's. Its time is measured for the next ones. After the prompt's
+        When busy (`_busy`) the job is a budget of chunks each sized to
+        `--prefill-chunk-ms` at the row's context (`_budget`); otherwise it is
+        one full `prefill_step_size` chunk, as mlx-lm's. Each chunk's time is
+        measured for the next ones. After the prompt's
         last chunk, token 0's step runs and the row is handed on.
         """
         cmd, row = job.cmd, job.row
