@@ -1,11 +1,13 @@
-"""The prefill actor: joiners prefill on their own caches, one chunk per lease job (docs/design.md §2).
+"""The prefill actor: joiners prefill on their own caches, chunk by chunk in lease jobs (docs/design.md §2).
 
-Each chunk of a prompt is one GPU-lease job, queued behind the decode jobs
-already waiting, so running rows stall at most one chunk. While rows decode
+A prompt's chunks run in GPU-lease jobs queued behind the decode jobs
+already waiting, so running rows stall at most one job. While rows decode
 or other prompts wait, a chunk is sized from its measured cost to take about
 `--prefill-chunk-ms` (actors/chunk_sizer.py), never more than
-`--prefill-step-size` tokens, so it shrinks as the context grows; a lone
-request with nothing else running uses full `--prefill-step-size` chunks,
+`--prefill-step-size` tokens, so it shrinks as the context grows, and one
+job runs such chunks up to that target times the decode job's steps (a
+prefill budget per cycle: `plan_chunks`, §2.2.3); a lone request with
+nothing else running uses one full `--prefill-step-size` chunk a job,
 exactly mlx-lm's (the goldens).
 
 Up to `--prompt-concurrency` prompts prefill at once, their chunks
@@ -21,7 +23,7 @@ row's own caches (mlx-lm's convention), in the last chunk's lease job
 unless a snapshot is due in between; a row that is already finished at
 token 0 never joins the batch. Prompt-cache hits start a prefill part-way;
 boundary snapshots are stored on the way. A prompt whose session left stops
-at the next chunk boundary: its KV is freed (its prefix, when long enough,
+at the end of the job in flight: its KV is freed (its prefix, when long enough,
 kept in the prompt cache) and the next prompt runs. A request that ends here
 (an error, a left session, EOS or max_tokens at token 0) ends through
 `Lane.end_request`. Under prefill-only cuDNN attention the actor first
@@ -41,6 +43,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.chunk_sizer import ChunkSizer, CohortCost, timed
+from mlx_trio.actors.decode_step import steps_per_job
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.memory_budget import out_of_memory
 from mlx_trio.actors.lane import Lane
@@ -293,6 +296,21 @@ class PrefillActor:
         """A busy chunk's tokens after `context` cached ones: measured to fit the target, or the static default."""
         sized = self.sizer.tokens(context)
         return sized if sized is not None else self._default_chunk
+
+    def _budget(self, row: SoloRow) -> tuple[int, ...]:
+        """The chunk sizes of the row's next busy job (`plan_chunks`).
+
+        While rows decode, the target is scaled by the decode job's steps
+        (`steps_per_job`): with 2 or 4 steps a job at larger batches, one
+        target per job left prefill a half or a quarter of the device share
+        it has at small ones (`--batch 64` prefilled slower than `--batch 8`);
+        each row still waits about one target per token it decodes.
+        """
+        if self.sizer.predict(1, 0) is None:
+            return (self._default_chunk,)  # nothing measured yet
+        target = budget_target_s(self.sizer.target_s, self._lane.decoding_rows)
+        return plan_chunks(self._chunk_tokens, self.sizer.predict, target, row.fed, row.prefill_remaining,
+                           row.snapshot_at if row.snapshot_at is not None and row.snapshot_at > row.fed else None)
 
     async def _drop_left(self) -> None:
         """End the prompts whose session left, before their next chunk: free their KV, let the next run.
@@ -742,11 +760,12 @@ class PrefillActor:
             raise
 
     async def _run_chunk(self, job: _Job) -> None:
-        """One chunk of `job` (one lease job, decode steps and other prompts' chunks in between).
+        """One lease job of `job`'s chunks (decode steps and other prompts' chunks in between).
 
-        When busy (`_busy`) the chunk is sized to `--prefill-chunk-ms` at the
-        row's context; otherwise it is a full `prefill_step_size` chunk, as
-        mlx-lm's. Its time is measured for the next ones. After the prompt's
+        When busy (`_busy`) the job is a budget of chunks each sized to
+        `--prefill-chunk-ms` at the row's context (`_budget`); otherwise it is
+        one full `prefill_step_size` chunk, as mlx-lm's. Each chunk's time is
+        measured for the next ones. After the prompt's
         last chunk, token 0's step runs and the row is handed on.
         """
         cmd, row = job.cmd, job.row
@@ -757,19 +776,20 @@ class PrefillActor:
         try:
             if row.prefill_remaining:
                 self._faults.check("prefill")
-                before, cached = row.fed, row.cached_tokens
                 busy = self._busy
-                limit = self._chunk_tokens(before) if busy else None
-                remaining, seconds = await self._lease.run(prefill_chunk_then_token0, row, limit)
-                fed = total - 1 - remaining  # the prompt tokens in the caches after the chunk (token 0's not counted)
-                # --paged-kv: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
-                skipped = row.cached_tokens - cached
-                self.sizer.record(computed_tokens(row, before, fed) - skipped, before + skipped, seconds,
-                                  row.last_chunk_shape)
-                self._chunks += 1
-                self._sized_chunks += busy
-                self._prefill_tokens += fed - before - skipped
-                self._cached_tokens += skipped
+                limits = self._budget(row) if busy else (None,)
+                chunks = await self._lease.run(prefill_chunks_then_token0, row, limits)
+                for before, cached, fed, now_cached, shape, seconds in chunks:
+                    # --paged-kv: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
+                    skipped = now_cached - cached
+                    self.sizer.record((shape[0] if shape is not None else fed - before) - skipped, before + skipped,
+                                      seconds, shape)
+                    self._prefill_tokens += fed - before - skipped
+                    self._cached_tokens += skipped
+                self._chunks += len(chunks)
+                self._sized_chunks += busy * len(chunks)
+                remaining = row.prefill_remaining
+                fed = total - 1 - remaining  # the prompt tokens in the caches after the job (token 0's not counted)
                 if caching is not None and fed == row.snapshot_at:
                     caching.store(await self._lease.run(row.snapshot))
                     self._snapshots += 1
@@ -798,6 +818,60 @@ class PrefillActor:
         await self._hand_on(cmd, row)
 
 
+def prefill_chunks_then_token0(row: SoloRow, limits: tuple[int | None, ...]
+                               ) -> list[tuple[int, int, int, int, tuple[int, ...] | None, float]]:
+    """A busy cycle's prefill budget (`plan_chunks`): the chunks of `limits` in one lease job, each evaluated and
+    timed alone (the sizer's samples), ending early where the prompt ends or a snapshot is due; token 0 as in
+    `prefill_chunk_then_token0`.
+
+    Returns each chunk's (fed before, cached before, fed after, cached after, computed shape, seconds). Only
+    the row and the limits decide what runs, so under scale-out every rank runs the same chunks.
+    """
+    chunks = []
+    for limit in limits:
+        before, cached = row.fed, row.cached_tokens
+        remaining, seconds = prefill_chunk_then_token0(row, limit)
+        fed = row.num_prompt_tokens - 1 - remaining  # token 0's input, fed at the end, not counted
+        chunks.append((before, cached, fed, row.cached_tokens, row.last_chunk_shape, seconds))
+        if not remaining or row.fed == row.snapshot_at:
+            break
+    return chunks
+
+
+def budget_target_s(target_s: float, decoding_rows: int) -> float:
+    """A busy prefill job's time budget: `target_s` (--prefill-chunk-ms) per decode step of the job it alternates
+    with (`steps_per_job` of the rows decoding), so prefill's share of the device does not fall as --batch grows."""
+    return target_s * (steps_per_job(decoding_rows) if decoding_rows else 1)
+
+
+def plan_chunks(size: Callable[[int], int], predict: Callable[[int, int], float | None], target_s: float,
+                context: int, remaining: int, stop_at: int | None = None) -> tuple[int, ...]:
+    """The chunk sizes of one busy prefill job: a prefill budget of about `target_s` per cycle.
+
+    Chunks of `size(context)` tokens (the sizer's, at most --prefill-step-size, so one chunk's transient
+    memory is what admission counts) after `context` fed tokens, while the predicted seconds of the ones
+    so far and the next stay within `target_s`; the first always runs. It ends with the `remaining`
+    prompt tokens, or at `stop_at` (a snapshot is due there). When a chunk fits the target at a full
+    step (short contexts on a fast device), one chunk per job left prefill about half of a busy device,
+    alternating with the decode jobs; several per job give it the target's share.
+    """
+    chunks: list[int] = []
+    used = 0.0
+    while remaining > 0:
+        n = min(size(context), remaining)
+        if stop_at is not None and context < stop_at:
+            n = min(n, stop_at - context)
+        cost = predict(n, context)
+        if chunks and (cost is None or used + cost > target_s):
+            break
+        chunks.append(n)
+        used += cost or 0.0
+        context, remaining = context + n, remaining - n
+        if context == stop_at:
+            break
+    return tuple(chunks)
+
+
 def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, float]:
     """One prefill chunk, timed alone (the sizer's sample); if it ended the prompt, token 0's step in the same job.
 
@@ -811,13 +885,6 @@ def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, flo
     if not remaining and row.snapshot_at != row.fed:
         row.first_token()
     return remaining, seconds
-
-
-def computed_tokens(row: SoloRow, before: int, after: int) -> int:
-    """The tokens the row's last chunk (from `before` to `after` fed) computed: on the grid its shape's (dummy
-    padding included), what it costs."""
-    shape = row.last_chunk_shape
-    return shape[0] if shape is not None else after - before
 
 
 def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:
