@@ -331,7 +331,7 @@ def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
 
 def merge_partials(part_o: mx.array, part_ml: mx.array, template: list[tuple[str, Any]], dtype: mx.Dtype,
                    *, verbose: bool = False) -> mx.array:
-    """The merge pass: `[B, H, 1, D]` in `dtype` from a split pass's partials (also the paged kernel's: paged_kernel.py)."""
+    """The merge pass: `[B, H, 1, D]` in `dtype` from a split pass's partials (the ragged and paged kernels')."""
     B, H, _, D = part_o.shape
     (out,) = _kernel("merge")(
         inputs=[part_o, part_ml], template=template,
