@@ -52,7 +52,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from mlx_trio.engine.attention import paged_attention, paged_kernel, ragged_kernel
+from mlx_trio.engine.attention import paged_attention, paged_kernel, paged_metal, ragged_kernel
 from mlx_trio.engine.attention.unfused_attention import unfused_attention
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
 from mlx_trio.engine.kv.blocks.layer_cache import PagedLayerCache
@@ -260,7 +260,18 @@ def install(model: nn.Module, attend: Attend | None = None) -> Installed:
             route.paged_decode = paged_kernel.paged_decode_attention
         else:
             log.warning("paged decode attention stays on the MLX-ops reference: %s", paged_off)
+    elif attend is None and wrapped and on_metal():
+        paged_off = _check_kernel(wrapped, paged_metal.self_check)
+        if paged_off is None:
+            route.paged_decode = paged_metal.paged_decode_attention
+        else:
+            log.warning("paged decode attention stays on the MLX-ops reference: %s", paged_off)
     return Installed(route if wrapped else None, len(wrapped), tuple(dict.fromkeys(refused)), kernel_off, paged_off)
+
+
+def on_metal() -> bool:
+    """Whether MLX runs on its Metal backend (the GPU device with Metal)."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.metal.is_available()
 
 
 def _check_kernel(layers: list[RoutedAttention], self_check: Callable[..., str | None] = ragged_kernel.self_check

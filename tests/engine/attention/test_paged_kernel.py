@@ -1,7 +1,8 @@
 """The paged decode kernel against the MLX-ops reference, per backend (skipped where the backend is absent),
 and the wiring that sends decode steps (only) to a kernel, which runs on every backend.
 
-The CUDA kernel (engine/attention/paged_kernel.py) needs MLX's CUDA backend; the lead runs these on an H100/H200.
+The CUDA kernel (engine/attention/paged_kernel.py) needs MLX's CUDA backend (run on an H100/H200), the Metal
+one (paged_metal.py) a Mac; neither has run yet.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from mlx_trio.engine.attention import paged_attention, paged_kernel, ragged_kernel
+from mlx_trio.engine.attention import paged_attention, paged_kernel, paged_metal, ragged_kernel
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
 
@@ -19,10 +20,11 @@ def _cuda() -> bool:
     return mx.cuda.is_available()
 
 
-# Each backend's kernel, and whether it can run here. A Metal kernel (`mx.fast.metal_kernel`) joins this list when
-# one is written.
-BACKENDS = [pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="MLX's CUDA backend is absent"))]
-KERNELS = {"cuda": paged_kernel.paged_decode_attention}
+# Each backend's kernel, and whether it can run here.
+BACKENDS = [pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="MLX's CUDA backend is absent")),
+            pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(), reason="Metal is absent"))]
+KERNELS = {"cuda": paged_kernel.paged_decode_attention, "metal": paged_metal.paged_decode_attention}
+CHECKS = {"cuda": paged_kernel.self_check, "metal": paged_metal.self_check}
 
 
 @pytest.fixture
@@ -49,8 +51,8 @@ def test_kernel_matches_reference(gpu, backend: str, dtype: mx.Dtype, heads: int
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_self_check_passes(gpu, backend: str) -> None:
-    assert paged_kernel.self_check(32, 8, 64, 0.125) is None
-    assert paged_kernel.self_check(32, 8, 128, 128**-0.5) is None
+    assert CHECKS[backend](32, 8, 64, 0.125) is None
+    assert CHECKS[backend](32, 8, 128, 128**-0.5) is None
 
 
 def _cache(lengths: list[int], L: int, heads: int = 4, kv_heads: int = 2, D: int = 16):
@@ -85,9 +87,10 @@ def test_the_kernel_is_not_taken_for_shapes_it_cannot_run() -> None:
                           paged_attention.attend(q, cache, 0.25))
 
 
-@pytest.mark.skipif(_cuda(), reason="checks the fallback where CUDA is absent")
+@pytest.mark.skipif(_cuda() or mx.metal.is_available(), reason="checks the fallback where no GPU backend exists")
 def test_without_cuda_the_self_check_says_why_and_install_leaves_the_reference() -> None:
     assert "did not build or run" in paged_kernel.self_check(32, 8, 64, 0.125)
+    assert "did not build or run" in paged_metal.self_check(32, 8, 64, 0.125)
     from mlx_lm import load
 
     from mlx_trio.engine.attention import routed_attention
