@@ -98,3 +98,21 @@ def test_without_cuda_the_self_check_says_why_and_install_leaves_the_reference()
 
     installed = routed_attention.install(load(str(tiny_model(LLAMA)))[0])
     assert installed.route is not None and installed.route.paged_decode is None and installed.paged_off is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_through_the_kernel_equal_mlx_lm_generate_step(backend: str) -> None:
+    """The tiny llama (float32, so `install` keeps the reference) with its paged decode steps forced onto the kernel."""
+    from mlx_trio.engine.attention import routed_attention
+    from tests.engine.attention import test_paged_model as paged
+
+    route = routed_attention.route_of(paged._model("llama"))
+    route.paged_decode = KERNELS[backend]
+    try:
+        kv = paged._kv("llama", 16)
+        for seed, n in ((0, 1), (1, 17), (2, 45)):
+            prompt = paged._prompt(seed, n)
+            assert paged._alone(kv, "llama", prompt, 12, 64) == paged._golden("llama", prompt, 12), (seed, n)
+        paged._assert_idle(kv)
+    finally:
+        route.paged_decode = None
