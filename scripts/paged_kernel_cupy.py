@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the CUDA paged decode kernel's source (engine/attention/paged_kernel.py) with CuPy on a GPU without MLX's CUDA build.
+"""Run the CUDA paged decode kernel's source (engine/attention/paged_kernel.py) with CuPy, on a GPU without MLX.
 
 A correctness check of the source itself before a device run with MLX: the split pass (paged_kernel.py) and
 the merge pass (ragged_kernel.py) read out of their files as text (no mlx import), wrapped in a plain signature
@@ -42,7 +42,8 @@ def _build(body: str, name: str, arrays: list[tuple[str, str]], consts: dict[str
 
 
 def _meta(x: np.ndarray) -> list[cp.ndarray]:
-    return [cp.asarray(np.array(x.shape, np.int32)), cp.asarray(np.array([s // x.itemsize for s in x.strides], np.int64))]
+    strides = np.array([s // x.itemsize for s in x.strides], np.int64)
+    return [cp.asarray(np.array(x.shape, np.int32)), cp.asarray(strides)]
 
 
 def run_case(dtype: type, heads: int, kv_heads: int, D: int, lengths: list[int], bs: int, seed: int) -> float:
