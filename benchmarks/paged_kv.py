@@ -18,19 +18,27 @@ Parts (`--parts`, default all):
 * ``block``     ms per decode step of a paged batch of 16 rows (300..1,200 tokens) for block sizes 16..256,
   against today's padded step on the same rows; and the same paged step with a pool 32x larger (a step
   that copied its pool instead of writing in place would slow down with it).
+* ``kernel``    the paged decode kernel (CUDA: engine/attention/paged_kernel.py) alone, no model: max abs error
+  against the float32 MLX-ops reference and µs per call, kernel vs reference vs MLX's dense SDPA over the same
+  tokens (rows copied into one [B, Hkv, T, D] array), at B = 1/8/64, rows of 512 tokens and rows spread over
+  100..30,000 (`--kernel-max-len`), D = 64/128 (32 query heads, 8 kv heads), bfloat16 and float32. Exits 1 on
+  an error past the self-check's bound, or if the kernel does not build (the error printed; `--verbose`
+  prints the generated source). Needs MLX's CUDA backend.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load
 
-from mlx_trio.engine.attention import paged_layout, routed_attention
+from mlx_trio.engine.attention import paged_kernel, paged_layout, ragged_kernel, routed_attention
+from mlx_trio.engine.attention.paged_reference import gather_rows, reference_paged_attention
 from mlx_trio.engine.batch.decode_batch import DecodeBatch
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
@@ -155,6 +163,56 @@ def equal(model: Any, vocab: int, steps: int, batches: list[int], length: int) -
               f"(paged/padded {paged / padded:.3f}; target <= 1.05)")
 
 
+def _us(fn: Any, calls: int = 20) -> float:
+    """Median µs of one call of `fn` (evaluated), after a warm-up call."""
+    mx.eval(fn())
+    times = []
+    for _ in range(5):
+        tic = time.perf_counter()
+        for _ in range(calls):
+            mx.eval(fn())
+        times.append((time.perf_counter() - tic) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def kernel(max_len: int, verbose: bool) -> bool:
+    """The paged decode kernel against the reference (error) and the reference and dense SDPA (µs): see `kernel` above.
+    True when every case is within the self-check's bound."""
+    ok = True
+    def spread(B: int) -> list[int]:  # 100 .. max_len, geometric (one row: max_len)
+        return [round(100 * (max_len / 100) ** (i / (B - 1))) for i in range(B)] if B > 1 else [max_len]
+
+    for D in (64, 128):
+        for dtype in (mx.bfloat16, mx.float32):
+            for B in (1, 8, 64):
+                for name, lengths in (("512", [512] * B), ("spread", spread(B))):
+                    q, k, v, tables, lens = paged_kernel.check_case(32, 8, D, dtype, lengths, seed=B)
+                    scale = D**-0.5
+                    try:
+                        err = paged_kernel.max_error(q, k, v, tables, lens, scale)
+                    except Exception as exc:  # NVRTC's error, or no CUDA backend
+                        print(f"kernel: D={D} {dtype} B={B}: the kernel did not build or run:\n{exc}")
+                        if verbose:
+                            paged_kernel.paged_decode_attention(q, k, v, tables, lens, scale, verbose=True)
+                        return False
+                    bound = ragged_kernel.SELF_CHECK_TOLERANCE  # float32 too (the ragged kernel: 1.6e-3 on an H200)
+                    ok &= err <= bound
+                    T = tables.shape[1] * k.shape[1]
+                    dense_k, dense_v = gather_rows(k, tables), gather_rows(v, tables)  # [B, Hkv, T, D], copied once
+                    mask = None if len(set(lengths)) == 1 and lengths[0] == T else (
+                        mx.arange(T)[None, None, None, :] < lens[:, None, None, None])
+                    mx.eval(dense_k, dense_v)
+                    us_kernel = _us(lambda: paged_kernel.paged_decode_attention(q, k, v, tables, lens, scale))
+                    us_ref = _us(lambda: reference_paged_attention(q, k, v, tables, lens, scale))
+                    us_dense = _us(lambda: mx.fast.scaled_dot_product_attention(q, dense_k, dense_v, scale=scale,
+                                                                                mask=mask))
+                    print(f"kernel: D={D} {str(dtype):14s} B={B:2d} rows {name:6s} ({min(lengths)}..{max(lengths)}): "
+                          f"max abs err {err:.2e} {'ok' if err <= bound else f'MISMATCH (> {bound})'}; "
+                          f"µs kernel {us_kernel:8.1f}, reference {us_ref:8.1f}, dense SDPA {us_dense:8.1f}")
+                    del q, k, v, dense_k, dense_v
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model directory (default: the tiny llama)")
@@ -166,7 +224,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--equal-batches", default="8,16", help="batch sizes of the equal part (the H200: 8,64)")
     parser.add_argument("--equal-length", type=int, default=512)
+    parser.add_argument("--kernel-max-len", type=int, default=30000)
+    parser.add_argument("--verbose", action="store_true", help="kernel: print the generated source on a build error")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if "kernel" in parts:
+        print(f"device {mx.default_device()}")
+        if not kernel(args.kernel_max_len, args.verbose):
+            sys.exit(1)
+        if parts == ["kernel"]:
+            return
     if args.model is None:
         from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
@@ -174,7 +241,6 @@ def main() -> None:
     model = load(args.model)[0]
     routed_attention.install(model)
     vocab = model.args.vocab_size
-    parts = args.parts.split(",")
     print(f"model {args.model}, device {mx.default_device()}")
     if "siblings" in parts:
         siblings(model, vocab, args.prefix, args.block_size)

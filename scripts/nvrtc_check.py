@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Compile the ragged decode-attention kernel with NVRTC as MLX's `cuda_kernel` wraps it, on a machine without a GPU.
+"""Compile the ragged and paged decode-attention kernels with NVRTC as MLX's `cuda_kernel` wraps it, on a machine without a GPU.
 
 A check of the kernel's CUDA source (syntax, types, registers and spills for
-sm_90) before a device run: engine/attention/ragged_kernel.py's two passes,
+sm_90) before a device run: engine/attention/ragged_kernel.py's two passes and paged_kernel.py's split,
 wrapped the way MLX 0.32's `cuda_kernel` wraps a source (its default header,
 the `mlx::core::cu` namespace, a `__global__ void custom_kernel_<name><template
 values>(...)` signature with each input's `_shape` / `_strides` / `_ndim`
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_trio.engine.attention import ragged_kernel
+from mlx_trio.engine.attention import paged_kernel, ragged_kernel
 
 # (query heads, kv heads, head dim): the Llama-1B and -8B shapes, GQA 8:1 at D=128, and the tiny models'.
 CASES = ((32, 8, 64), (32, 8, 128), (64, 8, 128), (4, 2, 16))
@@ -64,8 +64,8 @@ using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 
 def wrap(which: str, input_dtypes: dict[str, mx.Dtype], output_dtypes: dict[str, mx.Dtype],
          template: list[tuple[str, object]]) -> tuple[str, str]:
-    """(kernel name, full source) as MLX builds them for `ragged_kernel.KERNELS[which]`."""
-    name, inputs, outputs, source, _ = ragged_kernel.KERNELS[which]
+    """(kernel name, full source) as MLX builds them for `ragged_kernel.KERNELS[which]` or ("paged") the paged split."""
+    name, inputs, outputs, source = paged_kernel.KERNEL if which == "paged" else ragged_kernel.KERNELS[which][:4]
     suffix = "".join("_" + (str(v).rsplit(".", 1)[-1] if isinstance(v, mx.Dtype) else str(v)) for _, v in template)
     func = f"custom_kernel_{name}{suffix}"
     params = []
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 for which, ins, outs, template in (
                         ("split", {"q": dtype, "k": dtype, "v": dtype, "start": mx.int32},
                          {"part_o": mx.float32, "part_ml": mx.float32}, split),
-                        ("merge", {"part_o": mx.float32, "part_ml": mx.float32}, {"out": dtype}, merge)):
+                        ("merge", {"part_o": mx.float32, "part_ml": mx.float32}, {"out": dtype}, merge),
+                        ("paged", {"q": dtype, "k": dtype, "v": dtype, "tables": mx.int32, "lengths": mx.int32},
+                         {"part_o": mx.float32, "part_ml": mx.float32}, split)):
                     func, text = wrap(which, ins, outs, template)
                     if args.show_source:
                         print(text)

@@ -1,26 +1,29 @@
 """Attention over a paged cache's block tables: one interface, the kernel chosen by the backend.
 
-`attend(queries, cache, scale)` is what the routed attention calls for a
+`attend(queries, cache, scale, decode)` is what the routed attention calls for a
 `PagedLayerCache` (engine/kv/blocks/paged_kv.py), for decode steps and prefill
-chunks alike. Today every backend runs the MLX-ops reference
-(paged_reference.py), which is exact and runs anywhere, the CPU included.
-
-KERNELS: where a backend's kernel goes. A `mx.fast.cuda_kernel` (CUDA) or
-`mx.fast.metal_kernel` (Metal) variant that reads each row's blocks in place
-(no gather) is to be added here as `_kernel_for(backend)`, selected only on
-that backend, after a load-time self-check against the reference (as
-ragged_kernel.self_check does), and only where it measures faster; its
-correctness test is to be parametrized over backends and run where the backend
-exists. None is written yet: neither backend is available to test it.
+chunks alike. A decode step (one query a row) goes to `decode` where it is set
+and takes the shapes: the CUDA kernel (paged_kernel.py), which reads each
+row's blocks in place; `routed_attention.install` sets it only on MLX's CUDA
+backend, once its load-time self-check against the reference passed (else it
+logs why and leaves it unset). Everything else (prefill chunks, the CPU, Metal,
+a failed check) runs the MLX-ops reference (paged_reference.py), which is exact
+and runs anywhere. A Metal kernel (`mx.fast.metal_kernel`, the same algorithm)
+would be set the same way, only on Metal; none is written yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_trio.engine.attention import paged_kernel
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
+
+# A decode kernel: (queries, block_keys, block_values, tables, lengths, scale) -> [B, H, 1, D].
+PagedDecode = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array, float], mx.array]
 
 
 # The most transient bytes one reference call may build (gathered K and V and the scores, counted at 4 bytes): a group
@@ -29,16 +32,21 @@ from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 TRANSIENT_BYTES = 256 << 20
 
 
-def attend(queries: mx.array, cache: Any, scale: float) -> mx.array:
+def attend(queries: mx.array, cache: Any, scale: float, decode: PagedDecode | None = None) -> mx.array:
     """The attention of `queries` `[B, H, L, D]` over `cache`'s rows' blocks (its step's tables and lengths).
 
     Group by group (rows of similar table widths: `PagedStep.groups`), so the reference's gather pads a
-    row at most to about twice its own blocks, never to the longest row of the batch.
+    row at most to about twice its own blocks, never to the longest row of the batch. `decode`: the
+    kernel for one query a row (L = 1), where the kernel takes the shapes; else the reference.
     """
     step = cache.step
     keys, values = cache.block_keys, cache.block_values
-    outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale,
-                    visible=g.visible) for g in step.groups]
+    if decode is not None and queries.shape[2] == 1 and paged_kernel.supports(queries, keys, values):
+        outs = [decode(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale)
+                for g in step.groups]
+    else:
+        outs = [bounded(queries if g.index is None else queries[g.index], keys, values, g.tables, g.lengths, scale,
+                        visible=g.visible) for g in step.groups]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if step.restore is None else out[step.restore]
 

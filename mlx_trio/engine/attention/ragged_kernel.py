@@ -326,10 +326,17 @@ def ragged_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
         grid=(splits * threads, kv_heads, B), threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, splits, D), (B, H, splits, 2)], output_dtypes=[mx.float32, mx.float32],
         verbose=verbose)
+    return merge_partials(part_o, part_ml, merge_template, queries.dtype, verbose=verbose)
+
+
+def merge_partials(part_o: mx.array, part_ml: mx.array, template: list[tuple[str, Any]], dtype: mx.Dtype,
+                   *, verbose: bool = False) -> mx.array:
+    """The merge pass: `[B, H, 1, D]` in `dtype` from a split pass's partials (the ragged and paged kernels')."""
+    B, H, _, D = part_o.shape
     (out,) = _kernel("merge")(
-        inputs=[part_o, part_ml], template=merge_template,
+        inputs=[part_o, part_ml], template=template,
         grid=(B * H * D, 1, 1), threadgroup=(D, 1, 1),
-        output_shapes=[(B, H, 1, D)], output_dtypes=[queries.dtype], verbose=verbose)
+        output_shapes=[(B, H, 1, D)], output_dtypes=[dtype], verbose=verbose)
     return out
 
 

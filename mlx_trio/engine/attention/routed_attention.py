@@ -52,7 +52,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from mlx_trio.engine.attention import paged_attention, ragged_kernel
+from mlx_trio.engine.attention import paged_attention, paged_kernel, paged_metal, ragged_kernel
 from mlx_trio.engine.attention.unfused_attention import unfused_attention
 from mlx_trio.engine.kv.batch_kv import CohortKVCache, HostPaddedBatchKVCache
 from mlx_trio.engine.kv.blocks.layer_cache import PagedLayerCache
@@ -79,17 +79,20 @@ class RaggedRoute:
     """Where routed calls go, shared by a model's `RoutedAttention` layers: `attend(q, k, v, start, scale)`, or None."""
 
     attend: Attend | None = None
+    # A paged cache's decode steps: the CUDA kernel once its self-check passed (paged_kernel.py), else the reference.
+    paged_decode: paged_attention.PagedDecode | None = None
 
 
 @attrs.frozen
 class Installed:
     """What `install` did: the route (None if it wrapped nothing), layers wrapped, the classes it refused,
-    and why the kernel is off on CUDA (its load-time self-check failed), if it is."""
+    and why the kernel is off on CUDA (its load-time self-check failed), if it is; the same for the paged kernel."""
 
     route: RaggedRoute | None
     wrapped: int
     refused: tuple[str, ...]
     kernel_off: str | None = None
+    paged_off: str | None = None
 
 
 def killed() -> bool:
@@ -210,7 +213,7 @@ class RoutedAttention(nn.Module):
         attention reads the rows' block tables (engine/attention/paged_attention.py), on every backend.
         """
         if isinstance(cache, PagedLayerCache):
-            return paged_attention.attend(queries, cache, self.scale)
+            return paged_attention.attend(queries, cache, self.scale, self._route.paged_decode)
         if type(cache) is CohortKVCache:
             return unfused_attention(queries, keys, values, self.scale, mask)
         attend = self._route.attend
@@ -245,18 +248,35 @@ def install(model: nn.Module, attend: Attend | None = None) -> Installed:
             continue
         layer.self_attn = RoutedAttention(attention, qk_norm, route)
         wrapped.append(layer.self_attn)
-    kernel_off = None
+    kernel_off = paged_off = None
     if attend is None and wrapped and on_cuda():
         kernel_off = _check_kernel(wrapped)
         if kernel_off is None:
             route.attend = ragged_kernel.ragged_decode_attention
         else:
             log.warning("ragged decode attention stays off (mlx-lm's attention instead): %s", kernel_off)
-    return Installed(route if wrapped else None, len(wrapped), tuple(dict.fromkeys(refused)), kernel_off)
+        paged_off = _check_kernel(wrapped, paged_kernel.self_check)
+        if paged_off is None:
+            route.paged_decode = paged_kernel.paged_decode_attention
+        else:
+            log.warning("paged decode attention stays on the MLX-ops reference: %s", paged_off)
+    elif attend is None and wrapped and on_metal():
+        paged_off = _check_kernel(wrapped, paged_metal.self_check)
+        if paged_off is None:
+            route.paged_decode = paged_metal.paged_decode_attention
+        else:
+            log.warning("paged decode attention stays on the MLX-ops reference: %s", paged_off)
+    return Installed(route if wrapped else None, len(wrapped), tuple(dict.fromkeys(refused)), kernel_off, paged_off)
 
 
-def _check_kernel(layers: list[RoutedAttention]) -> str | None:
-    """`ragged_kernel.self_check` for each distinct attention shape (the scale gives the head dim in this family).
+def on_metal() -> bool:
+    """Whether MLX runs on its Metal backend (the GPU device with Metal)."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.metal.is_available()
+
+
+def _check_kernel(layers: list[RoutedAttention], self_check: Callable[..., str | None] = ragged_kernel.self_check
+                  ) -> str | None:
+    """`self_check` (the ragged or paged kernel's) for each distinct attention shape (the scale gives the head dim).
 
     A float32 model keeps mlx-lm's attention: on the H200 the kernel's float32 results were 3e-5 to
     1.6e-3 off a float32 reference where MLX's masked attention is within 1e-7
@@ -267,7 +287,7 @@ def _check_kernel(layers: list[RoutedAttention]) -> str | None:
     if isinstance(weight, mx.array) and weight.dtype == mx.float32:
         return "a float32 model: the kernel's float32 error is past MLX's own; its decode keeps MLX's attention"
     for heads, kv_heads, scale in sorted({(a.n_heads, a.n_kv_heads, float(a.scale)) for a in layers}):
-        problem = ragged_kernel.self_check(heads, kv_heads, round(scale**-2), scale)
+        problem = self_check(heads, kv_heads, round(scale**-2), scale)
         if problem is not None:
             return problem
     return None
