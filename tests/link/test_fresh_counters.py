@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,12 +48,18 @@ def _complete(url: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def _stats(url: str) -> dict[str, Any]:
+    """/stats once the engine is quiet: the two views of one engine agree when nothing runs between the reads.
+
+    A response can end a step before the batch does (the pipelined step after a row's last token, the leave one
+    step behind), so the pair is read again until it agrees; a view that never catches up fails."""
     with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
-        stats, status = client.get("/stats").json(), client.get("/v1/status").json()
-    # The two views of one engine agree (nothing runs between the reads).
-    assert stats["batch"]["decode_steps"] == status["counters"]["decode_steps"]
-    assert stats["prompt_cache"]["prefill_tokens"] == status["prompt_cache"]["prefill_tokens"]
-    return stats
+        for _ in range(100):
+            stats, status = client.get("/stats").json(), client.get("/v1/status").json()
+            if (stats["batch"]["decode_steps"] == status["counters"]["decode_steps"]
+                    and stats["prompt_cache"]["prefill_tokens"] == status["prompt_cache"]["prefill_tokens"]):
+                return stats
+            time.sleep(0.02)
+    raise AssertionError(f"/stats and /v1/status never agreed: {stats['batch']} vs {status['counters']}")
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, int]:
