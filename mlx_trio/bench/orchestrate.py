@@ -154,9 +154,26 @@ async def until_sigterm(run: Callable[[], Awaitable[None]]) -> bool:
 
 async def _measure(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
                    options: RunOptions, records: list[RunRecord]) -> None:
-    for server in servers:
-        if isinstance(server, ManagedServer):
-            await server.start()
+    # Servers the bench starts run one at a time: each starts, runs all its rounds and stops before the next
+    # starts, so no other server holds device memory beside the one measured (H100, 2026-12-05: an idle
+    # mlx_lm.server beside ours held 56 GiB, and ours, following what other processes take, answered 503s).
+    # Servers it was only given (`--url`) are shared as they are: their rounds alternate A B A B.
+    managed = [s for s in servers if isinstance(s, ManagedServer)]
+    given = [s for s in servers if not isinstance(s, ManagedServer)]
+    for group in [given] * bool(given) + [[s] for s in managed]:
+        for server in group:
+            if isinstance(server, ManagedServer):
+                await server.start()
+        try:
+            await _measure_group(args, group, params, options, records)
+        finally:
+            for server in group:
+                server.stop()
+
+
+async def _measure_group(args: argparse.Namespace, servers: list[Any], params: workloads.WorkloadParams,
+                         options: RunOptions, records: list[RunRecord]) -> None:
+    """Every rate (or the one run) of the workload against `servers`, already up, alternated A B A B."""
     for server in servers:
         result = await warmup(server.url, options)
         if not result.ok:
