@@ -12,10 +12,8 @@ is the least of
 - the configured one less what *other* processes took since the first
   reading, where the backend reports free memory (`follow`, re-read about
   once a second). Our own process's memory (KV, activations, MLX's cache of
-  freed buffers) never counts against it: on an H200 (2026-12-05) a budget of
-  "free memory plus the KV we hold" fell to 6.9 GiB of 107 GiB while our own
-  long prefills' transients and padded batches held the rest, and answered
-  14 of 60 requests 503 with no other process on the device;
+  freed buffers) never counts against it: "free memory plus the KV we hold"
+  cannot tell our own prefill transients or padding from another process;
 - after an out-of-memory error, a cap below the KV held when it struck
   (`shrink`), lifted step by step while none strikes again (`relax`);
 

@@ -8,7 +8,7 @@ grid makes the chunks of a prefill that starts on a grid point a short list
 (engine/batch/prefill_plans.py). Nothing is planned before the first request
 (issue #46: planning 174 shapes at start held /health back for over a minute):
 a chunk at a new shape pays its own plan, and the chunk sizer counts its
-first visit (design §2.2). The shapes of contexts up to `--cudnn-warm-tokens`
+first visit (docs/design.md §2.2). The shapes of contexts up to `--cudnn-warm-tokens`
 are planned one per lease job while nothing else runs (`warm_next`: a request
 arriving then waits for at most that one plan), once nothing ran for a while
 (actors/prefill.py `PLAN_QUIET_S`: an agent's next turn, sent the moment the

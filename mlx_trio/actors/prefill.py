@@ -6,7 +6,7 @@ or other prompts wait, a chunk is sized from its measured cost to take about
 `--prefill-chunk-ms` (actors/chunk_sizer.py), never more than
 `--prefill-step-size` tokens, so it shrinks as the context grows, and one
 job runs such chunks up to that target times the decode job's steps (a
-prefill budget per cycle: `plan_chunks`, §2.2.3); a lone request with
+prefill budget per cycle: `plan_chunks`, docs/design.md §2.2.3); a lone request with
 nothing else running uses one full `--prefill-step-size` chunk a job,
 exactly mlx-lm's (the goldens).
 
