@@ -34,67 +34,27 @@ import mlx.core as mx
 from mlx_trio.engine.attention import ragged_kernel
 from mlx_trio.engine.attention.paged_reference import reference_paged_attention
 
-_SPLIT_SOURCE = """
-#define NEG_INF (-__int_as_float(0x7f800000))  // MLX 0.32.4's kernel header defines no inf
-    constexpr int LPK = 16;          // lanes sharing one key: a half warp
-    constexpr int EPT = D / LPK;     // elements of the head dimension per lane
-    constexpr int SLOTS = 2 * NW;    // keys a block reads at once, one per half warp
-    const int split = blockIdx.x;
-    const int splits = gridDim.x;
-    const int kvh = blockIdx.y;
-    const int b = blockIdx.z;
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int hw = lane / LPK;      // which half warp (not `half`: cuda_fp16.h's type)
-    const int sub = lane % LPK;
-    const int slot = warp * 2 + hw;
-    const int heads = q_shape[1];
-    const int bs = k_shape[1];      // the block size
+# The ragged kernel's split pass; only a key's address differs: key j of row b is slot j % bs of block
+# tables[b, j // bs] (the pool is read through its strides, nothing copied).
+_SPLIT_SOURCE = ragged_kernel.split_source(
+    key_range="""    const int bs = k_shape[1];      // the block size
     const int width = tables_shape[1];
     const int32_t* table = tables + (int64_t)b * tables_strides[0];
     int n_keys = lengths[b * lengths_strides[0]];
     n_keys = n_keys < 0 ? 0 : (n_keys > width * bs ? width * bs : n_keys);
     const int chunk = (n_keys + splits - 1) / splits;
     const int j_begin = split * chunk;
-    const int j_end = (j_begin + chunk < n_keys) ? j_begin + chunk : n_keys;
-    const float qscale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
-
-    float qr[G][EPT];
-    float acc[G][EPT];
-    float m[G];
-    float l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const T* qp = q + (int64_t)b * q_strides[0] + (int64_t)(kvh * G + g) * q_strides[1]
-                      + (int64_t)(sub * EPT) * q_strides[3];
-#pragma unroll
-      for (int e = 0; e < EPT; ++e) {
-        qr[g][e] = static_cast<float>(qp[e * q_strides[3]]) * qscale;
-        acc[g][e] = 0.0f;
-      }
-      m[g] = NEG_INF;
-      l[g] = 0.0f;
-    }
-    // This lane's elements of kv head `kvh` in block 0, slot 0; key j adds its block's and slot's offsets.
+""",
+    pointers="""    // This lane's elements of kv head `kvh` in block 0, slot 0; key j adds its block's and slot's offsets.
     const T* kp = k + (int64_t)kvh * k_strides[2] + (int64_t)(sub * EPT) * k_strides[3];
     const T* vp = v + (int64_t)kvh * v_strides[2] + (int64_t)(sub * EPT) * v_strides[3];
-    struct alignas(sizeof(T) * EPT) Pack {
-      T x[EPT];
-    };
-    // One load per lane where the layout allows (a pool's buffers always do); the same for the whole block.
+""",
+    packed="""    // One load per lane where the layout allows (a pool's buffers always do); the same for the whole block.
     const bool packed = k_strides[3] == 1 && v_strides[3] == 1
         && k_strides[0] % EPT == 0 && k_strides[1] % EPT == 0 && v_strides[0] % EPT == 0 && v_strides[1] % EPT == 0
         && ((unsigned long long)kp % sizeof(Pack)) == 0 && ((unsigned long long)vp % sizeof(Pack)) == 0;
-
-    for (int base = j_begin + 2 * warp; base < j_end; base += 2 * SLOTS) {
-      float kr[2][EPT];
-      float vr[2][EPT];
-      bool live[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int j = base + hw + u * SLOTS;
-        live[u] = j < j_end;
-        int64_t ko = 0;
+""",
+    key_offsets="""        int64_t ko = 0;
         int64_t vo = 0;
         if (live[u]) {  // the key's block, through the row's table (j < n_keys <= width * bs)
           const int64_t blk = table[(int64_t)(j / bs) * tables_strides[1]];
@@ -102,107 +62,8 @@ _SPLIT_SOURCE = """
           ko = blk * k_strides[0] + at * k_strides[1];
           vo = blk * v_strides[0] + at * v_strides[1];
         }
-        if (live[u] && packed) {
-          const Pack kx = *reinterpret_cast<const Pack*>(kp + ko);
-          const Pack vx = *reinterpret_cast<const Pack*>(vp + vo);
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) {
-            kr[u][e] = static_cast<float>(kx.x[e]);
-            vr[u][e] = static_cast<float>(vx.x[e]);
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) {
-            kr[u][e] = live[u] ? static_cast<float>(kp[ko + e * k_strides[3]]) : 0.0f;
-            vr[u][e] = live[u] ? static_cast<float>(vp[vo + e * v_strides[3]]) : 0.0f;
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float s = 0.0f;
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) {
-            s += qr[g][e] * kr[u][e];
-          }
-#pragma unroll
-          for (int off = LPK / 2; off > 0; off /= 2) {
-            s += __shfl_xor_sync(0xffffffffu, s, off);
-          }
-          if (live[u]) {
-            const float top = fmaxf(m[g], s);
-            const float c = exp2f(m[g] - top);
-            const float p = exp2f(s - top);
-            l[g] = l[g] * c + p;
-#pragma unroll
-            for (int e = 0; e < EPT; ++e) {
-              acc[g][e] = acc[g][e] * c + p * vr[u][e];
-            }
-            m[g] = top;
-          }
-        }
-      }
-    }
-
-    // Merge the block's half warps, in slot order (deterministic): as ragged_kernel's split pass.
-    __shared__ float sm_m[SLOTS * G];
-    __shared__ float sm_l[SLOTS * G];
-    __shared__ float sm_o[G * D];
-    if (sub == 0) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        sm_m[slot * G + g] = m[g];
-        sm_l[slot * G + g] = l[g];
-      }
-    }
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-      sm_o[i] = 0.0f;
-    }
-    __syncthreads();
-    for (int t = 0; t < SLOTS; ++t) {
-      if (slot == t) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float top = NEG_INF;
-          for (int u = 0; u < SLOTS; ++u) {
-            top = fmaxf(top, sm_m[u * G + g]);
-          }
-          const float f = (m[g] == NEG_INF) ? 0.0f : exp2f(m[g] - top);
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) {
-            sm_o[g * D + sub * EPT + e] += acc[g][e] * f;
-          }
-        }
-      }
-      __syncthreads();
-    }
-    const int64_t head0 = (int64_t)b * heads + kvh * G;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-      const int g = i / D;
-      const int d = i % D;
-      part_o[((head0 + g) * splits + split) * D + d] = sm_o[i];
-    }
-    if (threadIdx.x < G) {
-      const int g = threadIdx.x;
-      float top = NEG_INF;
-      for (int u = 0; u < SLOTS; ++u) {
-        top = fmaxf(top, sm_m[u * G + g]);
-      }
-      float total = 0.0f;
-      if (top != NEG_INF) {
-        for (int u = 0; u < SLOTS; ++u) {
-          const float mu = sm_m[u * G + g];
-          if (mu != NEG_INF) {
-            total += sm_l[u * G + g] * exp2f(mu - top);
-          }
-        }
-      }
-      part_ml[((head0 + g) * splits + split) * 2] = top;
-      part_ml[((head0 + g) * splits + split) * 2 + 1] = total;
-    }
-"""
+""",
+    k_at="ko", v_at="vo")
 
 # (name, inputs, outputs, source): read through strides (the pool is not copied).
 KERNEL = ("paged_decode_split", ("q", "k", "v", "tables", "lengths"), ("part_o", "part_ml"), _SPLIT_SOURCE)

@@ -63,7 +63,9 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # `self_check`'s bound against the float32 reference, in bfloat16 (outputs of about 1: its rounding is ~4e-3).
 SELF_CHECK_TOLERANCE = 2e-2
 
-_SPLIT_SOURCE = """
+# The split pass's source, less what addresses a key (`split_source` fills it in): this module's rows are
+# positions of one padded buffer, paged_kernel.py's are blocks through a table. One algorithm, two layouts.
+_SPLIT_TEMPLATE = """
 #define NEG_INF (-__int_as_float(0x7f800000))  // MLX 0.32.4's kernel header defines no inf
     constexpr int LPK = 16;          // lanes sharing one key: a half warp
     constexpr int EPT = D / LPK;     // elements of the head dimension per lane
@@ -78,12 +80,7 @@ _SPLIT_SOURCE = """
     const int sub = lane % LPK;
     const int slot = warp * 2 + hw;
     const int heads = q_shape[1];
-    const int n_keys = k_shape[2];
-    int first = start[b * start_strides[0]];
-    first = first < 0 ? 0 : (first > n_keys ? n_keys : first);
-    const int chunk = (n_keys - first + splits - 1) / splits;
-    const int j_begin = first + split * chunk;
-    const int j_end = (j_begin + chunk < n_keys) ? j_begin + chunk : n_keys;
+@KEY_RANGE@    const int j_end = (j_begin + chunk < n_keys) ? j_begin + chunk : n_keys;
     const float qscale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
 
     float qr[G][EPT];
@@ -102,16 +99,10 @@ _SPLIT_SOURCE = """
       m[g] = NEG_INF;
       l[g] = 0.0f;
     }
-    const T* kp = k + (int64_t)b * k_strides[0] + (int64_t)kvh * k_strides[1] + (int64_t)(sub * EPT) * k_strides[3];
-    const T* vp = v + (int64_t)b * v_strides[0] + (int64_t)kvh * v_strides[1] + (int64_t)(sub * EPT) * v_strides[3];
-    // A lane's EPT elements in one load where the layout allows (a cache's buffers always do); the same for
-    // every lane of the block, so the branch below never diverges.
-    struct alignas(sizeof(T) * EPT) Pack {
+@POINTERS@    struct alignas(sizeof(T) * EPT) Pack {
       T x[EPT];
     };
-    const bool packed = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % EPT == 0 && v_strides[2] % EPT == 0
-        && ((unsigned long long)kp % sizeof(Pack)) == 0 && ((unsigned long long)vp % sizeof(Pack)) == 0;
-
+@PACKED@
     // Both half warps run every iteration (the bound is the warp's), so the shuffles see all 32 lanes. Each
     // iteration loads two keys per half warp before using either: twice the loads in flight.
     for (int base = j_begin + 2 * warp; base < j_end; base += 2 * SLOTS) {
@@ -122,9 +113,9 @@ _SPLIT_SOURCE = """
       for (int u = 0; u < 2; ++u) {
         const int j = base + hw + u * SLOTS;
         live[u] = j < j_end;
-        if (live[u] && packed) {
-          const Pack kx = *reinterpret_cast<const Pack*>(kp + j * k_strides[2]);
-          const Pack vx = *reinterpret_cast<const Pack*>(vp + j * v_strides[2]);
+@KEY_OFFSETS@        if (live[u] && packed) {
+          const Pack kx = *reinterpret_cast<const Pack*>(kp + @K_AT@);
+          const Pack vx = *reinterpret_cast<const Pack*>(vp + @V_AT@);
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
             kr[u][e] = static_cast<float>(kx.x[e]);
@@ -133,8 +124,8 @@ _SPLIT_SOURCE = """
         } else {
 #pragma unroll
           for (int e = 0; e < EPT; ++e) {
-            kr[u][e] = live[u] ? static_cast<float>(kp[j * k_strides[2] + e * k_strides[3]]) : 0.0f;
-            vr[u][e] = live[u] ? static_cast<float>(vp[j * v_strides[2] + e * v_strides[3]]) : 0.0f;
+            kr[u][e] = live[u] ? static_cast<float>(kp[@K_AT@ + e * k_strides[3]]) : 0.0f;
+            vr[u][e] = live[u] ? static_cast<float>(vp[@V_AT@ + e * v_strides[3]]) : 0.0f;
           }
         }
       }
@@ -223,6 +214,36 @@ _SPLIT_SOURCE = """
       part_ml[((head0 + g) * splits + split) * 2 + 1] = total;
     }
 """
+
+
+def split_source(*, key_range: str, pointers: str, packed: str, key_offsets: str, k_at: str, v_at: str) -> str:
+    """The split pass for one key layout: `key_range` sets `n_keys`, `j_begin` and `chunk` (whole lines);
+    `pointers` the lane's `kp`/`vp`; `packed` whether one load per lane fits the layout; `key_offsets` lines run per
+    loaded key `j` (may be empty); `k_at`/`v_at` the offsets of key `j` from `kp`/`vp`."""
+    fills = {"@KEY_RANGE@": key_range, "@POINTERS@": pointers, "@PACKED@": packed, "@KEY_OFFSETS@": key_offsets,
+             "@K_AT@": k_at, "@V_AT@": v_at}
+    source = _SPLIT_TEMPLATE
+    for marker, text in fills.items():
+        source = source.replace(marker, text)
+    return source
+
+
+_SPLIT_SOURCE = split_source(
+    key_range="""    const int n_keys = k_shape[2];
+    int first = start[b * start_strides[0]];
+    first = first < 0 ? 0 : (first > n_keys ? n_keys : first);
+    const int chunk = (n_keys - first + splits - 1) / splits;
+    const int j_begin = first + split * chunk;
+""",
+    pointers="""    const T* kp = k + (int64_t)b * k_strides[0] + (int64_t)kvh * k_strides[1] + (int64_t)(sub * EPT) * k_strides[3];
+    const T* vp = v + (int64_t)b * v_strides[0] + (int64_t)kvh * v_strides[1] + (int64_t)(sub * EPT) * v_strides[3];
+    // A lane's EPT elements in one load where the layout allows (a cache's buffers always do); the same for
+    // every lane of the block, so the branch below never diverges.
+""",
+    packed="""    const bool packed = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % EPT == 0 && v_strides[2] % EPT == 0
+        && ((unsigned long long)kp % sizeof(Pack)) == 0 && ((unsigned long long)vp % sizeof(Pack)) == 0;
+""",
+    key_offsets="", k_at="j * k_strides[2]", v_at="j * v_strides[2]")
 
 _MERGE_SOURCE = """
 #define NEG_INF (-__int_as_float(0x7f800000))
