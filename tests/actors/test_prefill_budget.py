@@ -8,6 +8,7 @@ a prompt dropped while its multi-chunk jobs run ends with the pools idle (the au
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -51,10 +52,9 @@ def test_the_target_scales_with_the_decode_jobs_steps() -> None:
         [0.1, 0.1, 0.1, 0.2, 0.2, 0.4, 0.4])
 
 
-async def _long_while_decoding(engine: Any) -> tuple[list[int], int]:
-    """The long prompt's greedy tokens, prefilled while another row decodes; and its prefill jobs (progress events)."""
-    tokens: list[int] = []
-    jobs = 0
+@contextlib.asynccontextmanager
+async def _decoding(engine: Any) -> AsyncIterator[None]:
+    """A row decodes in the background from its first token until the block ends (the engine is busy)."""
     async with trio.open_nursery() as nursery:
         decoding = trio.Event()
 
@@ -65,12 +65,20 @@ async def _long_while_decoding(engine: Any) -> tuple[list[int], int]:
 
         nursery.start_soon(decoder)
         await decoding.wait()
+        yield
+        nursery.cancel_scope.cancel()
+
+
+async def _long_while_decoding(engine: Any) -> tuple[list[int], int]:
+    """The long prompt's greedy tokens, prefilled while another row decodes; and its prefill jobs (progress events)."""
+    tokens: list[int] = []
+    jobs = 0
+    async with _decoding(engine):
         async for event in engine.generate(LONG, max_tokens=8):
             if isinstance(event, PromptProgress) and event.processed:
                 jobs += 1
             elif isinstance(event, TextDelta):
                 tokens.extend(event.token_ids)
-        nursery.cancel_scope.cancel()
     return tokens, jobs
 
 
@@ -94,16 +102,7 @@ async def test_a_prompt_dropped_during_multi_chunk_jobs_ends_and_frees_its_row()
     async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=STEP) as engine:
         lane = engine.actors.lane
         prefill = lane.prefill
-        async with trio.open_nursery() as nursery:
-            decoding = trio.Event()
-
-            async def decoder() -> None:
-                async for event in engine.generate(DECODER, max_tokens=400):
-                    if isinstance(event, TextDelta):
-                        decoding.set()
-
-            nursery.start_soon(decoder)
-            await decoding.wait()
+        async with _decoding(engine):
             async with contextlib.aclosing(engine.generate(LONG, max_tokens=8)) as events:
                 async for event in events:
                     if isinstance(event, PromptProgress) and event.processed >= 2 * STEP:
@@ -111,7 +110,6 @@ async def test_a_prompt_dropped_during_multi_chunk_jobs_ends_and_frees_its_row()
             with trio.fail_after(60):
                 while prefill.statistics().cancelled < 1:
                     await trio.sleep(0.01)
-            nursery.cancel_scope.cancel()
         stats = prefill.statistics()
         assert stats.prefilling == 0 and stats.active_kv_bytes == 0
         done = await engine.complete(DECODER, max_tokens=2)
