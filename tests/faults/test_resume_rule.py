@@ -26,7 +26,10 @@ from tests.prompts import PROMPTS
 MAX_TOKENS = 12
 LONG = " ".join(["the sea and the wind over the long shore"] * 12)
 STREAMS = [LONG, PROMPTS[0], PROMPTS[2], PROMPTS[5]]
-OPTIONS: dict[str, Any] = {"batch": 2, "prefill_step_size": 16, "max_restarts": 1000, "restart_period_s": 1.0}
+# A prefill budget of one chunk a job (a target far below any chunk's time): with a job of several chunks the
+# long prompt may pass its last fault check while a fault is armed for it, and the fault never fires.
+OPTIONS: dict[str, Any] = {"batch": 2, "prefill_step_size": 16, "prefill_chunk_ms": 0.001, "max_restarts": 1000,
+                           "restart_period_s": 1.0}
 FAULTS = MAX_RESUMES + 3
 
 
