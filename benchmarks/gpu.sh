@@ -54,6 +54,9 @@
 #   cohorts: benchmarks/cohort_shapes.py (issue #20): one cohort prefill job (`prefill_rows`) by rows (1..32 short
 #           prompts), at padded shapes new to the process vs seen; COHORTS_ARGS for more flags. PARTS=cohorts,
 #           <= COHORTS_LIMIT_S (120).
+#   prefillrate: benchmarks/prefill_budget.py (issue #46: prefill under load >= 0.8x a lone prompt's): tok/s from
+#           submit to token 0 of PREFILLRATE_TOKENS (12288) prompts alone and beside --batch - 2 decoding rows for
+#           PREFILLRATE_BATCHES ("8 64"). PARTS=prefillrate MODELS=1b, <= PREFILLRATE_LIMIT_S (150).
 #   paged:  benchmarks/paged_kv.py (issue #45): decode ms a step of 8 and 64 equal 512-token rows, paged vs padded
 #           (target within 5 %); KV bytes held per token of a PAGED_LONG (30000) row beside 15 short ones; 8 siblings
 #           sharing a PAGED_PREFIX (12400) token prefix: prompt tokens computed and seconds, paged vs padded.
@@ -411,6 +414,11 @@ for m in $MODELS; do
       $SERVE_FLAGS --workload long-context --length-scale "${LONGCTX_SCALE:-0.3}" --rates "${LONGCTX_RATES:-1.5,3,6}" \
       --requests "${LONGCTX_REQUESTS:-60}" --concurrency 512 --rounds 1 --timeout-s 120 \
       --out "$RESULTS/longctx-$m.json" ${LONGCTX_ARGS:-}
+  ;; esac
+  case " $PARTS " in *" prefillrate "*)
+    script_part prefillrate "${PREFILLRATE_LIMIT_S:-150}" "prefill under load, $m: a lone ${PREFILLRATE_TOKENS:-12288}-token prompt vs beside --batch - 2 decoding rows" \
+      $PY benchmarks/prefill_budget.py --model "$dir" --tokens "${PREFILLRATE_TOKENS:-12288}" --prompts 3 --step 2048 \
+      --batches ${PREFILLRATE_BATCHES:-8 64}
   ;; esac
   case " $PARTS " in *" paged "*)
     script_part paged "${PAGED_LIMIT_S:-240}" "paged KV, $m: step B=8/64 equal rows, bytes per token, siblings ${PAGED_PREFIX:-12400}-token prefix" \
