@@ -119,7 +119,9 @@ async def _sigterm_with_two_streams(proc: subprocess.Popen[str], url: str,
 async def test_sigterm_drains_running_streams_then_exits_0(tmp_path: Path) -> None:
     """The real CLI: after SIGTERM two running streams finish normally while new requests get 503; exit 0."""
     async with cli_server(tmp_path) as (proc, url):
-        results, health, refused = await _sigterm_with_two_streams(proc, url, max_tokens=1200)
+        # Long enough that the first stream still runs when the second's first text comes on a loaded 2-core CI
+        # box (with 1200 tokens the first once ended before the SIGTERM: 1 request in flight).
+        results, health, refused = await _sigterm_with_two_streams(proc, url, max_tokens=3000)
         with trio.fail_after(30):
             assert await trio.to_thread.run_sync(proc.wait) == 0
     # Both streams were running when the drain began (the /health probe may have been too), none was cut.
