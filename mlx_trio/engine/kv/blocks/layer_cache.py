@@ -10,7 +10,8 @@ K/V to attend over: the routed attention recognises them and reads the blocks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -36,6 +37,9 @@ class PagedLayerCache:
         return self.step.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        L = self.step.queries
+        if keys.shape[2] > L:  # dummy positions after the real ones (`RowForward.dummies`): never written
+            keys, values = keys[..., :L, :], values[..., :L, :]
         self.kv.storage.write(self.layer, self.step.slots, keys, values)
         return keys, values
 
@@ -54,13 +58,42 @@ class PagedLayerCache:
 
 
 class RowForward:
-    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers."""
+    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers.
 
-    __slots__ = ("kv", "row", "step")
+    `dummies`: how many of the next forward's last positions are padding (the prefill shape grid,
+    engine/batch/chunked_prefill.py). They are attended, so the attention has the grid's shape, but never
+    written, allocated, keyed or counted in the row's length: nothing is left to trim.
+    """
+
+    __slots__ = ("dummies", "kv", "row", "step")
 
     def __init__(self, kv: PagedKV, row: PagedRow) -> None:
         self.kv, self.row = kv, row
         self.step: PagedStep | None = None
+        self.dummies = 0
+
+    def step_back(self, n: int) -> None:
+        """Give back the row's last `n` positions, whole blocks of its prompt (references dropped, nothing
+        copied), to be prefilled again: so a prefill starts on the shape grid (engine/batch/chunked_prefill.py).
+        The prompt's ids stay known, so the blocks are keyed again once recomputed."""
+        if n <= 0:
+            return
+        row = self.row
+        if n > row.length or (row.length - n) % self.kv.block_size:
+            raise ValueError(f"a row of {row.length} positions steps back whole blocks, not {n} positions")
+        known = row.tokens[row.length - n :]
+        self.kv.truncate(row, n)  # drops the ids past the new length too (a speculative tail's): put them back
+        row.tokens.extend(known)
+        self.kv.reused_tokens -= min(n, self.kv.reused_tokens)
+
+
+def row_forward_of(caches: Sequence[Any]) -> RowForward | None:
+    """The lone row's forward `caches` share when they are one paged row's (`PagedKV.row_caches`), else None."""
+    if caches and all(type(c) is PagedRowCache for c in caches):
+        forward = caches[0]._forward
+        if all(c._forward is forward for c in caches):
+            return forward
+    return None
 
 
 class PagedRowCache(PagedLayerCache):
@@ -90,7 +123,7 @@ class PagedRowCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         forward = self._forward
         if self.layer == 0:
-            forward.step = self.kv.step([forward.row], keys.shape[2])
+            forward.step = self.kv.step([forward.row], keys.shape[2] - forward.dummies, forward.dummies)
         out = super().update_and_fetch(keys, values)
         if self.layer == len(self.kv.storage.layers) - 1:
             self.kv.commit(self.step)
