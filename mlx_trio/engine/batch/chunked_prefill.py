@@ -40,6 +40,17 @@ which a dummy token would change, keep mlx-lm's chunks. The grid changes
 chunk boundaries and a tail's matmul shapes, so its logits can differ from
 mlx-lm's in the last bits, like any other chunking: it is off on the CPU,
 where the goldens are checked bit for bit.
+
+A paged row (`PagedRowCache` layers, engine/kv/blocks/) walks the same grid
+when the grid step is a multiple of the block size: its chunks then end on
+grid points, which are block boundaries, and its attention gathers its keys
+contiguous in the layout of a `KVCache` buffer on the grid, so a paged chunk
+is the very shape, strides included, a padded chunk is, and the plans built
+ahead serve both. Its dummy tokens are attended but never written into
+blocks, allocated, keyed or counted in the row (`RowForward.dummies`), so
+there is nothing to trim; stepping back to a grid point gives whole cached
+blocks back (`RowForward.step_back`), as does a sibling's catch-up past one
+(`cached_by_others`).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv import decode_layout
+from mlx_trio.engine.kv.blocks.layer_cache import row_forward_of
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 
 # mlx-lm's `generate_step` default.
@@ -129,7 +141,10 @@ class ChunkedPrefill:
         self._step_size = step_size
         self._kv_scheme = kv_scheme
         grid = resolve_grid(grid)
-        self._grid = grid if grid > 0 and trims_exactly(caches) else 0
+        # A paged row's forward (None: mlx-lm caches): pads without trimming, steps back by whole blocks.
+        self._paged = row_forward_of(caches)
+        paddable = trims_exactly(caches) or (self._paged is not None and grid % self._paged.kv.block_size == 0)
+        self._grid = grid if grid > 0 and paddable else 0
         if self._grid and decode_layout.is_active():
             # Prefill-only cuDNN: every chunk on the grid, so that each is a shape whose plan is built
             # (engine/batch/prefill_plans.py). A start off the grid (a cache hit) steps back to the grid
@@ -137,8 +152,7 @@ class ChunkedPrefill:
             # a snapshot boundary moves to the grid point below it, where those hits then start.
             back = start % self._grid
             if back:
-                for c in caches:
-                    c.trim(back)
+                self._trim(back)
                 start -= back
             split_at = split_at // self._grid * self._grid if split_at is not None else None
         self.fed = start
@@ -208,16 +222,24 @@ class ChunkedPrefill:
             # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/lab-notes/).
             n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
                                 rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
-            if self.fed % self._grid == 0:
+            if self.fed % self._grid == 0 and self._paged is None:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)
         self.last_shape = (n + pad, self.fed + pad) if self._grid else None
         if pad:
             # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'
-            # results; their KV is trimmed below and overwritten by the next chunk.
-            self._model(mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None], cache=self._caches)
-            for c in self._caches:
-                c.trim(pad)
+            # results; their KV is trimmed below and overwritten by the next chunk (a paged row's is
+            # never written: `RowForward.dummies`).
+            padded = mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None]
+            if self._paged is not None:
+                self._paged.dummies = pad
+                try:
+                    self._model(padded, cache=self._caches)
+                finally:
+                    self._paged.dummies = 0
+            else:
+                self._model(padded, cache=self._caches)
+                self._trim(pad)
         else:
             self._model(chunk[None], cache=self._caches)
         self._convert_if_due()
@@ -227,6 +249,26 @@ class ChunkedPrefill:
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk
+
+    def _trim(self, n: int) -> None:
+        """The caches' last `n` positions dropped: each layer's (mlx-lm caches), or the paged row's blocks."""
+        if self._paged is not None:
+            self._paged.step_back(n)
+        else:
+            for c in self._caches:
+                c.trim(n)
+
+    def cached_by_others(self, n: int) -> int:
+        """`n` more prompt tokens a paged row's caches now hold, computed by another row (`PagedKV.catch_up`):
+        counted as fed. On the grid under prefill-only cuDNN, those past the grid point below are given back
+        (recomputed: at most a grid step, against a new shape's plan); returns how many were kept."""
+        if self._grid and decode_layout.is_active():
+            back = min(n, (self.fed + n) % self._grid)
+            self._trim(back)
+            n -= back
+        if n:
+            self.take(n)
+        return n
 
     def _convert_if_due(self) -> None:
         """The caches to the scheme's format once they hold the tokens mlx-lm converts at (idempotent)."""

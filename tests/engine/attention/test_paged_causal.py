@@ -55,9 +55,48 @@ def test_a_lone_rows_chunk_gets_its_keys_slots_and_a_batchs_rows_of_one_width_ke
     assert group.key_lengths == (32,)
     assert np.array(group.key_slots).tolist() == [7 * 16 + p for p in range(16)] + [3 * 16 + p for p in range(16)]
     (group,), _ = build_groups([row], 12, 16, dummies=20)  # attended past its blocks: the table is widened
-    assert group.key_lengths == (52,) and group.key_slots.shape == (52,) and group.tables.shape == (1, 4)
+    assert group.key_lengths == (52,) and group.tables.shape == (1, 4)
+    assert np.array(group.key_slots).tolist()[32:] == [7 * 16] * 20  # the dummies' keys: the row's first
     other = PagedRow(tokens=list(range(40)), blocks=[1, 2, 4], length=30)
     (group,), _ = build_groups([row, other], 2, 16)
     assert group.key_slots is None and group.key_lengths == (22, 32)
     (group,), _ = build_groups([row], 1, 16)  # a decode step keeps the kernel / the reference
     assert group.key_slots is None and group.visible is not None
+
+
+def test_a_lone_rows_prefill_chunks_take_the_causal_path_and_keep_mlx_lms_tokens(monkeypatch) -> None:
+    """Every layer of every prefill chunk of a paged row runs `causal_row` (token 0's L=1 step does not), and its
+    greedy tokens are mlx-lm `generate_step`'s."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from mlx_trio.engine.attention import paged_attention, paged_layout, routed_attention
+    from mlx_trio.engine.batch.solo_row import SoloRow
+    from mlx_trio.params import SamplingParams
+    from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+    model = load(str(tiny_model(LLAMA)))[0]
+    routed_attention.install(model)
+    shapes = paged_layout.layer_shapes(model)
+    kv = paged_layout.paged_kv_for(model, 64 * paged_layout.BlockStorage.block_bytes(shapes, 16, mx.float32), "t",
+                                   block_size=16)
+    calls = []
+    original = paged_attention.causal_row
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "causal_row", spy)
+    prompt = [(7 * j + j * j) % 500 + 3 for j in range(150)]
+    row = SoloRow(model, "r", prompt, SamplingParams(max_tokens=1), paged=kv, prefill_step_size=64)
+    while row.prefill_chunk():
+        pass
+    assert calls == [64] * len(shapes) + [64] * len(shapes) + [21] * len(shapes)
+    token0 = row.first_token()
+    assert len(calls) == 3 * len(shapes)
+    plain = load(str(tiny_model(LLAMA)))[0]
+    want, _ = next(generate_step(mx.array(prompt), plain, prefill_step_size=64))
+    assert token0 == int(want)
+    row.close()
+    assert kv.pool.idle

@@ -77,8 +77,9 @@ def build_groups(rows: Sequence[PagedRow], L: int, block_size: int,
     batch's (None: the groups are the batch in order).
 
     `dummies`: a lone row's padding queries after its `L` real ones (the prefill shape grid,
-    engine/batch/chunked_prefill.py): attended as keys past the row's blocks (any block's contents: causal
-    attention keeps them out of every real query's result), never written, allocated or committed."""
+    engine/batch/chunked_prefill.py): never written, allocated or committed. Their keys are the row's first
+    key again: causal attention keeps them out of every real query's result, but a masked key still meets
+    a zero weight in the product with the values, and a slot never written could hold anything (0 x NaN)."""
     out = []
     attended = L + dummies
     grouped = width_groups([len(row.blocks) for row in rows])
@@ -96,6 +97,7 @@ def build_groups(rows: Sequence[PagedRow], L: int, block_size: int,
         key_slots = None
         if len(members) == 1 and attended > 1:
             positions = np.arange(key_lengths[0])
+            positions[key_lengths[0] - dummies :] = 0  # a dummy's key: the row's first, written (finite) KV
             key_slots = mx.array((tables[0, positions // block_size] * block_size + positions % block_size)
                                  .astype(np.int32))
         out.append(StepGroup(index, mx.array(tables), lengths, visible, key_lengths, key_slots))
