@@ -171,3 +171,17 @@ def test_a_grid_that_is_not_a_multiple_of_the_block_size_stays_off_for_a_paged_r
     assert all(shape is None for _, shape in chunks)
     row.close()
     assert kv.pool.idle
+
+
+@pytest.mark.slow
+def test_the_prefill_benchmark_part_runs_on_the_cpu_and_finds_the_first_tokens_equal() -> None:
+    """benchmarks/paged_kv.py --parts prefill, the tiny llama, on a forced grid (exit 1 if the tokens differ)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/paged_kv.py", "--parts", "prefill", "--prefill-tokens", "300",
+                          "--prefill-grid", "64", "--prefill-limits", "0,64", "--prefill-runs", "2"],
+                         capture_output=True, text=True, env=os.environ, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("first tokens equal") == 2, out.stdout
