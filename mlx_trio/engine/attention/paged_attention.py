@@ -22,11 +22,13 @@ reference (paged_reference.py), which is exact and runs anywhere.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_trio.engine import lease_thread
 from mlx_trio.engine.attention import paged_kernel
 from mlx_trio.engine.attention.paged_reference import gather_positions, reference_paged_attention
 
@@ -89,8 +91,10 @@ def bounded(queries: mx.array, block_keys: mx.array, block_values: mx.array, tab
 
 
 def scores_materialised() -> bool:
-    """Whether MLX's SDPA writes a causal call's scores out on this device: the CPU's does (ops); on a GPU the
-    causal call is fused (cuDNN on CUDA, MLX's kernel on Metal), as the padded layout's prefill relies on."""
+    """Whether MLX's SDPA writes a causal chunk's scores out here: on the CPU (ops), and on CUDA with cuDNN off
+    (MLX's fallback: "mlx" attention, engine/lease_thread.py); cuDNN on CUDA and MLX's kernel on Metal fuse it."""
+    if lease_thread.on_cuda():
+        return os.environ.get(lease_thread.CUDNN_ATTENTION_ENV, "").strip() == "0"
     return mx.default_device() == mx.cpu
 
 
