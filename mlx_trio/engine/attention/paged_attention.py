@@ -12,8 +12,10 @@ A row alone in its group with several queries (a prefill chunk; a verify step's
 row) takes the causal path (`causal_row`): its keys gathered to exactly its
 length and MLX's SDPA with `mask="causal"`, which MLX aligns bottom-right when
 there are more keys than queries: the call mlx-lm's `KVCache` makes for a lone
-row, and one MLX's CUDA backend runs on cuDNN (a boolean array mask keeps it
-off: H100, a long-context mix prefilled at 0.45x the padded layout). Several
+row, so on the shape grid the very cuDNN plan a padded chunk uses. (The
+reference's boolean mask also reaches cuDNN on CUDA, but as an additive bias
+MLX converts per layer, and at the row's table width, a new plan for nearly
+every chunk: H100, a long-context mix prefilled at 0.45x the padded layout.) Several
 rows of one width group with several queries each (a batch's verify step) keep
 the reference: each row its own call would be B launches a layer for a few
 queries each. Everything else (the CPU's decode, a failed check) runs the MLX-ops
