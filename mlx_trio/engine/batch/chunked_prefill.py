@@ -48,9 +48,13 @@ contiguous in the layout of a `KVCache` buffer on the grid, so a paged chunk
 is the very shape, strides included, a padded chunk is, and the plans built
 ahead serve both. Its dummy tokens are attended but never written into
 blocks, allocated, keyed or counted in the row (`RowForward.dummies`), so
-there is nothing to trim; stepping back to a grid point gives whole cached
-blocks back (`RowForward.step_back`), as does a sibling's catch-up past one
-(`cached_by_others`).
+there is nothing to trim. Where a padded row would step back to the grid
+point below (prefill-only cuDNN), a paged row, whose cached blocks may be
+shared (a prefix found at its start, or a sibling's blocks caught up with),
+keeps them: its next chunk feeds the tokens from that grid point again as its
+first queries (`RowForward.lead`), attended over the row's own K/V and not
+written, so the chunk is a listed shape and no block is dropped, copied or
+allocated beyond what the row holds anyway.
 """
 
 from __future__ import annotations
@@ -141,8 +145,9 @@ class ChunkedPrefill:
         self._step_size = step_size
         self._kv_scheme = kv_scheme
         grid = resolve_grid(grid)
-        # A paged row's forward (None: mlx-lm caches): pads without trimming, steps back by whole blocks.
+        # A paged row's forward (None: mlx-lm caches): pads without trimming, leads instead of stepping back.
         self._paged = row_forward_of(caches)
+        self._prompt_ids = prompt_ids
         paddable = trims_exactly(caches) or (self._paged is not None and grid % self._paged.kv.block_size == 0)
         self._grid = grid if grid > 0 and paddable else 0
         if self._grid and decode_layout.is_active():
@@ -151,8 +156,9 @@ class ChunkedPrefill:
             # point below (at most a grid step less of the hit: a few ms, against a plan's 60-90 ms), and
             # a snapshot boundary moves to the grid point below it, where those hits then start.
             back = start % self._grid
-            if back:
-                self._trim(back)
+            if back and self._paged is None:  # a paged row leads its next chunk instead (`chunk`)
+                for c in caches:
+                    c.trim(back)
                 start -= back
             split_at = split_at // self._grid * self._grid if split_at is not None else None
         self.fed = start
@@ -214,32 +220,40 @@ class ChunkedPrefill:
         n = min(most, limit or self._step_size)
         if n == 0:
             return None
-        pad = 0
+        pad = lead = 0
         if self._grid:
+            # A paged row off the grid under prefill-only cuDNN feeds its tokens from the grid point below
+            # again (`lead`; module docstring), so the chunk is planned from that point.
+            if self._paged is not None and decode_layout.is_active():
+                lead = self.fed % self._grid
             # A gridded chunk computes at least one grid step (or up to the next grid point) whatever
             # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
             # padded to a step cost the same and left the next chunks off the grid, each a new shape
             # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/lab-notes/).
-            n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
-                                rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
+            rest = stretch + lead
+            n, pad = grid_chunk(self.fed - lead, max(n + lead, min(most + lead, self._grid)), self._grid,
+                                rest=rest if rest <= self._step_size else None, cap=self._step_size)
+            n -= lead
             if self.fed % self._grid == 0 and self._paged is None:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)
-        self.last_shape = (n + pad, self.fed + pad) if self._grid else None
-        if pad:
+        self.last_shape = (lead + n + pad, self.fed + pad) if self._grid else None
+        if self._paged is not None and (lead or pad):
+            # The row's last `lead` tokens again, then the chunk, then dummy tokens: only the chunk's K/V
+            # are written (`RowForward`); causal attention keeps the dummies out of every real result.
+            again = mx.array(list(self._prompt_ids[self.fed - n - lead : self.fed - n]), dtype=chunk.dtype)
+            self._paged.lead, self._paged.dummies = lead, pad
+            try:
+                self._model(mx.concatenate([again, chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None],
+                            cache=self._caches)
+            finally:
+                self._paged.lead = self._paged.dummies = 0
+        elif pad:
             # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'
-            # results; their KV is trimmed below and overwritten by the next chunk (a paged row's is
-            # never written: `RowForward.dummies`).
-            padded = mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None]
-            if self._paged is not None:
-                self._paged.dummies = pad
-                try:
-                    self._model(padded, cache=self._caches)
-                finally:
-                    self._paged.dummies = 0
-            else:
-                self._model(padded, cache=self._caches)
-                self._trim(pad)
+            # results; their KV is trimmed below and overwritten by the next chunk.
+            self._model(mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None], cache=self._caches)
+            for c in self._caches:
+                c.trim(pad)
         else:
             self._model(chunk[None], cache=self._caches)
         self._convert_if_due()
@@ -249,26 +263,6 @@ class ChunkedPrefill:
         mx.eval([c.state for c in self._caches])
         mx.clear_cache()
         return chunk
-
-    def _trim(self, n: int) -> None:
-        """The caches' last `n` positions dropped: each layer's (mlx-lm caches), or the paged row's blocks."""
-        if self._paged is not None:
-            self._paged.step_back(n)
-        else:
-            for c in self._caches:
-                c.trim(n)
-
-    def cached_by_others(self, n: int) -> int:
-        """`n` more prompt tokens a paged row's caches now hold, computed by another row (`PagedKV.catch_up`):
-        counted as fed. On the grid under prefill-only cuDNN, those past the grid point below are given back
-        (recomputed: at most a grid step, against a new shape's plan); returns how many were kept."""
-        if self._grid and decode_layout.is_active():
-            back = min(n, (self.fed + n) % self._grid)
-            self._trim(back)
-            n -= back
-        if n:
-            self.take(n)
-        return n
 
     def _convert_if_due(self) -> None:
         """The caches to the scheme's format once they hold the tokens mlx-lm converts at (idempotent)."""

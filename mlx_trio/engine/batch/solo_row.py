@@ -227,7 +227,8 @@ class SoloRow:
         assert self.paged_kv is not None and self.paged_row is not None
         gained = self.paged_kv.catch_up(self.paged_row)
         if gained:
-            self.cached_tokens += self._prefill.cached_by_others(gained)
+            self._prefill.take(gained)
+            self.cached_tokens += gained
         prefill = self._prefill
         n = min(limit or prefill.step_size, prefill.step_size, prefill.remaining)
         over = (prefill.fed + n) % self.paged_kv.block_size

@@ -2,8 +2,8 @@
 
 Here (CPU) the grid is forced on. A paged row must walk the chunks a padded row
 walks, end where it ends (KV and token 0), never write, key or hold its dummy
-tokens, and under prefill-only cuDNN start (and catch up) on grid points only,
-giving whole cached blocks back; the pool is idle after every test.
+tokens, and under prefill-only cuDNN lead a chunk that starts off the grid
+from the grid point below, keeping its (shared) blocks; the pool is idle after every test.
 """
 
 from __future__ import annotations
@@ -125,42 +125,58 @@ def test_dummy_tokens_are_never_written_keyed_or_held() -> None:
     assert kv.pool.idle
 
 
-def test_under_prefill_only_cudnn_a_cached_prefix_off_the_grid_steps_back_to_a_grid_point() -> None:
-    """A row that finds 3 cached blocks (48 tokens) starts at 32: the third block's reference is dropped and the
-    block recomputed, so every chunk is a listed grid shape; tokens as alone, pool idle."""
+def _blocks_of(kv: PagedKV, blocks: list[int]) -> list[np.ndarray]:
+    index = mx.array(blocks)
+    return [np.array(a[index]) for a in [*kv.storage.keys, *kv.storage.values]]
+
+
+def test_under_prefill_only_cudnn_a_cached_prefix_off_the_grid_leads_the_next_chunk_from_the_grid_point() -> None:
+    """A row that finds 3 shared blocks (48 tokens) keeps them all: its first chunk feeds tokens 32..47 again as
+    queries (not written), so it is a listed grid shape; the shared blocks are unchanged, nothing is copied
+    or allocated for the lead, tokens as alone, pool idle."""
     kv = _kv()
     prompt = _prompt(8, 90)
     first, _ = _run(prompt[:50], grid=32, limit=None, kv=kv)
-    first.close()
+    assert first.paged_row is not None
+    shared = first.paged_row.blocks[:3]
+    before = _blocks_of(kv, shared)
     reused = kv.reused_tokens
     with _prefill_only_cudnn():
         row, chunks = _run(prompt, grid=32, limit=32, kv=kv)
-    assert row.cached_tokens == 32 and kv.reused_tokens == reused + 32
-    assert [shape for _, shape in chunks] == [(64, 96)]  # the rest, 57 tokens, in one listed chunk
+    assert row.paged_row is not None and row.paged_row.blocks[:3] == shared and kv.stats().shared == 3
+    assert len(row.paged_row.blocks) == -(-90 // 16)
+    assert row.cached_tokens == 48 and kv.reused_tokens == reused + 48
+    assert [shape for _, shape in chunks] == [(64, 96)]  # 16 again + the 41 left + 7 dummies, keys to 96
+    for a, b in zip(before, _blocks_of(kv, shared), strict=True):
+        np.testing.assert_array_equal(a, b)
     alone, _ = _run(prompt, grid=0, limit=None)
     assert row.token0 == alone.token0
     row.close()
+    first.close()
     kv.pool.check()
     assert kv.pool.idle
 
 
-def test_under_prefill_only_cudnn_a_catch_up_keeps_the_row_on_the_grid() -> None:
-    """Blocks a sibling cached past a grid point are taken only up to it: the chunks stay listed shapes."""
+def test_under_prefill_only_cudnn_a_catch_up_off_the_grid_keeps_the_blocks_and_the_grid() -> None:
+    """Blocks a sibling cached past a grid point are all taken, and the next chunk leads from that grid point:
+    every chunk is a listed shape."""
     kv = _kv()
-    prompt = _prompt(9, 120)
+    prompt = _prompt(9, 300)
     with _prefill_only_cudnn():
         row = SoloRow(_model(), "r", prompt, GREEDY, paged=kv, prefill_grid=32)
         other, _ = _run(prompt[:60] + [7] * 5, grid=32, limit=None, kv=kv)  # caches 3 blocks (48 tokens)
-        other.close()
-        row.prefill_chunk(32)  # catches up 48, keeps 32, computes 32..64
-        assert row.cached_tokens == 32 and row.fed == 64 and row.last_chunk_shape == (32, 64)
+        row.prefill_chunk(32)  # catches up 48; computes 48..64 after feeding 32..48 again
+        assert row.cached_tokens == 48 and row.fed == 64 and row.last_chunk_shape == (32, 64)
         while row.prefill_remaining:
             row.prefill_chunk(32)
             assert row.last_chunk_shape is not None and row.last_chunk_shape[1] % 32 == 0
         row.first_token()
     alone, _ = _run(prompt, grid=0, limit=None)
     assert row.token0 == alone.token0
+    for a, b in zip(_padded_kv_of(alone), _paged_kv_of(row), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)  # other chunks than alone's: to float tolerance
     row.close()
+    other.close()
     kv.pool.check()
     assert kv.pool.idle
 

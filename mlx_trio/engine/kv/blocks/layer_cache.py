@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import mlx.core as mx
 
 from mlx_trio.engine.kv.blocks.row import PagedRow
@@ -37,9 +38,9 @@ class PagedLayerCache:
         return self.step.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        L = self.step.queries
-        if keys.shape[2] > L:  # dummy positions after the real ones (`RowForward.dummies`): never written
-            keys, values = keys[..., :L, :], values[..., :L, :]
+        L, lead = self.step.queries, self.step.lead
+        if keys.shape[2] > L:  # positions around the new ones (`RowForward.lead`, `.dummies`): never written
+            keys, values = keys[..., lead : lead + L, :], values[..., lead : lead + L, :]
         self.kv.storage.write(self.layer, self.step.slots, keys, values)
         return keys, values
 
@@ -60,31 +61,20 @@ class PagedLayerCache:
 class RowForward:
     """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers.
 
-    `dummies`: how many of the next forward's last positions are padding (the prefill shape grid,
-    engine/batch/chunked_prefill.py). They are attended, so the attention has the grid's shape, but never
-    written, allocated, keyed or counted in the row's length: nothing is left to trim.
+    Set by the prefill for its next forward on the shape grid (engine/batch/chunked_prefill.py): `lead`,
+    how many of the row's last positions (already in its blocks) come again as its first queries, and
+    `dummies`, how many padding positions follow the new ones. Both are attended, so the attention has a
+    grid shape, and neither is written, allocated, keyed or counted in the row's length: the lead's K/V are
+    the row's own (its blocks stay as they are, shared ones shared), the dummies' keys the row's first.
     """
 
-    __slots__ = ("dummies", "kv", "row", "step")
+    __slots__ = ("dummies", "kv", "lead", "row", "step")
 
     def __init__(self, kv: PagedKV, row: PagedRow) -> None:
         self.kv, self.row = kv, row
         self.step: PagedStep | None = None
+        self.lead = 0
         self.dummies = 0
-
-    def step_back(self, n: int) -> None:
-        """Give back the row's last `n` positions, whole blocks of its prompt (references dropped, nothing
-        copied), to be prefilled again: so a prefill starts on the shape grid (engine/batch/chunked_prefill.py).
-        The prompt's ids stay known, so the blocks are keyed again once recomputed."""
-        if n <= 0:
-            return
-        row = self.row
-        if n > row.length or (row.length - n) % self.kv.block_size:
-            raise ValueError(f"a row of {row.length} positions steps back whole blocks, not {n} positions")
-        known = row.tokens[row.length - n :]
-        self.kv.truncate(row, n)  # drops the ids past the new length too (a speculative tail's): put them back
-        row.tokens.extend(known)
-        self.kv.reused_tokens -= min(n, self.kv.reused_tokens)
 
 
 def row_forward_of(caches: Sequence[Any]) -> RowForward | None:
@@ -100,8 +90,8 @@ class PagedRowCache(PagedLayerCache):
     """Layer `layer` of one row, for code that calls the model with per-layer caches (prefill chunks, token 0).
 
     The first layer's `update_and_fetch` allocates the forward's blocks and builds its step; the last one's
-    advances the row (its attention still reads the step). Its offset is the row's length, an int, as
-    mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
+    advances the row (its attention still reads the step). Its offset is the row's length (less a lead), an
+    int, as mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
     """
 
     def __init__(self, kv: PagedKV, layer: int, forward: RowForward) -> None:
@@ -114,7 +104,7 @@ class PagedRowCache(PagedLayerCache):
 
     @property
     def offset(self) -> int:
-        return self._forward.row.length
+        return self._forward.row.length - self._forward.lead
 
     @property
     def row(self) -> PagedRow:
@@ -123,7 +113,8 @@ class PagedRowCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         forward = self._forward
         if self.layer == 0:
-            forward.step = self.kv.step([forward.row], keys.shape[2] - forward.dummies, forward.dummies)
+            step = self.kv.step([forward.row], keys.shape[2] - forward.lead - forward.dummies, forward.dummies)
+            forward.step = attrs.evolve(step, lead=forward.lead) if forward.lead else step
         out = super().update_and_fetch(keys, values)
         if self.layer == len(self.kv.storage.layers) - 1:
             self.kv.commit(self.step)

@@ -49,6 +49,8 @@ class PagedStep:
     restore: mx.array | None  # the batch order of the groups' rows concatenated (None: already in order)
     slots: mx.array  # [B * L] int32: where each new token's K/V goes in the flat block view
     offset: int | mx.array  # RoPE offset: an int for one row (as mlx-lm's KVCache), else per row [B]
+    # A lone row's positions before its length fed again as queries (`RowForward.lead`): attended, not written.
+    lead: int = 0
 
 
 def width_groups(widths: Sequence[int], ratio: int = GROUP_WIDTH_RATIO) -> list[list[int]]:
