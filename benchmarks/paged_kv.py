@@ -4,7 +4,10 @@ Usage:
     PYTHONPATH=$PWD python benchmarks/paged_kv.py                 # CPU, the tiny llama: about a minute
     PYTHONPATH=$PWD python benchmarks/paged_kv.py --model PATH    # any llama-family mlx-lm model (the H200)
 
-Parts (`--parts`, default all):
+Every part runs under the attention backend the server's lease thread chooses (engine/lease_thread.py:
+prefill-only cuDNN on CUDA unless MLX_TRIO_ATTENTION_BACKEND says otherwise), as the server would.
+
+Parts (`--parts`, default all but kernel):
 
 * ``siblings``  8 rows sharing a `--prefix` (2,000) token prefix with distinct 64-token tails: prompt tokens
   computed, paged vs today's layout, with the rows arriving one after another (each prefills, samples token 0
@@ -273,7 +276,7 @@ def kernel(max_len: int, verbose: bool) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model directory (default: the tiny llama)")
-    parser.add_argument("--parts", default="siblings,memory,block,equal")
+    parser.add_argument("--parts", default="siblings,memory,block,equal,prefill")
     parser.add_argument("--prefix", type=int, default=2000)
     parser.add_argument("--long", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=16)
