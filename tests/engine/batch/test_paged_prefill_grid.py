@@ -201,3 +201,29 @@ def test_the_prefill_benchmark_part_runs_on_the_cpu_and_finds_the_first_tokens_e
                          capture_output=True, text=True, env=os.environ, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("first tokens equal") == 2, out.stdout
+
+
+async def test_a_paged_engine_on_the_grid_streams_the_padded_engines_tokens() -> None:
+    """Through the prefill actor (busy chunks sized while rows decode, siblings sharing a prefix): --paged-kv on a
+    16-token grid gives every request the tokens the padded layout gives on the same grid."""
+    import trio
+
+    from mlx_trio import open_engine
+
+    common = _prompt(1, 70)
+    prompts = [_prompt(i, n) for i, n in enumerate((150, 37, 90, 300))] + [common + _prompt(9, 20),
+                                                                          common + _prompt(10, 33)]
+    results: dict[bool, dict[int, list[int]]] = {}
+    for paged in (False, True):
+        async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=64, prefill_grid=16,
+                               paged_kv=paged, kv_budget_bytes=16 << 20) as engine:
+            got: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                got[i] = list((await engine.complete(prompts[i], max_tokens=6)).token_ids)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            results[paged] = got
+    assert results[True] == results[False]
