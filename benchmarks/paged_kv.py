@@ -4,7 +4,10 @@ Usage:
     PYTHONPATH=$PWD python benchmarks/paged_kv.py                 # CPU, the tiny llama: about a minute
     PYTHONPATH=$PWD python benchmarks/paged_kv.py --model PATH    # any llama-family mlx-lm model (the H200)
 
-Parts (`--parts`, default all):
+Every part runs under the attention backend the server's lease thread chooses (engine/lease_thread.py:
+prefill-only cuDNN on CUDA unless MLX_TRIO_ATTENTION_BACKEND says otherwise), as the server would.
+
+Parts (`--parts`, default all but kernel):
 
 * ``siblings``  8 rows sharing a `--prefix` (2,000) token prefix with distinct 64-token tails: prompt tokens
   computed, paged vs today's layout, with the rows arriving one after another (each prefills, samples token 0
@@ -18,6 +21,12 @@ Parts (`--parts`, default all):
 * ``block``     ms per decode step of a paged batch of 16 rows (300..1,200 tokens) for block sizes 16..256,
   against today's padded step on the same rows; and the same paged step with a pool 32x larger (a step
   that copied its pool instead of writing in place would slow down with it).
+* ``prefill``   one lone prompt of each `--prefill-tokens` (default 8192,32768 on a GPU, 1000 on the CPU)
+  prefilled as the server does (`SoloRow` chunks of `--prefill-step-size` (2048), and chunks the chunk sizer
+  asks smaller when rows are decoding: `--prefill-limits`, default 0 = the step size, and 512), on the shape
+  grid where the backend uses it (`--prefill-grid`; the attention backend chosen as the lease thread does),
+  paged vs padded, alternated: prompt tokens a second each (cold: the first run, cuDNN plans included; warm:
+  the median of the rest) and paged/padded. Token 0 and the next 3 greedy tokens must be equal: exits 1 if not.
 * ``kernel``    the paged decode kernel (CUDA: engine/attention/paged_kernel.py) alone, no model: max abs error
   against the float32 MLX-ops reference and µs per call, kernel vs reference vs MLX's dense SDPA over the same
   tokens (rows copied into one [B, Hkv, T, D] array), at B = 1/8/64, rows of 512 tokens and rows spread over
@@ -37,8 +46,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm import load
 
+from mlx_trio.engine import lease_thread
 from mlx_trio.engine.attention import paged_kernel, paged_layout, ragged_kernel, routed_attention
 from mlx_trio.engine.attention.paged_reference import gather_rows, reference_paged_attention
+from mlx_trio.engine.batch.chunked_prefill import resolve_grid
 from mlx_trio.engine.batch.decode_batch import DecodeBatch
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
@@ -163,6 +174,55 @@ def equal(model: Any, vocab: int, steps: int, batches: list[int], length: int) -
               f"(paged/padded {paged / padded:.3f}; target <= 1.05)")
 
 
+def _prefill_once(model: Any, prompt: list[int], kv: PagedKV | None, step_size: int, limit: int,
+                  grid: int | None) -> tuple[float, list[int]]:
+    """Seconds to prefill `prompt` alone and sample token 0 (as the prefill actor's jobs do), and the first 4
+    greedy tokens (token 0 and 3 decode steps)."""
+    mx.synchronize()
+    tic = time.perf_counter()
+    row = SoloRow(model, "p", prompt, SamplingParams(max_tokens=8), prefill_step_size=step_size, paged=kv,
+                  prefill_grid=grid)
+    while row.prefill_chunk(limit or None):
+        pass
+    token0 = row.first_token()
+    seconds = time.perf_counter() - tic
+    batch = DecodeBatch(model, paged=kv)
+    batch.join_many([(row, token0)])
+    decoded = [batch.step_decoded() for _ in range(3)] + [batch.flush_decoded()]
+    batch.close()
+    mx.clear_cache()
+    return seconds, [token0] + [d.token_ids[0] for d in decoded if d is not None]
+
+
+def prefill(model: Any, vocab: int, lengths: list[int], limits: list[int], step_size: int, block_size: int,
+            grid: int | None, runs: int) -> bool:
+    """A lone prompt's prefill, paged vs padded (see `prefill` above); True when their first tokens agree."""
+    ok = True
+    for n in lengths:
+        prompt = _prompt(5, n, vocab)
+        for limit in limits:
+            seconds: dict[str, list[float]] = {"padded": [], "paged": []}
+            tokens: dict[str, list[int]] = {}
+            for _ in range(runs):  # alternated: the load drifts
+                for mode in ("padded", "paged"):
+                    kv = _kv(model, (n + 64) // block_size + 8, block_size) if mode == "paged" else None
+                    took, first = _prefill_once(model, prompt, kv, step_size, limit, grid)
+                    seconds[mode].append(took)
+                    if tokens.setdefault(mode, first) != first:
+                        print(f"prefill {mode}: run-to-run tokens differ: {tokens[mode]} then {first}")
+                        ok = False
+                    del kv
+            rate = {m: (n / t[0], n / statistics.median(t[1:] or t)) for m, t in seconds.items()}
+            same = tokens["paged"] == tokens["padded"]
+            ok &= same
+            print(f"prefill {n} tokens, chunks of {limit or step_size}: tok/s cold/warm padded "
+                  f"{rate['padded'][0]:.0f}/{rate['padded'][1]:.0f}, paged {rate['paged'][0]:.0f}/"
+                  f"{rate['paged'][1]:.0f}; paged/padded warm {rate['paged'][1] / rate['padded'][1]:.3f} "
+                  f"(target >= 0.95); first tokens {'equal' if same else 'DIFFER'} {tokens['paged']}"
+                  + ("" if same else f" vs padded {tokens['padded']}"))
+    return ok
+
+
 def _us(fn: Any, calls: int = 20) -> float:
     """Median µs of one call of `fn` (evaluated), after a warm-up call."""
     mx.eval(fn())
@@ -216,7 +276,7 @@ def kernel(max_len: int, verbose: bool) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model directory (default: the tiny llama)")
-    parser.add_argument("--parts", default="siblings,memory,block,equal")
+    parser.add_argument("--parts", default="siblings,memory,block,equal,prefill")
     parser.add_argument("--prefix", type=int, default=2000)
     parser.add_argument("--long", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=16)
@@ -226,8 +286,14 @@ def main() -> None:
     parser.add_argument("--equal-length", type=int, default=512)
     parser.add_argument("--kernel-max-len", type=int, default=30000)
     parser.add_argument("--verbose", action="store_true", help="kernel: print the generated source on a build error")
+    parser.add_argument("--prefill-tokens", help="prefill: prompt lengths (default 8192,32768 on a GPU, 1000 else)")
+    parser.add_argument("--prefill-limits", default="0,512", help="prefill: chunk sizes asked (0: the step size)")
+    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--prefill-grid", type=int, default=None, help="prefill: the grid step (default: the server's)")
+    parser.add_argument("--prefill-runs", type=int, default=3, help="prefill: runs of each layout (the first cold)")
     args = parser.parse_args()
     parts = args.parts.split(",")
+    lease_thread.prepare_thread()  # the attention backend the server's lease thread chooses (cuDNN for prefill)
     if "kernel" in parts:
         print(f"device {mx.default_device()}")
         if not kernel(args.kernel_max_len, args.verbose):
@@ -250,6 +316,14 @@ def main() -> None:
         block(model, vocab, args.steps)
     if "equal" in parts:
         equal(model, vocab, args.steps, [int(b) for b in args.equal_batches.split(",")], args.equal_length)
+    if "prefill" in parts:
+        print(f"prefill: attention backend {lease_thread.chosen_backend()}, grid "
+              f"{resolve_grid(args.prefill_grid)}, block size {args.block_size}")
+        lengths = args.prefill_tokens or ("8192,32768" if mx.default_device() == mx.gpu else "1000")
+        if not prefill(model, vocab, [int(n) for n in lengths.split(",")],
+                       [int(n) for n in args.prefill_limits.split(",")], args.prefill_step_size, args.block_size,
+                       args.prefill_grid, args.prefill_runs):
+            sys.exit(1)
 
 
 if __name__ == "__main__":

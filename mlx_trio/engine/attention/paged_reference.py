@@ -28,6 +28,17 @@ def gather_rows(blocks: mx.array, tables: mx.array) -> mx.array:
     return rows.reshape(B, width * bs, kv_heads, D).transpose(0, 2, 1, 3)
 
 
+def gather_positions(blocks: mx.array, slots: mx.array) -> mx.array:
+    """One row's keys (or values) at `slots` of the flat block view, in order: `[1, kv_heads, len(slots), head_dim]`.
+
+    One gather from the pool seen as `[kv_heads, num_blocks * block_size, head_dim]` (a transposed view, no
+    copy), so the result is contiguous in the layout of mlx-lm's `KVCache` buffer: the strides cuDNN plans by,
+    as a padded prefill's chunk on the grid has them (engine/batch/prefill_plans.py)."""
+    N, bs, kv_heads, D = blocks.shape
+    flat = blocks.reshape(N * bs, kv_heads, D).transpose(1, 0, 2)
+    return mx.take(flat, slots, axis=1)[None]
+
+
 def reference_paged_attention(queries: mx.array, block_keys: mx.array, block_values: mx.array, tables: mx.array,
                               lengths: mx.array, scale: float, visible: mx.array | None = None) -> mx.array:
     """softmax(scale * q k^T) v of `queries` `[B, H, L, D]` (row b's positions `lengths[b]-L ..`) over its blocks.

@@ -40,6 +40,21 @@ which a dummy token would change, keep mlx-lm's chunks. The grid changes
 chunk boundaries and a tail's matmul shapes, so its logits can differ from
 mlx-lm's in the last bits, like any other chunking: it is off on the CPU,
 where the goldens are checked bit for bit.
+
+A paged row (`PagedRowCache` layers, engine/kv/blocks/) walks the same grid
+when the grid step is a multiple of the block size: its chunks then end on
+grid points, which are block boundaries, and its attention gathers its keys
+contiguous in the layout of a `KVCache` buffer on the grid, so a paged chunk
+is the very shape, strides included, a padded chunk is, and the plans built
+ahead serve both. Its dummy tokens are attended but never written into
+blocks, allocated, keyed or counted in the row (`RowForward.dummies`), so
+there is nothing to trim. Where a padded row would step back to the grid
+point below (prefill-only cuDNN), a paged row, whose cached blocks may be
+shared (a prefix found at its start, or a sibling's blocks caught up with),
+keeps them: its next chunk feeds the tokens from that grid point again as its
+first queries (`RowForward.lead`), attended over the row's own K/V and not
+written, so the chunk is a listed shape and no block is dropped, copied or
+allocated beyond what the row holds anyway.
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlx_trio.engine.kv import decode_layout
+from mlx_trio.engine.kv.blocks.layer_cache import row_forward_of
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 
 # mlx-lm's `generate_step` default.
@@ -129,14 +145,18 @@ class ChunkedPrefill:
         self._step_size = step_size
         self._kv_scheme = kv_scheme
         grid = resolve_grid(grid)
-        self._grid = grid if grid > 0 and trims_exactly(caches) else 0
+        # A paged row's forward (None: mlx-lm caches): pads without trimming, leads instead of stepping back.
+        self._paged = row_forward_of(caches)
+        self._prompt_ids = prompt_ids
+        paddable = trims_exactly(caches) or (self._paged is not None and grid % self._paged.kv.block_size == 0)
+        self._grid = grid if grid > 0 and paddable else 0
         if self._grid and decode_layout.is_active():
             # Prefill-only cuDNN: every chunk on the grid, so that each is a shape whose plan is built
             # (engine/batch/prefill_plans.py). A start off the grid (a cache hit) steps back to the grid
             # point below (at most a grid step less of the hit: a few ms, against a plan's 60-90 ms), and
             # a snapshot boundary moves to the grid point below it, where those hits then start.
             back = start % self._grid
-            if back:
+            if back and self._paged is None:  # a paged row leads its next chunk instead (`chunk`)
                 for c in caches:
                     c.trim(back)
                 start -= back
@@ -200,19 +220,35 @@ class ChunkedPrefill:
         n = min(most, limit or self._step_size)
         if n == 0:
             return None
-        pad = 0
+        pad = lead = 0
         if self._grid:
+            # A paged row off the grid under prefill-only cuDNN feeds its tokens from the grid point below
+            # again (`lead`; module docstring), so the chunk is planned from that point.
+            if self._paged is not None and decode_layout.is_active():
+                lead = self.fed % self._grid
             # A gridded chunk computes at least one grid step (or up to the next grid point) whatever
             # `limit` asks, so it holds real tokens there where the prompt has them: a smaller `limit`
             # padded to a step cost the same and left the next chunks off the grid, each a new shape
             # (H200: a chunk sizer fitted to cuDNN's plan builds asked for 32 tokens; docs/lab-notes/).
-            n, pad = grid_chunk(self.fed, max(n, min(most, self._grid)), self._grid,
-                                rest=stretch if stretch <= self._step_size else None, cap=self._step_size)
-            if self.fed % self._grid == 0:
+            rest = stretch + lead
+            n, pad = grid_chunk(self.fed - lead, max(n + lead, min(most + lead, self._grid)), self._grid,
+                                rest=rest if rest <= self._step_size else None, cap=self._step_size)
+            n -= lead
+            if self.fed % self._grid == 0 and self._paged is None:
                 align_buffers(self._caches, self._grid)
         chunk = self.take(n)
-        self.last_shape = (n + pad, self.fed + pad) if self._grid else None
-        if pad:
+        self.last_shape = (lead + n + pad, self.fed + pad) if self._grid else None
+        if self._paged is not None and (lead or pad):
+            # The row's last `lead` tokens again, then the chunk, then dummy tokens: only the chunk's K/V
+            # are written (`RowForward`); causal attention keeps the dummies out of every real result.
+            again = mx.array(list(self._prompt_ids[self.fed - n - lead : self.fed - n]), dtype=chunk.dtype)
+            self._paged.lead, self._paged.dummies = lead, pad
+            try:
+                self._model(mx.concatenate([again, chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None],
+                            cache=self._caches)
+            finally:
+                self._paged.lead = self._paged.dummies = 0
+        elif pad:
             # Dummy tokens after the real ones: causal attention keeps them out of the real tokens'
             # results; their KV is trimmed below and overwritten by the next chunk.
             self._model(mx.concatenate([chunk, mx.zeros((pad,), dtype=chunk.dtype)])[None], cache=self._caches)

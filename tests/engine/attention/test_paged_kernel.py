@@ -59,7 +59,7 @@ def _cache(lengths: list[int], L: int, heads: int = 4, kv_heads: int = 2, D: int
     """A stand-in for a `PagedLayerCache`: its pool and a step of one group (all rows, in order)."""
     q, k, v, tables, lens = paged_kernel.check_case(heads, kv_heads, D, mx.float32, lengths, seed=1)
     q = mx.random.normal((len(lengths), heads, L, D), key=mx.random.key(2))
-    group = SimpleNamespace(index=None, tables=tables, lengths=lens, visible=None)
+    group = SimpleNamespace(index=None, tables=tables, lengths=lens, visible=None, key_slots=None)
     return q, SimpleNamespace(step=SimpleNamespace(groups=(group,), restore=None), block_keys=k, block_values=v)
 
 
@@ -77,7 +77,7 @@ def test_decode_steps_go_to_the_kernel_and_prefill_chunks_to_the_reference() -> 
     assert calls == [(2, 4, 1, 16)]
     q, cache = _cache([40, 7], L=3)
     paged_attention.attend(q, cache, 0.25, kernel)
-    assert calls == [(2, 4, 1, 16)]  # a prefill chunk stays on the reference
+    assert calls == [(2, 4, 1, 16)]  # two rows of one group with several queries each: the reference
 
 
 def test_the_kernel_is_not_taken_for_shapes_it_cannot_run() -> None:

@@ -10,8 +10,10 @@ K/V to attend over: the routed attention recognises them and reads the blocks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import mlx.core as mx
 
 from mlx_trio.engine.kv.blocks.row import PagedRow
@@ -36,6 +38,9 @@ class PagedLayerCache:
         return self.step.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        L, lead = self.step.queries, self.step.lead
+        if keys.shape[2] > L:  # positions around the new ones (`RowForward.lead`, `.dummies`): never written
+            keys, values = keys[..., lead : lead + L, :], values[..., lead : lead + L, :]
         self.kv.storage.write(self.layer, self.step.slots, keys, values)
         return keys, values
 
@@ -54,21 +59,39 @@ class PagedLayerCache:
 
 
 class RowForward:
-    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers."""
+    """The step of a lone row's forward in progress, shared by its `PagedRowCache` layers.
 
-    __slots__ = ("kv", "row", "step")
+    Set by the prefill for its next forward on the shape grid (engine/batch/chunked_prefill.py): `lead`,
+    how many of the row's last positions (already in its blocks) come again as its first queries, and
+    `dummies`, how many padding positions follow the new ones. Both are attended, so the attention has a
+    grid shape, and neither is written, allocated, keyed or counted in the row's length: the lead's K/V are
+    the row's own (its blocks stay as they are, shared ones shared), the dummies' keys the row's first.
+    """
+
+    __slots__ = ("dummies", "kv", "lead", "row", "step")
 
     def __init__(self, kv: PagedKV, row: PagedRow) -> None:
         self.kv, self.row = kv, row
         self.step: PagedStep | None = None
+        self.lead = 0
+        self.dummies = 0
+
+
+def row_forward_of(caches: Sequence[Any]) -> RowForward | None:
+    """The lone row's forward `caches` share when they are one paged row's (`PagedKV.row_caches`), else None."""
+    if caches and all(type(c) is PagedRowCache for c in caches):
+        forward = caches[0]._forward
+        if all(c._forward is forward for c in caches):
+            return forward
+    return None
 
 
 class PagedRowCache(PagedLayerCache):
     """Layer `layer` of one row, for code that calls the model with per-layer caches (prefill chunks, token 0).
 
     The first layer's `update_and_fetch` allocates the forward's blocks and builds its step; the last one's
-    advances the row (its attention still reads the step). Its offset is the row's length, an int, as
-    mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
+    advances the row (its attention still reads the step). Its offset is the row's length (less a lead), an
+    int, as mlx-lm's `KVCache`'s. A forward that fails between the two leaves the row's length where it was.
     """
 
     def __init__(self, kv: PagedKV, layer: int, forward: RowForward) -> None:
@@ -81,7 +104,7 @@ class PagedRowCache(PagedLayerCache):
 
     @property
     def offset(self) -> int:
-        return self._forward.row.length
+        return self._forward.row.length - self._forward.lead
 
     @property
     def row(self) -> PagedRow:
@@ -90,7 +113,8 @@ class PagedRowCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         forward = self._forward
         if self.layer == 0:
-            forward.step = self.kv.step([forward.row], keys.shape[2])
+            step = self.kv.step([forward.row], keys.shape[2] - forward.lead - forward.dummies, forward.dummies)
+            forward.step = attrs.evolve(step, lead=forward.lead) if forward.lead else step
         out = super().update_and_fetch(keys, values)
         if self.layer == len(self.kv.storage.layers) - 1:
             self.kv.commit(self.step)

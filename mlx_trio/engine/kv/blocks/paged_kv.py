@@ -214,8 +214,10 @@ class PagedKV:
 
     # -- a forward ----------------------------------------------------------------------------------
 
-    def step(self, rows: Sequence[PagedRow], queries: int) -> PagedStep:
-        """Blocks for `queries` new positions after each row's KV, and the step's arrays (see the module docstring)."""
+    def step(self, rows: Sequence[PagedRow], queries: int, dummies: int = 0) -> PagedStep:
+        """Blocks for `queries` new positions after each row's KV, and the step's arrays (see the module docstring).
+
+        `dummies`: padding queries after a lone row's real ones, attended but never written (`build_groups`)."""
         if not rows or queries < 1:
             raise ValueError(f"a forward needs rows and new positions, got {len(rows)} rows and {queries}")
         bs = self.block_size
@@ -233,7 +235,7 @@ class PagedKV:
             slots = [row.blocks[p // bs] * bs + p % bs for row in rows for p in range(row.length, row.length + L)]
         offset: int | mx.array = (rows[0].length if len(rows) == 1
                                   else mx.array([row.length for row in rows], dtype=mx.int32))
-        groups, restore = build_groups(rows, L, bs)
+        groups, restore = build_groups(rows, L, bs, dummies)
         return PagedStep(tuple(rows), L, groups, restore, mx.array(slots, dtype=mx.int32), offset)
 
     def caches(self, step: PagedStep) -> list[PagedLayerCache]:

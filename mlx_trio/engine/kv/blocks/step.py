@@ -27,10 +27,16 @@ class StepGroup:
 
     index: mx.array | None  # the rows' places in the step's batch (None: all rows, in order)
     tables: mx.array  # [G, widest] int32; past a row's own blocks, its first block (never read: masked by length)
-    lengths: mx.array  # [G] int32: each row's KV length once this step's tokens are written
+    lengths: mx.array  # [G] int32: each row's KV length once this step's tokens are written (with any dummies)
     # A decode step's mask [G, 1, 1, widest * block_size], built once for every layer (`visible_mask`); None for
     # a prefill chunk (its [L, keys] mask is built piece by piece, within the attention's transient bound).
     visible: mx.array | None = None
+    # Each row's key length once this step's tokens are written, on the host: read at attention time, when a lone
+    # row's `PagedRowCache` may have advanced `row.length` already (its last layer commits before it attends).
+    key_lengths: tuple[int, ...] = ()
+    # A lone row's chunk (one row, L > 1): the flat-view slot of each of its `key_lengths[0]` keys, in order, so
+    # the causal path gathers exactly its keys (engine/attention/paged_attention.py); None otherwise.
+    key_slots: mx.array | None = None
 
 
 @attrs.frozen(eq=False)
@@ -43,6 +49,8 @@ class PagedStep:
     restore: mx.array | None  # the batch order of the groups' rows concatenated (None: already in order)
     slots: mx.array  # [B * L] int32: where each new token's K/V goes in the flat block view
     offset: int | mx.array  # RoPE offset: an int for one row (as mlx-lm's KVCache), else per row [B]
+    # A lone row's positions before its length fed again as queries (`RowForward.lead`): attended, not written.
+    lead: int = 0
 
 
 def width_groups(widths: Sequence[int], ratio: int = GROUP_WIDTH_RATIO) -> list[list[int]]:
@@ -65,22 +73,36 @@ def visible_mask(lengths: mx.array, queries: int, keys: int) -> mx.array:
     return (mx.arange(keys)[None, None, :] <= position)[:, None]
 
 
-def build_groups(rows: Sequence[PagedRow], L: int, block_size: int) -> tuple[tuple[StepGroup, ...], mx.array | None]:
+def build_groups(rows: Sequence[PagedRow], L: int, block_size: int,
+                 dummies: int = 0) -> tuple[tuple[StepGroup, ...], mx.array | None]:
     """The step's width groups (`width_groups`) with their tables and lengths, and the order that restores the
-    batch's (None: the groups are the batch in order)."""
+    batch's (None: the groups are the batch in order).
+
+    `dummies`: a lone row's padding queries after its `L` real ones (the prefill shape grid,
+    engine/batch/chunked_prefill.py): never written, allocated or committed. Their keys are the row's first
+    key again: causal attention keeps them out of every real query's result, but a masked key still meets
+    a zero weight in the product with the values, and a slot never written could hold anything (0 x NaN)."""
     out = []
+    attended = L + dummies
     grouped = width_groups([len(row.blocks) for row in rows])
     for members in grouped:
-        width = max(len(rows[i].blocks) for i in members)
+        key_lengths = tuple(rows[i].length + attended for i in members)
+        width = max(max(len(rows[i].blocks) for i in members), -(-max(key_lengths) // block_size))
         tables = np.empty((len(members), width), np.int32)
         for k, i in enumerate(members):
             own = rows[i].table()
             tables[k, : len(own)] = own
             tables[k, len(own) :] = own[0]  # past its own blocks: any block of its own (masked by length)
         index = None if len(grouped) == 1 and members == sorted(members) else mx.array(members, dtype=mx.int32)
-        lengths = mx.array([rows[i].length + L for i in members], dtype=mx.int32)
-        visible = visible_mask(lengths, 1, width * block_size) if L == 1 else None
-        out.append(StepGroup(index, mx.array(tables), lengths, visible))
+        lengths = mx.array(key_lengths, dtype=mx.int32)
+        visible = visible_mask(lengths, 1, width * block_size) if attended == 1 else None
+        key_slots = None
+        if len(members) == 1 and attended > 1:
+            positions = np.arange(key_lengths[0])
+            positions[key_lengths[0] - dummies :] = 0  # a dummy's key: the row's first, written (finite) KV
+            key_slots = mx.array((tables[0, positions // block_size] * block_size + positions % block_size)
+                                 .astype(np.int32))
+        out.append(StepGroup(index, mx.array(tables), lengths, visible, key_lengths, key_slots))
     order = [i for members in grouped for i in members]
     restore = None
     if order != list(range(len(rows))):
