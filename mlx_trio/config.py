@@ -187,7 +187,8 @@ class EngineConfig:
     cudnn_warm_tokens: int = DEFAULT_CUDNN_WARM_TOKENS
     # Where full-attention KV lives (--kv-layout; docs/design.md §6.5): "paged" in blocks of one pool the size of
     # the KV budget, made at load, whose cached prefix blocks replace the prompt cache; "padded" in each batch's
-    # buffers padded to its longest row (§6.1); "auto" paged where `choose_kv_layout` allows it, decided at load.
+    # buffers padded to its longest row (docs/design.md §6.1); "auto" paged where `choose_kv_layout` allows it,
+    # decided at load.
     kv_layout: str = attrs.field(default=AUTO, validator=attrs.validators.in_(KV_LAYOUTS))
 
     def __attrs_post_init__(self) -> None:
