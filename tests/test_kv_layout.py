@@ -3,7 +3,10 @@ an engine on the CPU decides at load and reports in `/v1/status`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import trio
 
 from mlx_trio import open_engine
 from mlx_trio.config import EngineConfig, choose_kv_layout
@@ -11,6 +14,14 @@ from mlx_trio.errors import ModelLoadError
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
 
 NO_KERNEL = "no paged decode kernel on this backend (cpu)"
+
+
+async def _admitting(engine: Any) -> dict[str, Any]:
+    """`engine.status()` once admission has its limits, so the prompt cache is made (or not) by then."""
+    with trio.fail_after(10):
+        while engine.status()["counters"]["kv_budget_bytes"] is None:
+            await trio.sleep(0.01)
+    return engine.status()
 
 
 # -- the rule: one pure function -------------------------------------------------------------
@@ -78,9 +89,10 @@ def test_the_flag_parses_defaults_to_auto_and_replaces_paged_kv() -> None:
 
 async def test_auto_on_the_cpu_is_padded_and_status_says_why() -> None:
     async with open_engine(str(tiny_model(LLAMA)), batch=2) as engine:
-        await engine.wait_ready()
-        counters = engine.status()["counters"]
+        status = await _admitting(engine)
+        counters = status["counters"]
         assert engine.actors.lane.model.paged_kv is None and counters["kv_blocks"] is None
+        assert status["prompt_cache"]["enabled"] is True
     assert counters["kv_layout"] == "padded"
     assert counters["kv_layout_reason"] == f"auto: {NO_KERNEL}; --kv-layout paged forces blocks"
 
@@ -112,3 +124,17 @@ async def test_auto_on_a_model_paged_refuses_is_padded_naming_the_model() -> Non
         await engine.wait_ready()
         reason = engine.status()["counters"]["kv_layout_reason"]
     assert reason.startswith("auto: model ") and "sliding-window" in reason
+
+
+async def test_auto_where_a_paged_decode_kernel_passed_runs_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring of auto's last input: a backend whose paged kernel passed its self-check (as CUDA's does) gets
+    the block pool, and the prompt cache gives way to its cached blocks."""
+    from mlx_trio.actors import engine_tree
+
+    monkeypatch.setattr(engine_tree, "paged_kernel_off", lambda model: None)
+    async with open_engine(str(tiny_model(LLAMA)), batch=2, kv_budget_bytes=16 << 20) as engine:
+        status = await _admitting(engine)
+        counters = status["counters"]
+        assert engine.actors.lane.model.paged_kv is not None and counters["kv_blocks"]["total"] > 0
+        assert status["prompt_cache"]["enabled"] is False
+    assert counters["kv_layout"] == "paged" and counters["kv_layout_reason"].startswith("auto: ")

@@ -391,7 +391,8 @@ class EngineActors:
     async def _choose_kv_layout(self, lease: GpuLease, model: LoadedModel) -> KvLayoutChoice:
         """--kv-layout's layout for `model` (`choose_kv_layout`), logged once and kept for `/v1/status`; raises
         ModelLoadError naming the conflict when `paged` cannot serve (the config refused its flags already)."""
-        refusals, kernel_off = await lease.run(lambda: (paged_refusals(model), paged_kernel_off(model)))
+        # Module functions, not a lambda: under scale-out every lease job is pickled to the followers.
+        refusals, kernel_off = await lease.run(paged_refusals, model), await lease.run(paged_kernel_off, model)
         try:
             choice = choose_kv_layout(self.config.kv_layout, [*self.config.paged_conflicts, *refusals], kernel_off)
         except ValueError as exc:
