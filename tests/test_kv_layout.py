@@ -19,7 +19,7 @@ NO_KERNEL = "no paged decode kernel on this backend (cpu)"
 async def _admitting(engine: Any) -> dict[str, Any]:
     """`engine.status()` once admission has its limits, so the prompt cache is made (or not) by then."""
     with trio.fail_after(10):
-        while engine.status()["counters"]["kv_budget_bytes"] is None:
+        while not engine.status()["counters"]["kv_budget_bytes"]:  # 0 until the limits arrive
             await trio.sleep(0.01)
     return engine.status()
 
@@ -138,3 +138,17 @@ async def test_auto_where_a_paged_decode_kernel_passed_runs_blocks(monkeypatch: 
         assert engine.actors.lane.model.paged_kv is not None and counters["kv_blocks"]["total"] > 0
         assert status["prompt_cache"]["enabled"] is False
     assert counters["kv_layout"] == "paged" and counters["kv_layout_reason"].startswith("auto: ")
+
+
+def test_the_load_path_names_the_model_and_why_the_kernel_is_off() -> None:
+    import attrs
+
+    from mlx_trio.engine.model.load import load_model, paged_kernel_off, paged_refusals
+
+    llama, swa = load_model(str(tiny_model(LLAMA))), load_model(str(tiny_model(LLAMA_SWA)))
+    assert paged_refusals(llama) == () and paged_kernel_off(llama) == NO_KERNEL
+    (refusal,) = paged_refusals(swa)
+    assert refusal.startswith(f"model {swa.model_id} cannot hold paged KV: layer 0 is a sliding-window layer")
+    # A GPU whose kernel install left off (its self-check failed, a float32 model) says so instead.
+    off = attrs.evolve(llama, paged_kernel_failed="a float32 model")
+    assert paged_kernel_off(off) == "the paged decode kernel is off: a float32 model"

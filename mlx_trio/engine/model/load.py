@@ -64,7 +64,8 @@ class LoadedModel:
     # --kv-layout paged (or auto's choice of it): the model's block pool (engine/kv/blocks/paged_kv.py `PagedKV`),
     # made by `with_paged_kv`; else None (the padded layout).
     paged_kv: Any = None
-    # Why the paged decode kernel's load-time self-check turned it off (routed_attention.install), if it did.
+    # Why `routed_attention.install` left the paged decode kernel off on a GPU (its self-check failed, a float32
+    # model), if it did.
     paged_kernel_failed: str | None = None
 
     def check_constraint(self, constraint: Constraint) -> None:
@@ -226,10 +227,10 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
 def paged_refusals(model: LoadedModel) -> tuple[str, ...]:
     """Why `model` cannot hold paged KV here, one sentence each (empty: it can): a sliding-window layer, an
     attention the routed attention does not wrap (`paged_layout.refusal`), a distributed group. Lease thread."""
-    reason = paged_layout.refusal(model.model)
-    return tuple(f"model {model.model_id} cannot hold paged KV: {why}" for why in (
-        reason, "a distributed group's ranks would each need their own pool and tables (not built yet)"
-        if current_world().distributed else None) if why is not None)
+    reasons = [paged_layout.refusal(model.model)]
+    if current_world().distributed:
+        reasons.append("a distributed group's ranks would each need their own pool and tables (not built yet)")
+    return tuple(f"model {model.model_id} cannot hold paged KV: {why}" for why in reasons if why is not None)
 
 
 def paged_kernel_off(model: LoadedModel) -> str | None:
@@ -239,7 +240,7 @@ def paged_kernel_off(model: LoadedModel) -> str | None:
     if route is not None and route.paged_decode is not None:
         return None
     if model.paged_kernel_failed is not None:
-        return f"the paged decode kernel failed its self-check: {model.paged_kernel_failed}"
+        return f"the paged decode kernel is off: {model.paged_kernel_failed}"
     gpu = mx.default_device().type == mx.DeviceType.gpu
     backend = "metal" if routed_attention.on_metal() else "cuda" if gpu else "cpu"
     return f"no paged decode kernel on this backend ({backend})"
