@@ -150,5 +150,5 @@ def test_the_load_path_names_the_model_and_why_the_kernel_is_off() -> None:
     (refusal,) = paged_refusals(swa)
     assert refusal.startswith(f"model {swa.model_id} cannot hold paged KV: layer 0 is a sliding-window layer")
     # A GPU whose kernel install left off (its self-check failed, a float32 model) says so instead.
-    off = attrs.evolve(llama, paged_kernel_failed="a float32 model")
+    off = attrs.evolve(llama, paged_kernel_off_reason="a float32 model")
     assert paged_kernel_off(off) == "the paged decode kernel is off: a float32 model"

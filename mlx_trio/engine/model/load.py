@@ -66,7 +66,7 @@ class LoadedModel:
     paged_kv: Any = None
     # Why `routed_attention.install` left the paged decode kernel off on a GPU (its self-check failed, a float32
     # model), if it did.
-    paged_kernel_failed: str | None = None
+    paged_kernel_off_reason: str | None = None
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -220,7 +220,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
         kv_scheme=kv_scheme,
         compile_decode=compile_decode,
-        paged_kernel_failed=installed.paged_off,
+        paged_kernel_off_reason=installed.paged_off,
     )
 
 
@@ -239,8 +239,8 @@ def paged_kernel_off(model: LoadedModel) -> str | None:
     route = routed_attention.route_of(model.model)
     if route is not None and route.paged_decode is not None:
         return None
-    if model.paged_kernel_failed is not None:
-        return f"the paged decode kernel is off: {model.paged_kernel_failed}"
+    if model.paged_kernel_off_reason is not None:
+        return f"the paged decode kernel is off: {model.paged_kernel_off_reason}"
     gpu = mx.default_device().type == mx.DeviceType.gpu
     backend = "metal" if routed_attention.on_metal() else "cuda" if gpu else "cpu"
     return f"no paged decode kernel on this backend ({backend})"
