@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -43,6 +43,58 @@ def parse_batch(value: str | int | None) -> int | None:
     if rows < 1:
         raise ValueError(f"--batch must be 'auto' or an integer >= 1, got {value!r}")
     return rows
+
+
+# --kv-layout's values (vLLM's and mlx-lm's word for where KV lives).
+AUTO, PAGED, PADDED = "auto", "paged", "padded"
+KV_LAYOUTS = (AUTO, PAGED, PADDED)
+
+
+@attrs.frozen
+class KvLayoutChoice:
+    """The KV layout in force, decided once at load, and why (the start-up log and `/v1/status` say both)."""
+
+    paged: bool
+    reason: str
+
+    @property
+    def layout(self) -> str:
+        return PAGED if self.paged else PADDED
+
+    def __str__(self) -> str:
+        return f"{self.layout} ({self.reason})"
+
+
+def refused_message(refusals: Iterable[str]) -> str:
+    """`--kv-layout paged`'s start-up error: each conflict (naming its flag or the model), and what to change."""
+    return (f"--kv-layout paged cannot serve here: {'; '.join(refusals)}. Change that, or use --kv-layout auto "
+            f"(paged where it can serve) or padded")
+
+
+def choose_kv_layout(requested: str, refusals: Sequence[str], kernel_off: str | None) -> KvLayoutChoice:
+    """The layout `--kv-layout requested` runs with; pure (docs/design.md §6.5).
+
+    `refusals`: why paged KV cannot serve this config and model, one sentence each naming the flag or the model
+    (empty: it can). `kernel_off`: None when the backend has a paged decode kernel that passed its load-time
+    self-check, else why not. `auto` is paged only with no refusal and a kernel: without the kernel a decode step
+    gathers blocks with MLX ops, which costs what the padded step does not. Raises ValueError (`refused_message`)
+    for `paged` with a refusal; `paged` without a kernel runs on the MLX-ops reference, as asked.
+    """
+    if requested == PADDED:
+        return KvLayoutChoice(False, "--kv-layout padded")
+    if requested == PAGED:
+        if refusals:
+            raise ValueError(refused_message(refusals))
+        return KvLayoutChoice(True, "--kv-layout paged" + (f"; decode on the MLX-ops reference: {kernel_off}"
+                                                             if kernel_off is not None else ""))
+    if requested != AUTO:
+        raise ValueError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {requested!r}")
+    if refusals:
+        return KvLayoutChoice(False, f"auto: {'; '.join(refusals)}")
+    if kernel_off is not None:
+        return KvLayoutChoice(False, f"auto: {kernel_off}; --kv-layout paged forces blocks")
+    return KvLayoutChoice(True, "auto: the model and flags allow blocks and the backend's paged decode kernel "
+                                "passed its self-check")
 
 
 @attrs.frozen
@@ -133,16 +185,15 @@ class EngineConfig:
     # prefill grid's chunk shapes whose keys end within this many tokens are built in idle time, never before
     # the first request (actors/plan_warmup.py); 0: none (--cudnn-warm-tokens).
     cudnn_warm_tokens: int = DEFAULT_CUDNN_WARM_TOKENS
-    # Paged KV (--paged-kv; docs/design.md §6.5): full-attention KV in blocks of one pool the size of the KV
-    # budget, made at load; rows share the cached blocks of a common prefix, which replace the prompt cache.
-    paged_kv: bool = False
+    # Where full-attention KV lives (--kv-layout; docs/design.md §6.5): "paged" in blocks of one pool the size of
+    # the KV budget, made at load, whose cached prefix blocks replace the prompt cache; "padded" in each batch's
+    # buffers padded to its longest row (docs/design.md §6.1); "auto" paged where `choose_kv_layout` allows it,
+    # decided at load.
+    kv_layout: str = attrs.field(default=AUTO, validator=attrs.validators.in_(KV_LAYOUTS))
 
     def __attrs_post_init__(self) -> None:
-        if self.paged_kv:
-            for flag, on in (("--kv-bits", self.kv_bits is not None),
-                             ("--draft-model", self.draft_model is not None)):  # its own KV is outside the pool
-                if on:
-                    raise ValueError(f"--paged-kv cannot be combined with {flag} yet (not on the paged layout)")
+        if self.kv_layout == PAGED and self.paged_conflicts:
+            raise ValueError(refused_message(self.paged_conflicts))
 
     @property
     def serves_adapters(self) -> bool:
@@ -156,5 +207,17 @@ class EngineConfig:
         At `--batch 1` every prompt prefills from scratch, so a request's bits
         depend on no other request, not even an earlier one's cached KV.
         """
-        return (self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0 or self.batch == 1
-                or self.paged_kv)  # paged: the pool's cached prefix blocks are the prompt cache
+        return self.prompt_cache_bytes == 0 or self.prompt_cache_size <= 0 or self.batch == 1
+
+    @property
+    def paged_conflicts(self) -> tuple[str, ...]:
+        """The flags that keep KV off the paged layout, each with why: an error at start under `--kv-layout
+        paged`, the padded layout under `auto`. The model's own reasons come at load (`paged_refusals`)."""
+        return tuple(reason for on, reason in (
+            (self.kv_bits is not None, "--kv-bits: quantized KV is not on the paged layout yet"),
+            (self.draft_model is not None, "--draft-model: the draft's KV would live outside the block pool"),
+            (self.prompt_cache_dir is not None,
+             "--prompt-cache-dir: the SSD tier stores padded entries, not blocks (not built yet)"),
+            # Cached prefix blocks are a prompt cache, which --batch 1 promises not to have.
+            (self.batch == 1, "--batch 1: it promises no prompt cache, and cached prefix blocks are one"),
+        ) if on)

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from mlx_trio.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, size
-from mlx_trio.config import EngineConfig, parse_batch
+from mlx_trio.config import KV_LAYOUTS, EngineConfig, parse_batch
 from mlx_trio.engine.model.chat import check_template_args
 from mlx_trio.errors import InvalidParameter
 from mlx_trio.http.server.config import ServerConfig
@@ -166,12 +166,14 @@ TABLE: tuple[Setting, ...] = (
     Setting("--quantized-kv-start", ("engine.quantized_kv_start",), BATCH, type=non_negative_int,
             help="with --kv-bits, tokens a request holds before its KV is quantized; 0: after the first prefill "
                  "chunk, as mlx-lm"),
-    Setting("--paged-kv", ("engine.paged_kv",), BATCH, switch=True,
-            help="hold full-attention KV in fixed-size blocks of one pool the size of --kv-budget, allocated at "
-                 "start: a row holds the blocks of its own tokens (no padding to the longest row), and rows share "
-                 "the cached blocks of a common prompt prefix, which replace the prompt cache (llama-family models "
-                 "without sliding windows; not with --kv-bits or --draft-model); off by default until measured on "
-                 "a GPU"),
+    Setting("--kv-layout", ("engine.kv_layout",), BATCH, choices=KV_LAYOUTS,
+            help="where full-attention KV lives: 'paged' in fixed-size blocks of one pool the size of --kv-budget, "
+                 "allocated at start (a row holds its own tokens' blocks, no padding to the longest row; requests "
+                 "with a common prompt prefix share its cached blocks, which replace the prompt cache; llama-family "
+                 "models without sliding windows; an error at start with --kv-bits, --draft-model, "
+                 "--prompt-cache-dir or --batch 1); 'padded' each batch padded to its longest row; 'auto' paged "
+                 "where the model, these flags and the backend's paged decode kernel allow it, else padded (the log "
+                 "and /v1/status say which and why)"),
     Setting("--no-compile", ("engine.compile_decode",), BATCH, switch=True, default=False,
             to_config=lambda off: False if off else None,
             shown_default="a lone row's steps compiled on the CPU where the model's caches allow, never on a GPU "

@@ -43,7 +43,7 @@ class Limits:
     transient_bytes: Callable[[Generate], int]
     budget_bytes: int
     max_rows: int  # 1 for a model whose caches cannot batch
-    # --paged-kv: pin the cached blocks a request's prompt starts with, in one lease job that keeps the pin only
+    # --kv-layout paged: pin the cached blocks a request's prompt starts with, in one lease job that keeps the pin only
     # if the request fits with it (`fits(blocks)`, evaluated there: no step runs between the two), else None; and
     # the bytes of one block. A pinned block is counted once however many requests credit it, not in each.
     pin_prefix: Callable[[Generate, Callable[[frozenset[int]], bool]], Awaitable[Any]] | None = None
@@ -90,7 +90,7 @@ class AdmissionActor:
         # KV bytes of each row in flight, and its prefill transient (only the largest counts).
         self._reserved: dict[str, int] = {}
         self._transients: dict[str, int] = {}
-        # --paged-kv: the pinned cached blocks each row in flight was credited (its `_reserved` excludes them).
+        # --kv-layout paged: the pinned cached blocks each row in flight was credited (its `_reserved` excludes them).
         self._shared: dict[str, frozenset[int]] = {}
         self._wake = trio.Event()
         self._closed = False
@@ -194,7 +194,7 @@ class AdmissionActor:
         self._admitted += 1
 
     async def _pin_head(self) -> None:
-        """--paged-kv: pin the head's cached prefix (on each try: blocks cached since count too), so its credit
+        """--kv-layout paged: pin the head's cached prefix (on each try: blocks cached since count too), so its credit
         holds until its row takes the blocks over at join or `Lane.end_request` drops the pin.
 
         The pin is kept only if the head fits with it, judged in the pin's own lease job against the reservations

@@ -42,7 +42,7 @@ from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
-from mlx_trio.config import EngineConfig
+from mlx_trio.config import EngineConfig, KvLayoutChoice, choose_kv_layout
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
@@ -51,7 +51,7 @@ from mlx_trio.engine.kv.layout import default_kv_budget
 from mlx_trio.engine.lease_thread import chosen_backend, prepare_thread, release_thread_streams
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.engine.model.draft_model import with_draft_model
-from mlx_trio.engine.model.load import LoadedModel, load_model, with_paged_kv
+from mlx_trio.engine.model.load import LoadedModel, load_model, paged_kernel_off, paged_refusals, with_paged_kv
 from mlx_trio.engine.prompt_cache.divergence import Divergence
 from mlx_trio.engine.prompt_cache.ram_tier import PromptCacheStatistics
 from mlx_trio.errors import AdapterError, EngineFailure, MlxTrioError, ModelLoadError
@@ -213,6 +213,7 @@ class EngineActors:
         admission = lane.admission.statistics() if lane.admission is not None else None
         paged = lane.model.paged_kv if lane.model is not None else None
         blocks = paged.counters() if paged is not None else None
+        layout = lane.kv_layout
         return {
             # The row cap: `--batch N`, or auto's choice once the model is known (None before), and which it was.
             "configured": self.config.batch if self.config.batch is not None else lane.auto_rows,
@@ -222,6 +223,9 @@ class EngineActors:
             "submitted_rows": retired.submitted + (admission.submitted if admission else 0),
             "kv_bytes": lane.rows_kv_bytes(),
             "kv_blocks": blocks,
+            # --kv-layout's layout in force ("paged" or "padded") and why; None until the model is loaded.
+            "kv_layout": layout.layout if layout is not None else None,
+            "kv_layout_reason": layout.reason if layout is not None else None,
             "kv_budget_bytes": admission.budget_bytes if admission else None,
             "lease_queue_depth": lease.queue_depth if lease else 0,
             "lease_busy_fraction": lease.busy_fraction if lease else 0.0,
@@ -359,7 +363,8 @@ class EngineActors:
                                             # Adapters wrap q_proj, v_proj, ... by name: keep them apart.
                                             fuse_projections=not self.config.serves_adapters))
             log.info("model %s loaded from %s", model.model_id, model.path)
-            if self.config.paged_kv:  # the pool takes the whole KV budget now (docs/design.md §6.5)
+            choice = await self._choose_kv_layout(lease, model)
+            if choice.paged:  # the pool takes the whole KV budget now (docs/design.md §6.5)
                 model = await lease.run(partial(with_paged_kv, model, self._kv_budget(model)))
             if self.config.draft_model is not None:
                 self._phase(f"reading the draft model {self.config.draft_model}")
@@ -382,6 +387,19 @@ class EngineActors:
         # readiness, not before it (issue #46): /health does not wait, and a request arriving meanwhile
         # waits for that one job, about what its own first steps would have paid to compile them.
         await self._warm_up(lease, model)
+
+    async def _choose_kv_layout(self, lease: GpuLease, model: LoadedModel) -> KvLayoutChoice:
+        """--kv-layout's layout for `model` (`choose_kv_layout`), logged once and kept for `/v1/status`; raises
+        ModelLoadError naming the conflict when `paged` cannot serve (the config refused its flags already)."""
+        # Module functions, not a lambda: under scale-out every lease job is pickled to the followers.
+        refusals, kernel_off = await lease.run(paged_refusals, model), await lease.run(paged_kernel_off, model)
+        try:
+            choice = choose_kv_layout(self.config.kv_layout, [*self.config.paged_conflicts, *refusals], kernel_off)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        log.info("KV layout: %s", choice)
+        self.lane.kv_layout = choice
+        return choice
 
     async def _load_adapters(self, lease: GpuLease, model: LoadedModel) -> ResidentAdapters:
         """The served adapters (`--lora-modules`); one that cannot be served is logged and left out."""
@@ -435,7 +453,7 @@ class EngineActors:
         if lane.memory is None and lane.lease is not None:
             lane.memory = MemoryBudget(budget)
         if lane.caching is None and layout.batchable:
-            lane.caching = self._make_caching(budget)
+            lane.caching = self._make_caching(budget, paged=model.paged_kv is not None)
         paged = model.paged_kv
         if paged is not None:  # admission counts blocks: what is admitted always has its blocks in the pool
             # A verify forward may write its proposals past a row's last token before they are rolled back.
@@ -479,10 +497,13 @@ class EngineActors:
                          self._budget / 2**30)
         return self._budget
 
-    def _make_caching(self, budget: int) -> PromptCaching | None:
+    def _make_caching(self, budget: int, *, paged: bool) -> PromptCaching | None:
         max_bytes = self.config.prompt_cache_bytes
         if max_bytes is None:
             max_bytes = int(budget * DEFAULT_PROMPT_CACHE_FRACTION)
+        if paged:
+            log.info("prompt cache off: the paged layout's cached prefix blocks are the prompt cache")
+            return None
         if self.config.prompt_cache_off or max_bytes <= 0:
             log.info("prompt cache off")
             return None

@@ -31,7 +31,7 @@ from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.actors.row_cap import row_bound
 from mlx_trio.actors.prompt_caching import AdapterCaching
 from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
-from mlx_trio.config import EngineConfig
+from mlx_trio.config import EngineConfig, KvLayoutChoice
 from mlx_trio.errors import LeaseClosed, MlxTrioError
 from mlx_trio.supervision.faults import Faults
 
@@ -77,11 +77,15 @@ class Lane:
     arrivals: Arrivals = attrs.field(factory=Arrivals, init=False)
     # The KV budget in force (actors/memory_budget.py): set once the budget is known; outlives restarts.
     memory: MemoryBudget | None = None
-    # --paged-kv: each admitted (or queued head) request's pinned cached prefix (`PagedKV.pin_prefix`), which
+    # Paged KV: each admitted (or queued head) request's pinned cached prefix (`PagedKV.pin_prefix`), which
     # admission credits; its row takes it over at join, `end_request` drops it. Pins whose unpin found no lease
     # serving wait in `stale_pins` for the next admission to drop them (`drop_stale_pins`).
     pins: dict[str, Any] = attrs.field(factory=dict, init=False)
     stale_pins: list[Any] = attrs.field(factory=list, init=False)
+
+    # --kv-layout's layout in force and why, decided at load before the model settles (`/v1/status` reports it);
+    # the actors read the layout itself off `model.paged_kv` (the block pool, or None: padded).
+    kv_layout: KvLayoutChoice | None = None
 
     # `--batch auto`: the cap chosen from the KV budget and the model (actors/row_cap.py), set before the model
     # settles, so every actor that waits for the model sees it; None under `--batch N`.
@@ -152,7 +156,7 @@ class Lane:
         return self.decode_step.num_rows if self.decode_step is not None else 0
 
     def rows_kv_bytes(self) -> int:
-        """KV bytes the rows hold now (`/stats` `batch.kv_bytes`): under --paged-kv the blocks they reference (a
+        """KV bytes the rows hold now (`/stats` `batch.kv_bytes`): under paged KV the blocks they reference (a
         shared block once), else the decode batch's caches and those of the prompts prefilling."""
         paged = self._paged_kv()
         if paged is not None:
@@ -167,7 +171,7 @@ class Lane:
         return self.rows_kv_bytes() + (self.caching.nbytes if self.caching is not None else 0)
 
     def _paged_kv(self) -> Any:
-        """The model's block pool under --paged-kv (engine/kv/blocks/), else None."""
+        """The model's block pool under paged KV (engine/kv/blocks/), else None."""
         return self.model.paged_kv if self.model is not None else None
 
     def not_idle(self) -> list[str]:
@@ -195,7 +199,7 @@ class Lane:
             ("prefill KV bytes", prefill.active_kv_bytes if prefill else 0),
             ("adapter slots held", ", ".join(f"{name} x{holds}" for name, holds in resident.items() if holds)),
             ("prompt-cache puts pending", self.caching.cache.pending if self.caching is not None else 0),
-            # --paged-kv: blocks rows reference (cached blocks no row holds are the prompt cache, not a leak).
+            # Paged KV: blocks rows reference (cached blocks no row holds are the prompt cache, not a leak).
             ("prefix pins held", len(self.pins) + len(self.stale_pins)),
             ("paged KV blocks in use", paged.counters()["used"] if (paged := self._paged_kv()) is not None else 0),
             ("arrivals never reached", self.arrivals.expected()),

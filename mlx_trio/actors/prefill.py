@@ -469,7 +469,7 @@ class PrefillActor:
         uncached prompt (`_shared_cohort_fits`). While more rows wait than decode, each
         of those budgets is that many times larger (`_wave_scale`). Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
-        With --paged-kv there are no cohorts: each row prefills into the block pool from its cached prefix.
+        With --kv-layout paged there are no cohorts: each row prefills into the block pool from its cached prefix.
         """
         if self._model.paged_kv is not None:
             return [], None
@@ -662,7 +662,7 @@ class PrefillActor:
                    snapshot_at: int | None = None, *, paged: bool = True) -> Callable[[], SoloRow]:
         """Makes the request's `SoloRow` (on the lease thread: it builds caches and takes the adapter's slot).
 
-        With --paged-kv (and `paged`) the row prefills into the model's block pool, from the cached blocks of
+        With --kv-layout paged (and `paged`) the row prefills into the model's block pool, from the cached blocks of
         its prompt's prefix (docs/design.md §6.5)."""
         pool = self._model.paged_kv if paged and hit is None and snapshot_at is None else None
         # The prefix admission pinned and credited (`Lane.pins`): the row takes its references over.
@@ -780,7 +780,7 @@ class PrefillActor:
                 limits = self._budget(row) if busy else (None,)
                 chunks = await self._lease.run(prefill_chunks_then_token0, row, limits)
                 for before, cached, fed, now_cached, shape, seconds in chunks:
-                    # --paged-kv: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
+                    # --kv-layout paged: blocks a sibling cached meanwhile, taken before the chunk, were not computed.
                     skipped = now_cached - cached
                     self.sizer.record((shape[0] if shape is not None else fed - before) - skipped, before + skipped,
                                       seconds, shape)

@@ -1,5 +1,5 @@
-"""--paged-kv admission credits a cached prefix (docs/design.md §6.5): a request reserves the blocks its row will
-allocate, not the shared prefix blocks it only references, which are pinned from admission until its row joins.
+"""--kv-layout paged: admission credits a cached prefix (docs/design.md §6.5): a request reserves the blocks its row
+will allocate, not the shared prefix blocks it only references, which are pinned from admission until its row joins.
 
 Siblings with a long shared prefix run together where the conservative count (every reader reserving the whole
 prompt) queued them; their tokens are those each gets alone, and every pool (pins included) is idle after.
@@ -49,7 +49,7 @@ async def _peak_in_flight(engine, prompts: list[list[int]]) -> tuple[int, list[t
 
 async def test_siblings_sharing_a_cached_prefix_are_admitted_together_where_the_conservative_count_queued_them(
 ) -> None:
-    async with open_engine(str(tiny_model(LLAMA)), batch=8, paged_kv=True, kv_budget_bytes=BUDGET) as engine:
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
         blocks = engine.status()["counters"]["kv_blocks"]
         block_bytes, total = blocks["block_bytes"], blocks["total"]
         # A budget where 8 conservative rows (8 x 17 blocks) cannot run together but credited ones (10 + 8 x 7) can.
@@ -72,7 +72,7 @@ async def test_siblings_sharing_a_cached_prefix_are_admitted_together_where_the_
 async def test_a_lease_crash_drops_the_pins_of_the_requests_it_ended_and_the_streams_resume_exact() -> None:
     """The pool outlives a crashed lease, so must not keep its pins' references: a pin whose unpin finds no lease
     waits in `Lane.stale_pins` and the restarted admission drops it before it pins anything."""
-    async with open_engine(str(tiny_model(LLAMA)), batch=8, paged_kv=True, kv_budget_bytes=BUDGET) as engine:
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
         await engine.complete(SIBLINGS[0], max_tokens=MAX_TOKENS, temperature=0)  # the prefix's blocks cached
         _, undisturbed = await _peak_in_flight(engine, SIBLINGS)
         engine.faults.arm("gpu-lease", "raise")

@@ -21,7 +21,7 @@ from mlx_trio.events import PromptProgress, TextDelta
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
 
 STEP = 64
-BUDGET = 16 << 20  # --paged-kv sizes its block pool by the KV budget: small on this box
+BUDGET = 16 << 20  # --kv-layout paged sizes its block pool by the KV budget: small on this box
 LONG = [3 + (31 * i) % 500 for i in range(1_500)]
 DECODER = [3 + (7 * i) % 500 for i in range(40)]
 
@@ -84,7 +84,7 @@ async def _long_while_decoding(engine: Any) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("paged", [False, True], ids=["padded", "paged"])
 async def test_multi_chunk_jobs_give_the_tokens_of_one_chunk_jobs(paged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=STEP, paged_kv=paged,
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=STEP, kv_layout="paged" if paged else "padded",
                            kv_budget_bytes=BUDGET if paged else None) as engine:
         chunks_before = engine.actors.lane.prefill.statistics().chunks
         packed, jobs = await _long_while_decoding(engine)
@@ -92,7 +92,7 @@ async def test_multi_chunk_jobs_give_the_tokens_of_one_chunk_jobs(paged: bool, m
     assert chunks > jobs  # several chunks ran in one job
     plan = prefill_module.plan_chunks
     monkeypatch.setattr(prefill_module, "plan_chunks", lambda *a, **k: plan(*a, **k)[:1])
-    async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=STEP, paged_kv=paged,
+    async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=STEP, kv_layout="paged" if paged else "padded",
                            kv_budget_bytes=BUDGET if paged else None) as engine:
         single, _ = await _long_while_decoding(engine)
     assert len(packed) == 8 and packed == single

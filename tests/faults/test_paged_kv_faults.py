@@ -1,4 +1,4 @@
-"""--paged-kv under actor crashes: every stream resumes token-exact and no block stays referenced afterwards.
+"""--kv-layout paged under actor crashes: every stream resumes token-exact and no block stays referenced afterwards.
 
 A crashed decoder's batch and a crashed prefill's rows give their blocks back (`DecodeBatch.close`,
 `SoloRow.close`, on the lease thread); a leak would leave `kv_bytes` (blocks used x block bytes) above zero.
@@ -18,7 +18,7 @@ BUDGET = 16 << 20
 
 @pytest.mark.parametrize(("actor", "batch"), [("decode-step", 8), ("prefill", 4), ("gpu-lease", 8)])
 async def test_kill_mid_generation_on_paged_kv_resumes_exact_and_frees_every_block(solo, actor, batch) -> None:
-    async with open_engine(str(tiny_model(LLAMA)), batch=batch, paged_kv=True, kv_budget_bytes=BUDGET) as engine:
+    async with open_engine(str(tiny_model(LLAMA)), batch=batch, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
         streams = await _run_streams(engine, lambda: engine.faults.arm(actor, "raise"), after=1 if batch == 4 else 8)
         assert streams == solo
         assert engine.faults.fired, "the fault never fired"

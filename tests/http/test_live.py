@@ -105,8 +105,10 @@ def test_stats_and_status_shapes(http: httpx.Client) -> None:
                           "kv_budget_bytes", "decode_steps", "decoded_tokens", "kv_blocks"}
     # --batch auto (the default): a tiny model's rows of 8k tokens fit the CPU's budget many times over.
     assert stats["configured"] == AUTO_CEILING and stats["mode"] == "batch" and stats["kv_budget_bytes"] > 0
-    assert stats["kv_blocks"] is None  # no --paged-kv
+    assert stats["kv_blocks"] is None  # the padded layout (auto on the CPU)
     status = http.get("/v1/status").json()
+    assert status["counters"]["kv_layout"] == "padded"  # --kv-layout auto on the CPU, and why
+    assert status["counters"]["kv_layout_reason"].startswith("auto: no paged decode kernel on this backend (cpu)")
     children = {c["id"]: c for c in status["tree"]["children"]}
     assert children["http"]["state"] == "running" and children["http"]["kind"] == "http"
     assert {"engine", "sessions"} <= set(children)

@@ -1,4 +1,4 @@
-"""--paged-kv end to end: the same completions as today's layout, a shared system prompt reused from blocks
+"""--kv-layout paged end to end: the same completions as today's layout, a shared system prompt reused from blocks
 (`cached_tokens`), `/stats` `batch.kv_blocks` back to idle after the requests, and a request the pool can never
 hold refused with a 400 naming the budget."""
 
@@ -11,7 +11,6 @@ import attrs
 import httpx
 import pytest
 
-from mlx_trio.config import EngineConfig
 from mlx_trio.http.server.config import ServerConfig
 from tests.http.http_helpers import CLIENT_TIMEOUT_S, ServerThread, tiny_engine_config
 
@@ -23,7 +22,7 @@ BUDGET = 16 << 20  # 2,048 blocks of 16 tokens of the tiny llama (512 bytes a to
 
 @pytest.fixture(scope="module")
 def paged_server() -> Iterator[ServerThread]:
-    config = attrs.evolve(tiny_engine_config(), paged_kv=True, kv_budget_bytes=BUDGET)
+    config = attrs.evolve(tiny_engine_config(), kv_layout="paged", kv_budget_bytes=BUDGET)
     with ServerThread(config, ServerConfig(port=0)) as server:
         yield server
 
@@ -67,20 +66,10 @@ def test_a_request_the_pool_can_never_hold_is_a_400_naming_the_budget(paged_serv
     assert "budget" in response.text.lower()
 
 
-def test_paged_kv_is_refused_at_start_with_what_it_cannot_combine_with() -> None:
-    for flags in ({"kv_bits": 8}, {"draft_model": "x"}):
-        with pytest.raises(ValueError, match="--paged-kv cannot be combined"):
-            EngineConfig(model="m", paged_kv=True, **flags)
-    from mlx_trio.cli import build_parser, configs_from_args
-
-    engine, _ = configs_from_args(build_parser().parse_args(["serve", "--paged-kv"]))
-    assert engine.paged_kv and engine.prompt_cache_off
-
-
 def test_siblings_arriving_together_prefill_their_shared_prefix_about_once() -> None:
     """8 requests with one long system prompt sent at once to a fresh server: the prefix's blocks are computed
     about once (each later chunk takes what a sibling cached), and `cached_tokens` says so per response."""
-    config = attrs.evolve(tiny_engine_config(), paged_kv=True, kv_budget_bytes=BUDGET)
+    config = attrs.evolve(tiny_engine_config(), kv_layout="paged", kv_budget_bytes=BUDGET)
     with ServerThread(config, ServerConfig(port=0)) as server, ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda t: _chat(server.url, t, max_tokens=2), TASKS))
         with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as http:

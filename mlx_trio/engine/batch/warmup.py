@@ -49,7 +49,7 @@ def warm_up_gpu(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvSchem
                 paged: PagedKV | None = None) -> bool:
     """`warm_up` when MLX runs on a GPU; nothing on the CPU. Returns whether it ran.
 
-    With `paged` (--paged-kv) the rows warm the paged path instead: prefill into blocks, steps over tables.
+    With `paged` (--kv-layout paged) the rows warm the paged path instead: prefill into blocks, steps over tables.
     """
     if mx.default_device().type != mx.DeviceType.gpu:
         return False

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
+from mlx_trio.config import refused_message
 from mlx_trio.errors import InvalidParameter, ModelLoadError
 from mlx_trio.engine.attention import paged_layout, routed_attention
 from mlx_trio.engine.distributed.world import current_world, shard_model
@@ -60,8 +61,12 @@ class LoadedModel:
     draft: nn.Module | None = None
     # Whether its decode steps compile their forward (engine/batch/compiled_step.py; --no-compile).
     compile_decode: bool | None = False
-    # --paged-kv: the model's block pool (engine/kv/blocks/paged_kv.py `PagedKV`), made by `with_paged_kv`; else None.
+    # --kv-layout paged (or auto's choice of it): the model's block pool (engine/kv/blocks/paged_kv.py `PagedKV`),
+    # made by `with_paged_kv`; else None (the padded layout).
     paged_kv: Any = None
+    # Why `routed_attention.install` left the paged decode kernel off on a GPU (its self-check failed, a float32
+    # model), if it did.
+    paged_kernel_off_reason: str | None = None
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Raise `InvalidParameter("constraint", ...)` unless this model can enforce `constraint`."""
@@ -194,7 +199,7 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
     except Exception as exc:
         raise ModelLoadError(f"could not load model {model or path!r}: {exc}") from exc
     mx.eval(loaded_model.parameters())
-    routed_attention.install(loaded_model)  # padded batches' decode attention on the ragged kernel (CUDA)
+    installed = routed_attention.install(loaded_model)  # decode attention on the ragged and paged kernels (GPU)
     if fuse_projections and not world.distributed:  # shard() and pipeline() need the separate projections
         fused = fused_projections.fuse(loaded_model)
         log.info("fused projections: q/k/v in %d layers, gate/up in %d%s", fused.attention, fused.mlp,
@@ -215,20 +220,41 @@ def load_model(model: str | None = None, *, cache_dir: Path | None = None,
         grammar_tokenizer=build_grammar_tokenizer(tokenizer, eos_token_ids),
         kv_scheme=kv_scheme,
         compile_decode=compile_decode,
+        paged_kernel_off_reason=installed.paged_off,
     )
 
 
-def with_paged_kv(model: LoadedModel, budget_bytes: int) -> LoadedModel:
-    """`model` with a block pool of `budget_bytes` (--paged-kv), allocated now; lease thread only.
+def paged_refusals(model: LoadedModel) -> tuple[str, ...]:
+    """Why `model` cannot hold paged KV here, one sentence each (empty: it can): a sliding-window layer, an
+    attention the routed attention does not wrap (`paged_layout.refusal`), a distributed group. Lease thread."""
+    reasons = [paged_layout.refusal(model.model)]
+    if current_world().distributed:
+        reasons.append("a distributed group's ranks would each need their own pool and tables (not built yet)")
+    return tuple(f"model {model.model_id} cannot hold paged KV: {why}" for why in reasons if why is not None)
 
-    Raises ModelLoadError naming why the model cannot hold paged KV (docs/design.md §6.5: a sliding-window
-    layer, an attention the routed attention does not wrap, a distributed group), so the server refuses at start.
+
+def paged_kernel_off(model: LoadedModel) -> str | None:
+    """None when a paged decode kernel serves `model`'s decode steps (it passed its self-check at load), else why
+    not: the backend has none (the CPU), or its self-check failed. Lease thread."""
+    route = routed_attention.route_of(model.model)
+    if route is not None and route.paged_decode is not None:
+        return None
+    if model.paged_kernel_off_reason is not None:
+        return f"the paged decode kernel is off: {model.paged_kernel_off_reason}"
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    backend = "metal" if routed_attention.on_metal() else "cuda" if gpu else "cpu"
+    return f"no paged decode kernel on this backend ({backend})"
+
+
+def with_paged_kv(model: LoadedModel, budget_bytes: int) -> LoadedModel:
+    """`model` with a block pool of `budget_bytes` (the paged KV layout), allocated now; lease thread only.
+
+    Raises ModelLoadError naming why the model cannot hold paged KV (`paged_refusals`; docs/design.md §6.5),
+    so the server refuses at start.
     """
-    reason = paged_layout.refusal(model.model)
-    if reason is None and current_world().distributed:
-        reason = "a distributed group's ranks would each need their own pool and tables (not built yet)"
-    if reason is not None:
-        raise ModelLoadError(f"--paged-kv: model {model.model_id} cannot hold paged KV: {reason}")
+    refusals = paged_refusals(model)
+    if refusals:
+        raise ModelLoadError(refused_message(refusals))
     pool = paged_layout.paged_kv_for(model.model, budget_bytes, model.model_id)
     log.info("paged KV: %d blocks of %d tokens (%.1f MiB each), %.1f GiB", pool.storage.num_blocks, pool.block_size,
              pool.storage.bytes_per_block / 2**20, pool.storage.num_blocks * pool.storage.bytes_per_block / 2**30)

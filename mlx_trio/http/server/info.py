@@ -85,7 +85,7 @@ def register_info(app: Quart, state: AppState) -> None:
             "configured": state.config.batch, "mode": "serial", "active_rows": 0, "pending_rows": 0,
             "submitted_rows": state.submitted_rows, "kv_bytes": 0, "kv_budget_bytes": None,
             "decode_steps": 0, "decoded_tokens": 0,
-            "kv_blocks": None,  # --paged-kv: blocks total / used / shared / cached / free, prefix tokens reused
+            "kv_blocks": None,  # --kv-layout paged: blocks total / used / shared / cached / free, prefix tokens reused
         }
         proposed, accepted = counters.get("speculative_proposed", 0), counters.get("speculative_accepted", 0)
         return json_response({"batch": {key: counters.get(key, default) for key, default in fallback.items()},

@@ -218,11 +218,11 @@ def test_a_shared_prefix_is_prefilled_once_and_held_once() -> None:
 
 
 def test_with_paged_kv_refuses_a_model_it_cannot_page_by_name_and_pages_one_it_can() -> None:
-    """--paged-kv at load: a sliding-window model is refused with the reason (the server then refuses to start)."""
+    """--kv-layout paged at load: a sliding-window model is refused with the reason (the server then refuses to start)."""
     from mlx_trio.engine.model.load import load_model, with_paged_kv
     from mlx_trio.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="--paged-kv: .*sliding-window"):
+    with pytest.raises(ModelLoadError, match="--kv-layout paged cannot serve here: .*sliding-window"):
         with_paged_kv(load_model(str(tiny_model(LLAMA_SWA))), 1 << 20)
     paged = with_paged_kv(load_model(str(tiny_model(LLAMA))), 1 << 20).paged_kv
     assert paged is not None and paged.capacity_bytes <= 1 << 20 and paged.pool.idle

@@ -417,7 +417,7 @@ def test_adapter_rows_on_paged_kv_equal_mlx_lm_and_never_share_another_revisions
 
 
 def test_warm_up_on_paged_kv_leaves_the_pool_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--paged-kv warms the paged path (prefill into blocks, steps over tables); every block goes back."""
+    """--kv-layout paged warms the paged path (prefill into blocks, steps over tables); every block goes back."""
     from mlx_trio.engine.batch.warmup import warm_up
 
     model = _model("llama")

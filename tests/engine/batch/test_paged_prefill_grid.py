@@ -216,7 +216,7 @@ async def test_a_paged_engine_on_the_grid_streams_the_padded_engines_tokens() ->
     results: dict[bool, dict[int, list[int]]] = {}
     for paged in (False, True):
         async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=64, prefill_grid=16,
-                               paged_kv=paged, kv_budget_bytes=16 << 20) as engine:
+                               kv_layout="paged" if paged else "padded", kv_budget_bytes=16 << 20) as engine:
             got: dict[int, list[int]] = {}
 
             async def one(i: int) -> None:

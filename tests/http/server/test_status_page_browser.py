@@ -95,6 +95,9 @@ def test_the_page_shows_the_tree_rows_kv_and_a_restart(browser: sync_api.Browser
         assert row is not None and row.get_attribute("data-request").startswith("req-")
         # Selectors, not wait_for_function: the page's CSP forbids the eval that would need.
         page.wait_for_selector('#kv-label[data-kv-bytes]:not([data-kv-bytes="0"])', timeout=WAIT_MS)
+        # --kv-layout auto on the CPU: padded, and the page says why.
+        page.wait_for_selector('#kv-layout[data-layout="padded"]', timeout=WAIT_MS)
+        assert "no paged decode kernel on this backend (cpu)" in page.inner_text("#kv-layout")
         assert page.get_attribute('li[data-actor="decode-step"]', "data-restarts") == "0"
 
         armed = httpx.post(f"{server.url}/v1/admin/faults", json={"actor": "decode-step", "kind": "raise"},
