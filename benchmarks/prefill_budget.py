@@ -6,8 +6,8 @@ Usage:
 
 Prefills `--prompts` prompts of `--tokens` tokens one after another and reports prompt tokens per second from
 submit to token 0: alone (nothing decodes; full --prefill-step-size chunks, as mlx-lm), and beside `--batch` - 2
-rows decoding (the busy prefill budget, design §2.2.3), for each `--batches`, with the ratio to the lone rate.
-Speed only; the tests check tokens. (The A/B against one chunk per busy job is decided: design §2.2.3.)
+rows decoding (the busy prefill budget, docs/design.md §2.2.3), for each `--batches`, with the ratio to the lone rate.
+Speed only; the tests check tokens. (The A/B against one chunk per busy job is decided: docs/design.md §2.2.3.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ MODEL = attrs.evolve(LLAMA, max_position_embeddings=16384)
 
 def _prompt(n: int, seed: int) -> list[int]:
     """Random token ids: no prompt starts with another's whole prompt, which would make its cache lookup wait for
-    that row's finish-time put (design §6.3's pending puts; an arithmetic sequence did, for a second a prompt)."""
+    that row's finish-time put (docs/design.md §6.3's pending puts; an arithmetic sequence did, a second a
+    prompt)."""
     rng = random.Random(seed)
     return [rng.randrange(3, 503) for _ in range(n)]
 
