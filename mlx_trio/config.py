@@ -76,7 +76,7 @@ def choose_kv_layout(requested: str, refusals: Sequence[str], kernel_off: str | 
 
     `refusals`: why paged KV cannot serve this config and model, one sentence each naming the flag or the model
     (empty: it can). `kernel_off`: None when the backend has a paged decode kernel that passed its load-time
-    self-check, else why not. `auto` is paged only with no refusal and a kernel: without the kernel a decode step
+    self-check and was measured at par with the padded step there, else why not. `auto` is paged only with no refusal and a kernel: without the kernel a decode step
     gathers blocks with MLX ops, which costs what the padded step does not. Raises ValueError (`refused_message`)
     for `paged` with a refusal; `paged` without a kernel runs on the MLX-ops reference, as asked.
     """
@@ -85,7 +85,7 @@ def choose_kv_layout(requested: str, refusals: Sequence[str], kernel_off: str | 
     if requested == PAGED:
         if refusals:
             raise ValueError(refused_message(refusals))
-        return KvLayoutChoice(True, "--kv-layout paged" + (f"; decode on the MLX-ops reference: {kernel_off}"
+        return KvLayoutChoice(True, "--kv-layout paged" + (f"; auto would not choose it: {kernel_off}"
                                                              if kernel_off is not None else ""))
     if requested != AUTO:
         raise ValueError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {requested!r}")

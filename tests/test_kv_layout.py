@@ -48,9 +48,9 @@ def test_padded_is_padded_whatever_the_inputs() -> None:
     assert not choose_kv_layout("padded", [], None).paged
 
 
-def test_paged_is_paged_without_a_kernel_on_the_reference_and_an_error_with_a_refusal() -> None:
+def test_paged_is_paged_without_a_kernel_saying_auto_would_not_and_an_error_with_a_refusal() -> None:
     choice = choose_kv_layout("paged", [], NO_KERNEL)
-    assert choice.paged and NO_KERNEL in choice.reason and "reference" in choice.reason
+    assert choice.paged and NO_KERNEL in choice.reason and "auto would not choose it" in choice.reason
     assert choose_kv_layout("paged", [], None).reason == "--kv-layout paged"
     with pytest.raises(ValueError, match=r"--kv-layout paged cannot serve here: --kv-bits: .*use --kv-layout auto"):
         choose_kv_layout("paged", ["--kv-bits: quantized KV is not on the paged layout yet"], None)
@@ -152,3 +152,21 @@ def test_the_load_path_names_the_model_and_why_the_kernel_is_off() -> None:
     # A GPU whose kernel install left off (its self-check failed, a float32 model) says so instead.
     off = attrs.evolve(llama, paged_kernel_off_reason="a float32 model")
     assert paged_kernel_off(off) == "the paged decode kernel is off: a float32 model"
+
+
+def test_a_metal_kernel_that_passed_its_self_check_serves_paged_but_not_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metal's paged kernel has never been timed on a Mac: `auto` keeps the padded layout there (docs/design.md
+    §6.5); the CUDA kernel, measured at par, lets `auto` choose blocks."""
+    from types import SimpleNamespace
+
+    from mlx_trio.engine.attention import routed_attention
+    from mlx_trio.engine.model import load
+
+    model = SimpleNamespace(model=object(), paged_kernel_off_reason=None)
+    monkeypatch.setattr(routed_attention, "route_of", lambda m: SimpleNamespace(paged_decode=lambda *a: None))
+    monkeypatch.setattr(routed_attention, "on_metal", lambda: True)
+    off = load.paged_kernel_off(model)  # type: ignore[arg-type]
+    assert off is not None and "not yet measured" in off
+    assert not choose_kv_layout("auto", [], off).paged and choose_kv_layout("paged", [], off).paged
+    monkeypatch.setattr(routed_attention, "on_metal", lambda: False)
+    assert load.paged_kernel_off(model) is None  # type: ignore[arg-type]

@@ -234,10 +234,15 @@ def paged_refusals(model: LoadedModel) -> tuple[str, ...]:
 
 
 def paged_kernel_off(model: LoadedModel) -> str | None:
-    """None when a paged decode kernel serves `model`'s decode steps (it passed its self-check at load), else why
-    not: the backend has none (the CPU), or its self-check failed. Lease thread."""
+    """None when a paged decode kernel serves `model`'s decode steps (it passed its self-check at load) on a
+    backend where it was measured at par with the padded step, else why not: the backend has none (the CPU), its
+    self-check failed, or it was never measured (Metal: docs/design.md §6.5). Lease thread."""
     route = routed_attention.route_of(model.model)
     if route is not None and route.paged_decode is not None:
+        if routed_attention.on_metal():
+            # Correct (its self-check passed) but never timed on a Mac: `auto` keeps the measured layout there.
+            return ("the Metal paged decode kernel passed its self-check but is not yet measured against the padded "
+                    "step (--kv-layout paged uses it)")
         return None
     if model.paged_kernel_off_reason is not None:
         return f"the paged decode kernel is off: {model.paged_kernel_off_reason}"
