@@ -153,6 +153,9 @@ class EngineConfig:
     def prompt_cache_off(self) -> bool:
         """No RAM tier, and so no SSD tier: `--prompt-cache-bytes 0`, `--prompt-cache-size 0`, or `--batch 1`.
 
+        Under `--paged-kv` the pool's cached blocks replace the RAM tier, and the SSD tier
+        (`--prompt-cache-dir`) stores those blocks instead (actors/block_persistence.py).
+
         At `--batch 1` every prompt prefills from scratch, so a request's bits
         depend on no other request, not even an earlier one's cached KV.
         """

@@ -162,7 +162,10 @@ class CachePersistenceActor:
         """
         if self._open_store is None or self._degraded:
             return False
-        pending = _PendingWrite(list(caches), tuple(tokens))
+        return self._enqueue(_PendingWrite(list(caches), tuple(tokens)))
+
+    def _enqueue(self, pending: Any) -> bool:
+        """Queue `pending` (whose `caches`, if any, are then ours); False, counted as `dropped`, if the queue is full."""
         try:
             self.inbox_send.send_nowait(pending)
         except trio.WouldBlock:
@@ -310,6 +313,10 @@ class CachePersistenceActor:
             self._errors += 1
             log.exception("copying a prompt cache entry to the host failed")
             return
+        await self._write_entry(store, entry)
+
+    async def _write_entry(self, store: CacheFileStore, entry: HostEntry) -> None:
+        """Write a materialised entry on a worker thread (faults fire here); a failure loses only this entry."""
         self._faults.check(ACTOR_ID)  # raise: crash now, between materialising and writing
         if self._faults.take(ACTOR_ID, FaultKind.HANG):
             await trio.sleep_forever()

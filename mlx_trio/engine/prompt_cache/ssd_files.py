@@ -47,7 +47,7 @@ import attrs
 import numpy as np
 
 from mlx_trio.engine.prompt_cache.identity import CacheIdentity
-from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, HostEntry, checksum
+from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, START, HostEntry, checksum
 
 log = logging.getLogger("mlx_trio.cache_files")
 
@@ -79,6 +79,7 @@ class StoredEntryInfo:
     tokens: tuple[int, ...]
     file_bytes: int
     path: Path
+    start: int = 0  # the first position its arrays hold (a run of paged KV blocks; 0: a whole prefix)
 
 
 class CacheFileStore:
@@ -173,7 +174,7 @@ class CacheFileStore:
                 return self._index[key]
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arrays = {name: np.asarray(a, order="C") for name, a in entry.arrays.items()}
-        layout = {k: entry.meta[k] for k in LAYOUT_KEYS}
+        layout = _layout(entry.meta)
         meta = {**self.identity.to_metadata(), **layout, **_encode_tokens(entry.tokens),
                 _CHECKSUM: checksum(layout, entry.tokens, arrays)}
         header = _header(arrays, meta)
@@ -194,7 +195,7 @@ class CacheFileStore:
         except BaseException:
             _unlink(tmp)
             raise
-        info = StoredEntryInfo(key, entry.tokens, file_bytes, path)
+        info = StoredEntryInfo(key, entry.tokens, file_bytes, path, int(layout.get(START, 0)))
         with self._lock:
             self._index[key] = info
             self._nbytes += file_bytes
@@ -281,9 +282,10 @@ class CacheFileStore:
                 header = _read_exactly(f, _header_length(prefix, status.st_size))
             meta, _ = _parse_header(header, status.st_size - 8 - len(header))  # it covers the whole file
             tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
+            start = int(meta.get(START, 0))
         except _DAMAGED as exc:
             raise _Unusable("damaged") from exc
-        return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path)
+        return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path, start)
 
     def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[int, ...]:
         """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
@@ -305,7 +307,7 @@ class CacheFileStore:
             arrays = {name: np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
                       for name, (dtype, shape, start, end) in table.items()}
             tokens = self._check_identity(meta, info.key)
-            layout = {k: meta[k] for k in LAYOUT_KEYS}
+            layout = _layout(meta)
             if checksum(layout, tokens, arrays) != meta[_CHECKSUM]:
                 raise _Unusable("damaged (checksum mismatch)")
         except _DAMAGED as exc:
@@ -414,6 +416,14 @@ def _decode_tokens(meta: dict[str, str]) -> tuple[int, ...]:
     wide = _WIDE_TOKENS in meta
     raw = base64.b64decode(meta[_WIDE_TOKENS] if wide else meta[_TOKENS], validate=True)
     return tuple(int(t) for t in np.frombuffer(raw, dtype="<i8" if wide else "<i4"))
+
+
+def _layout(meta: Mapping[str, str]) -> dict[str, str]:
+    """The metadata an entry's checksum covers besides tokens and arrays: its layout, and its start if it has one."""
+    layout = {k: meta[k] for k in LAYOUT_KEYS}
+    if START in meta:
+        layout[START] = meta[START]
+    return layout
 
 
 def _unlink(path: Path) -> int:

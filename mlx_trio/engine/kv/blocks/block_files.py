@@ -1,0 +1,177 @@
+"""Keyed KV blocks to and from the SSD tier's files: runs of consecutive chain blocks, one file a run.
+
+A run is blocks `first .. end-1` of one chain (chain.py). Its file is an entry
+of the SSD tier's `CacheFileStore` (engine/prompt_cache/ssd_files.py), so it
+shares that tier's identity, atomic writes, checks, byte cap and LRU: its
+`tokens` are the chain's tokens from the start through the run's last block
+(what names the run, as the chain key does, and what a lookup matches by
+prefix), `start` is `first * block_size`, and its arrays are the run's blocks,
+`k.<layer>` / `v.<layer>` of shape `[end - first, block_size, kv_heads,
+head_dim]` (bfloat16 kept as uint16 bits). A run after an earlier one of the
+same chain stores only its own blocks: a shared prefix is on disk once.
+
+`copy_out` and `load_in` run on the lease thread (MLX); `runs_for` and
+`block_layout` are plain Python for the actor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_trio.engine.kv.blocks.chain import Key
+from mlx_trio.engine.prompt_cache.host_entry import CLASSES, START, STATES, HostEntry
+
+# The class name a block run's entry carries (a padded entry carries mlx-lm cache classes).
+RUN_CLASS = "PagedBlocks"
+
+
+def block_layout(paged: Any) -> str:
+    """The identity layout of a pool's block files: block size, dtype and per-layer shapes, runs collapsed.
+
+    A file is usable only by a pool of the same layout (another block size or head shape is removed at scan)."""
+    storage = paged.storage
+    shapes: list[list[Any]] = []
+    for shape in storage.layers:
+        name = f"{shape.kv_heads}x{shape.head_dim}"
+        if shapes and shapes[-1][0] == name:
+            shapes[-1][1] += 1
+        else:
+            shapes.append([name, 1])
+    layers = ",".join(name if n == 1 else f"{name}*{n}" for name, n in shapes)
+    return f"{RUN_CLASS}:{storage.block_size}:{storage.dtype}:{layers}"
+
+
+def runs_for(entries: Sequence[Any], tokens: Sequence[int], first: int, block_size: int) -> list[tuple[Any, int, int]]:
+    """Stored runs that continue `tokens`' chain from block `first`, in order: `(info, from, to)` blocks.
+
+    `entries` are the store's `StoredEntryInfo`s. Each step takes the run that starts at or before the next block
+    wanted, agrees with `tokens` through at least that block, and reaches furthest; a run may be used in part (a
+    prompt that stops inside it). Stops at the first block no run holds.
+    """
+    tokens = tuple(tokens)
+    wanted = len(tokens) // block_size
+    out: list[tuple[Any, int, int]] = []
+    at = first
+    while at < wanted:
+        best, reach = None, at
+        for info in entries:
+            if info.start <= at * block_size < len(info.tokens):
+                end = _agreed_blocks(info.tokens, tokens, block_size)
+                if end > reach:
+                    best, reach = info, end
+        if best is None:
+            break
+        out.append((best, at, reach))
+        at = reach
+    return out
+
+
+def _agreed_blocks(a: tuple[int, ...], b: tuple[int, ...], block_size: int) -> int:
+    """Full blocks `a` and `b` agree on from the start."""
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:  # the usual case, compared at C speed
+        return m // block_size
+    n = 0
+    while a[n] == b[n]:
+        n += 1
+    return n // block_size
+
+
+def copy_out(paged: Any, tokens: Sequence[int], keys: Sequence[Key], first: int) -> HostEntry | None:
+    """The run of `keys[first:]` still keyed in the pool (used or cached), copied to the host; None if none is.
+
+    Lease thread. Reads blocks, changes nothing: a block evicted since its row released it ends the run."""
+    blocks = paged.pool.lookup(keys[first:])
+    if not blocks:
+        return None
+    bs = paged.block_size
+    ids = mx.array(blocks, dtype=mx.int32)
+    arrays: dict[str, np.ndarray] = {}
+    for layer in range(len(paged.storage.layers)):
+        for name, pool in (("k", paged.storage.keys[layer]), ("v", paged.storage.values[layer])):
+            arrays[f"{name}.{layer}"] = _to_numpy(mx.take(pool, ids, axis=0))
+    meta = {CLASSES: json.dumps([RUN_CLASS]),
+            STATES: json.dumps({"block_size": bs, "dtype": str(paged.storage.dtype)}),
+            START: str(first * bs)}
+    return HostEntry(tuple(tokens[: (first + len(blocks)) * bs]), arrays, meta)
+
+
+def load_in(paged: Any, keys: Sequence[Key], frm: int, to: int, entry: HostEntry) -> int:
+    """Blocks `frm .. to-1` of the chain `keys` from `entry` (a stored run holding them) into free blocks of the
+    pool, keyed and cached (unreferenced: the caller's pin or a row's join takes them); returns how many.
+
+    Lease thread. Loads nothing (0) when the chain's blocks before `frm` are no longer in the pool (a run after
+    them would be unreachable); fewer when the pool has fewer blocks free or evictable. Blocks that came into the
+    pool meanwhile are skipped. Raises ValueError when the entry does not fit the pool (another layout that passed
+    its checksum), with nothing allocated. Leaves the pool's counts as it found them: loaded blocks are cached.
+    """
+    pool, bs, storage = paged.pool, paged.block_size, paged.storage
+    _check_fits(paged, entry)
+    before = pool.lookup(keys[:frm])
+    if len(before) < frm:
+        return 0
+    frm += len(pool.lookup(keys[frm:to]))  # a row computed them since the lookup that chose this run
+    skip = frm - int(entry.meta[START]) // bs
+    if frm >= to or skip < 0:
+        return 0
+    for block in before:  # not evictable while this job allocates
+        pool.retain(block)
+    blocks: list[int] = []
+    try:
+        blocks = pool.allocate(min(to - frm, pool.available()))
+        if not blocks:
+            return 0
+        n = len(blocks)
+        ids = mx.array(blocks, dtype=mx.int32)
+        for layer in range(len(storage.layers)):
+            for name, arrays in (("k", storage.keys), ("v", storage.values)):
+                data = entry.arrays[f"{name}.{layer}"][skip : skip + n]
+                arrays[layer][ids] = _from_numpy(data, storage.dtype)  # in place: the list's array is the result
+        mx.eval(storage.keys, storage.values)
+        loaded = 0
+        for block, key in zip(blocks, keys[frm : frm + n]):
+            if not pool.register(block, key):  # another block holds it now: the chain goes on through that one
+                break
+            loaded += 1
+        return loaded
+    finally:
+        pool.release(blocks)
+        pool.release(before)
+
+
+def _check_fits(paged: Any, entry: HostEntry) -> None:
+    storage = paged.storage
+    states = json.loads(entry.meta[STATES])
+    if json.loads(entry.meta[CLASSES]) != [RUN_CLASS] or states.get("block_size") != paged.block_size:
+        raise ValueError("not a block run of this pool's block size")
+    start = int(entry.meta[START])
+    n = len(entry.tokens) // paged.block_size - start // paged.block_size
+    if start % paged.block_size or len(entry.tokens) % paged.block_size or n < 1:
+        raise ValueError(f"a run of {len(entry.tokens)} tokens from {start} is not whole blocks")
+    for layer, shape in enumerate(storage.layers):
+        want = (n, paged.block_size, shape.kv_heads, shape.head_dim)
+        for name in ("k", "v"):
+            data = entry.arrays.get(f"{name}.{layer}")
+            if data is None or tuple(data.shape) != want or data.dtype != _numpy_dtype(storage.dtype):
+                raise ValueError(f"layer {layer}'s {name} is not {want} of {storage.dtype}")
+    if len(entry.arrays) != 2 * len(storage.layers):
+        raise ValueError("a run with arrays for another layer count")
+
+
+def _numpy_dtype(dtype: mx.Dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(str(dtype).rsplit(".", 1)[-1])
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    # numpy has no bfloat16: keep the bits (the file store writes them as U16, as the padded tier does)
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    out = mx.array(np.ascontiguousarray(a))
+    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out

@@ -1,0 +1,172 @@
+"""--paged-kv with --prompt-cache-dir: the SSD tier stores the pool's keyed blocks as runs and a new engine on the
+same directory reads them back into free blocks, computing only the prompt's tail with the same greedy tokens."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import trio
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from mlx_trio import open_engine
+from mlx_trio.actors.block_persistence import BLOCKS_SUBDIRECTORY
+from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX
+from mlx_trio.events import Finished, TextDelta
+from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+
+BUDGET = 64 << 20  # 8,192 blocks of 16 tokens of the tiny llama (admission also counts a prefill transient)
+BLOCK = 16
+SYSTEM = "You are a careful agent. Read the sea story and answer in plain words. " * 10
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the ship."}]
+OTHER = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the waves, one by one."}]
+MAX_TOKENS = 8
+
+
+@cache
+def _serial(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """mlx-lm's own greedy tokens for `prompt` (the oracle)."""
+    model, tokenizer = load(str(tiny_model(LLAMA)))
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return tuple(out)
+
+
+def _engine(directory: Path | None, **options: Any):
+    return open_engine(str(tiny_model(LLAMA)), batch=4, paged_kv=True, kv_budget_bytes=BUDGET,
+                       prompt_cache_dir=directory, **options)
+
+
+async def _run(engine, chat=CHAT) -> tuple[tuple[int, ...], Finished]:
+    ids: list[int] = []
+    async for event in engine.generate(chat, max_tokens=MAX_TOKENS):
+        if isinstance(event, TextDelta):
+            ids.extend(event.token_ids)
+        elif isinstance(event, Finished):
+            return tuple(ids), event
+    raise AssertionError("no Finished event")
+
+
+async def _settle(engine) -> None:
+    """Every row gone (its blocks offered at its leave) and every offered run written."""
+    with trio.fail_after(10):
+        while engine.status()["counters"]["kv_blocks"]["used"]:
+            await trio.sleep(0.01)
+    await engine.drain_persistence()
+
+
+def _ssd(engine) -> dict[str, Any]:
+    return engine.status()["prompt_cache"]["ssd"]
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted((directory / BLOCKS_SUBDIRECTORY).glob(f"*{SUFFIX}"))
+
+
+async def _first_run(directory: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    async with _engine(directory) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        ids, finished = await _run(engine)
+        assert finished.usage.cached_tokens == 0
+        await _settle(engine)
+        ssd = _ssd(engine)
+    assert ssd["enabled"] and ssd["writes"] == 1 and not ssd["degraded"], ssd
+    return ids, prompt
+
+
+async def test_a_new_engine_on_the_directory_computes_only_the_tail_with_the_same_tokens(tmp_path: Path) -> None:
+    cold, prompt = await _first_run(tmp_path)
+    assert len(_files(tmp_path)) == 1
+    async with _engine(tmp_path) as engine:
+        ids, finished = await _run(engine)
+        await _settle(engine)
+        ssd = _ssd(engine)
+    assert finished.usage.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK > 200
+    assert ssd["reads"] == 1 and ssd["restore_failures"] == 0
+    assert ssd["writes"] == 0  # the same chain (prompt and answer) was on disk already: nothing new to write
+    async with _engine(None) as engine:  # no SSD tier: the reference run
+        plain, _ = await _run(engine)
+    assert ids == cold == plain == _serial(prompt)
+
+
+async def test_runs_share_the_stored_prefix_and_a_sibling_restores_it(tmp_path: Path) -> None:
+    """A second prompt with the same system prompt stores only its own blocks (a run after the shared ones); a new
+    engine serving it reads both runs."""
+    await _first_run(tmp_path)
+    async with _engine(tmp_path) as engine:
+        other_prompt = tuple(engine.prepare(OTHER).prompt_ids)
+        ids, finished = await _run(engine, OTHER)
+        await _settle(engine)
+    assert ids == _serial(other_prompt)
+    async with _engine(tmp_path) as engine:
+        again, finished = await _run(engine, OTHER)
+        await _settle(engine)
+        ssd = _ssd(engine)
+    assert again == ids and finished.usage.cached_tokens == (len(other_prompt) - 1) // BLOCK * BLOCK
+    assert ssd["reads"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+async def test_a_damaged_block_file_costs_a_prefill_not_a_request(tmp_path: Path, damage: str) -> None:
+    cold, prompt = await _first_run(tmp_path)
+    (path,) = _files(tmp_path)
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # same length, a wrong checksum: the scan keeps it, the read removes it
+        path.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))
+    async with _engine(tmp_path) as engine:
+        ids, finished = await _run(engine)
+        await _settle(engine)
+    assert ids == cold and finished.usage.cached_tokens == 0
+    assert not path.exists() or path.read_bytes() != data[: len(data) // 2]  # removed, or rewritten whole
+
+
+async def test_the_byte_cap_evicts_the_oldest_files(tmp_path: Path) -> None:
+    """Three prompts with nothing in common, under a cap that holds two runs: the oldest file goes."""
+    # Raw token prompts of one length, each its own chain from the first token (a chat template's shared
+    # opening would make the later prompts' runs continue the first one's).
+    chats = [[first] + [100 + first] * 255 for first in (11, 12, 13)]
+    async with _engine(tmp_path) as engine:
+        await _run(engine, chats[0])
+        await _settle(engine)
+        size = _files(tmp_path)[0].stat().st_size
+    cap = int(size * 2.5)
+    async with _engine(tmp_path, prompt_cache_ssd_bytes=cap) as engine:
+        for chat in chats[1:]:
+            await _run(engine, chat)
+            await _settle(engine)
+        ssd = _ssd(engine)
+    files = _files(tmp_path)
+    assert len(files) == 2 and ssd["bytes"] <= cap
+    async with _engine(tmp_path, prompt_cache_ssd_bytes=cap) as engine:
+        _, first = await _run(engine, chats[0])  # its file was the oldest: evicted
+        _, last = await _run(engine, chats[2])
+    assert first.usage.cached_tokens == 0 and last.usage.cached_tokens > 150
+
+
+async def test_a_crash_mid_write_loses_only_that_entry(tmp_path: Path) -> None:
+    """The writer crashes between copying a run off the device and writing it: no partial file, the supervisor
+    restarts it, and the next run is written; the request itself is unharmed."""
+    async with _engine(tmp_path) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        engine.faults.arm("cache-persistence", "raise")
+        ids, _ = await _run(engine)
+        await _settle(engine)
+        assert engine.faults.fired
+        assert _files(tmp_path) == [] and not list((tmp_path / BLOCKS_SUBDIRECTORY).glob(".*"))
+        with trio.fail_after(10):  # restarted: the next request's blocks are written
+            while True:
+                await _run(engine, OTHER)
+                await _settle(engine)
+                if _files(tmp_path):
+                    break
+    assert ids == _serial(prompt)
+
