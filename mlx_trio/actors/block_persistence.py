@@ -49,6 +49,12 @@ log = logging.getLogger("mlx_trio.cache_persistence")
 # Under the --prompt-cache-dir: a padded server's entries and a paged server's block runs never meet (each
 # server's scan removes files of another layout; the two kinds share the directory's name, not its files).
 BLOCKS_SUBDIRECTORY = "blocks"
+# Bytes of blocks one file (and one lease job's copy to the host) holds at most: a 100k-token row of a 1B model
+# (32 KiB a token) is 50 files written one after another, each lease job short enough for decode steps between.
+RUN_BYTES = 64 << 20
+# Released chains waiting for the disk. Unlike a padded entry, one holds no device memory (its blocks are read
+# when its turn comes), so the queue can be long; past it a chain is dropped (only a cache).
+BLOCK_QUEUE = 64
 
 __all__ = ["ACTOR_ID", "BLOCKS_SUBDIRECTORY", "BlockPersistenceActor", "block_store_opener"]
 
@@ -71,7 +77,7 @@ class BlockPersistenceActor(CachePersistenceActor):
 
     def __init__(self, lease: GpuLease, open_store: OpenStore | None, get_model: Callable[[], Awaitable[LoadedModel]],
                  **options: Any) -> None:
-        super().__init__(lease, open_store, **options)
+        super().__init__(lease, open_store, **{"max_queue": BLOCK_QUEUE, **options})
         self._get_model = get_model
         self._paged: Any = None
         self._hook: Callable[[Key, tuple[int, ...], tuple[Key, ...]], None] | None = None
@@ -120,21 +126,23 @@ class BlockPersistenceActor(CachePersistenceActor):
         store, paged = self._store, self._paged
         if store is None or self._degraded or paged is None or not isinstance(pending, _PendingChain):
             return
-        bs = paged.block_size
-        stored = runs_for(store.entries, pending.tokens, 0, bs)
+        stored = runs_for(store.entries, pending.tokens, 0, paged.block_size)
         first = stored[-1][2] if stored else 0  # the chain's blocks already on disk, from its start
-        if first >= len(pending.keys):
-            return
-        try:
-            entry = await self._lease.run(copy_out, paged, pending.tokens, pending.keys, first)
-        except LeaseClosed:
-            raise
-        except Exception:
-            self._errors += 1
-            log.exception("copying KV blocks to the host failed")
-            return
-        if entry is not None:
-            await self._write_entry(store, entry)
+        per_file = max(1, RUN_BYTES // paged.storage.bytes_per_block)
+        while first < len(pending.keys) and not self._degraded and self._store is store:
+            try:
+                entry = await self._lease.run(copy_out, paged, pending.tokens, pending.keys, first, per_file)
+            except LeaseClosed:
+                raise
+            except Exception:
+                self._errors += 1
+                log.exception("copying KV blocks to the host failed")
+                return
+            if entry is None:
+                return  # evicted before its turn: the rest of the chain is not written
+            if not await self._write_entry(store, entry):
+                return  # a run after a missing one would be unreachable
+            first = len(entry.tokens) // paged.block_size
 
     async def restore_blocks(self, prompt: Sequence[int]) -> int:
         """Load the stored blocks that continue the pool's cached prefix of `prompt` (all but its last token, as a

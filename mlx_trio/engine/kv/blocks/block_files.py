@@ -82,11 +82,14 @@ def _agreed_blocks(a: tuple[int, ...], b: tuple[int, ...], block_size: int) -> i
     return n // block_size
 
 
-def copy_out(paged: Any, tokens: Sequence[int], keys: Sequence[Key], first: int) -> HostEntry | None:
-    """The run of `keys[first:]` still keyed in the pool (used or cached), copied to the host; None if none is.
+def copy_out(paged: Any, tokens: Sequence[int], keys: Sequence[Key], first: int,
+             max_blocks: int | None = None) -> HostEntry | None:
+    """The run of `keys[first:]` still keyed in the pool (used or cached), at most `max_blocks` of it, copied to the
+    host; None if none is.
 
     Lease thread. Reads blocks, changes nothing: a block evicted since its row released it ends the run."""
-    blocks = paged.pool.lookup(keys[first:])
+    end = len(keys) if max_blocks is None else min(len(keys), first + max_blocks)
+    blocks = paged.pool.lookup(keys[first:end])
     if not blocks:
         return None
     bs = paged.block_size
