@@ -158,7 +158,7 @@ class BlockPersistenceActor(CachePersistenceActor):
             return 0
         bs = paged.block_size
         tokens = tuple(prompt[: (len(prompt) - 1) // bs * bs])
-        if not tokens:
+        if not tokens or not paged.pool.available():  # a hint: no room, nothing to read files for
             return 0
         keys = chain_keys(paged.root, tokens, bs)
         # A hint read off the lease thread (plain dict reads); the load job checks again.
