@@ -37,7 +37,7 @@ import trio
 
 from mlx_trio.actors.cache_persistence import ACTOR_ID, CachePersistenceActor, OpenStore, _Stalled
 from mlx_trio.actors.gpu_lease import GpuLease
-from mlx_trio.engine.kv.blocks.block_files import block_layout, copy_out, load_in, runs_for
+from mlx_trio.engine.kv.blocks.block_files import RunIndex, block_layout, copy_out, load_in
 from mlx_trio.engine.kv.blocks.chain import Key, chain_keys
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.prompt_cache.identity import identity_of_directory
@@ -80,6 +80,8 @@ class BlockPersistenceActor(CachePersistenceActor):
         super().__init__(lease, open_store, **{"max_queue": BLOCK_QUEUE, **options})
         self._get_model = get_model
         self._paged: Any = None
+        self._runs: RunIndex | None = None  # the stored runs by chain key, built at the scan
+        self._indexed = trio.Event()  # set once the runs are indexed (or the directory found unusable)
         self._hook: Callable[[Key, tuple[int, ...], tuple[Key, ...]], None] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -91,11 +93,18 @@ class BlockPersistenceActor(CachePersistenceActor):
                 paged.on_release = None  # a restarted actor installs its own
 
     async def _open(self, open_store: OpenStore) -> None:
-        # Before the scan: a restore waiting for it (`_opened`) must find the pool once it is set.
-        self._paged = (await self._get_model()).paged_kv
-        await super()._open(open_store)
-        if self._store is None:
-            return
+        try:
+            self._paged = (await self._get_model()).paged_kv
+            await super()._open(open_store)
+            store = self._store
+            if store is None:
+                return
+            runs = RunIndex(self._paged.root, self._paged.block_size)
+            # Hashing every stored block's chain key is plain CPU work: off the Trio thread.
+            await trio.to_thread.run_sync(lambda: [runs.add(info) for info in store.entries])
+            self._runs = runs
+        finally:
+            self._indexed.set()  # restores wait for it: a restarted server's first requests are the ones to serve
         token = trio.lowlevel.current_trio_token()
 
         def hook(root: Key, tokens: tuple[int, ...], keys: tuple[Key, ...]) -> None:  # lease thread
@@ -126,7 +135,8 @@ class BlockPersistenceActor(CachePersistenceActor):
         store, paged = self._store, self._paged
         if store is None or self._degraded or paged is None or not isinstance(pending, _PendingChain):
             return
-        stored = runs_for(store.entries, pending.tokens, 0, paged.block_size)
+        assert self._runs is not None  # set with the store
+        stored = self._runs.runs(pending.keys, 0, store.holds)
         first = stored[-1][2] if stored else 0  # the chain's blocks already on disk, from its start
         per_file = max(1, RUN_BYTES // paged.storage.bytes_per_block)
         while first < len(pending.keys) and not self._degraded and self._store is store:
@@ -140,8 +150,10 @@ class BlockPersistenceActor(CachePersistenceActor):
                 return
             if entry is None:
                 return  # evicted before its turn: the rest of the chain is not written
-            if not await self._write_entry(store, entry):
+            info = await self._write_entry(store, entry)
+            if info is None:
                 return  # a run after a missing one would be unreachable
+            self._runs.add(info)
             first = len(entry.tokens) // paged.block_size
 
     async def restore_blocks(self, prompt: Sequence[int]) -> int:
@@ -152,9 +164,9 @@ class BlockPersistenceActor(CachePersistenceActor):
           LeaseClosed: the lease stopped while loading.
         """
         if self._open_store is not None:
-            await self._opened.wait()
-        store, paged = self._store, self._paged
-        if store is None or paged is None:
+            await self._indexed.wait()
+        store, paged, runs = self._store, self._paged, self._runs
+        if store is None or paged is None or runs is None:
             return 0
         bs = paged.block_size
         tokens = tuple(prompt[: (len(prompt) - 1) // bs * bs])
@@ -165,7 +177,7 @@ class BlockPersistenceActor(CachePersistenceActor):
         have = len(paged.pool.lookup(keys))
         loaded = 0
         try:
-            for info, frm, to in runs_for(store.entries, tokens, have, bs):
+            for info, frm, to in runs.runs(keys, have, store.holds):
                 entry = await self._io("read", store.read, info.key)
                 if entry is None:
                     break  # unusable (removed) or gone: the rest of the chain is unreachable now

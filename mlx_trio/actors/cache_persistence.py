@@ -315,9 +315,9 @@ class CachePersistenceActor:
             return
         await self._write_entry(store, entry)
 
-    async def _write_entry(self, store: CacheFileStore, entry: HostEntry) -> bool:
-        """Write a materialised entry on a worker thread (faults fire here); False when it was not written (a
-        failure loses only this entry)."""
+    async def _write_entry(self, store: CacheFileStore, entry: HostEntry) -> StoredEntryInfo | None:
+        """Write a materialised entry on a worker thread (faults fire here); its file's info, or None when it was
+        not written (a failure loses only this entry)."""
         self._faults.check(ACTOR_ID)  # raise: crash now, between materialising and writing
         if self._faults.take(ACTOR_ID, FaultKind.HANG):
             await trio.sleep_forever()
@@ -325,22 +325,22 @@ class CachePersistenceActor:
         try:
             info = await self._io("write", _write, store, entry, fail)
         except _Stalled:
-            return False
+            return None
         except InjectedFault as exc:
             self._errors += 1
             log.warning("prompt cache write failed: %s", exc)
-            return False
+            return None
         except OSError as exc:
             self._errors += 1
             self._degrade(exc)
-            return False
+            return None
         except Exception:
             self._errors += 1
             log.exception("prompt cache write failed")
-            return False
+            return None
         if info is not None:
             self._writes += 1
-        return info is not None
+        return info
 
     def _degrade(self, exc: OSError) -> None:
         # Called at most once: writes are sequential, and none is attempted once degraded.

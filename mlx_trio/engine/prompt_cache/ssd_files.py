@@ -115,6 +115,11 @@ class CacheFileStore:
         with self._lock:
             return list(self._index.values())
 
+    def holds(self, key: str) -> bool:
+        """Whether `key` is indexed (stored, as far as this store knows)."""
+        with self._lock:
+            return key in self._index
+
     def scan(self) -> list[StoredEntryInfo]:
         """Index the directory's entry files from their headers; remove what cannot be used.
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_trio.engine.kv.blocks.block_files import block_layout, copy_out, load_in, runs_for
+from mlx_trio.engine.kv.blocks.block_files import RunIndex, block_layout, copy_out, load_in
 from mlx_trio.engine.kv.blocks.chain import chain_keys
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.kv.blocks.storage import BlockStorage, LayerShape
@@ -60,6 +60,14 @@ def _check(kv: PagedKV, rows: list) -> None:
             assert mx.array_equal(cache.keys[0, 0, :, 0], want) and mx.array_equal(cache.values[0, 0, :, 0], want)
 
 
+def _runs(store: CacheFileStore, kv: PagedKV, tokens, first: int = 0) -> list[tuple[StoredEntryInfo, int, int]]:
+    """The stored runs continuing `tokens`' chain from block `first`, as the actor finds them."""
+    index = RunIndex(kv.root, BS)
+    for info in store.entries:
+        index.add(info)
+    return index.runs(chain_keys(kv.root, list(tokens), BS), first, store.holds)
+
+
 def _store(tmp_path: Path, kv: PagedKV, max_bytes: int = 2**30) -> CacheFileStore:
     store = CacheFileStore(tmp_path, max_bytes=max_bytes, identity=CacheIdentity("m", "t", block_layout(kv)))
     store.scan()
@@ -78,7 +86,7 @@ def test_a_stored_run_loads_into_a_new_pool_as_cached_blocks_a_join_references(t
 
     second = _kv(dtype=dtype)
     available = second.pool.available()
-    ((found, frm, to),) = runs_for(store.entries, tuple(prompt[:12]), 0, BS)
+    ((found, frm, to),) = _runs(store, second, prompt[:12])
     assert (found.key, frm, to) == (info.key, 0, 3)
     assert load_in(second, chain_keys(second.root, prompt[:12], BS), frm, to, store.read(info.key)) == 3
     assert second.pool.idle and second.pool.stats().cached == 3 and second.pool.available() == available
@@ -100,7 +108,7 @@ def test_a_longer_prompt_stores_only_the_blocks_after_the_stored_run(tmp_path: P
     store.write(copy_out(kv, tokens, keys, 0))
     longer = short[:8] + list(range(50, 62))  # the same 2 blocks, then 3 more
     tokens, keys = _prefill(kv, longer)
-    stored = runs_for(store.entries, tokens, 0, BS)
+    stored = _runs(store, kv, tokens)
     assert [(frm, to) for _, frm, to in stored] == [(0, 2)]
     info = store.write(copy_out(kv, tokens, keys, stored[-1][2]))
     assert info is not None and info.start == 8 and len(info.tokens) == 20
@@ -108,7 +116,7 @@ def test_a_longer_prompt_stores_only_the_blocks_after_the_stored_run(tmp_path: P
 
     fresh = _kv()
     wanted = tuple(longer[:20])
-    runs = runs_for(store.entries, wanted, 0, BS)
+    runs = _runs(store, fresh, wanted)
     assert [(frm, to) for _, frm, to in runs] == [(0, 2), (2, 5)]
     keys = chain_keys(fresh.root, wanted, BS)
     assert load_in(fresh, keys, 2, 5, store.read(runs[1][0].key)) == 0  # its head is not in the pool: unreachable
@@ -149,22 +157,28 @@ def test_a_run_of_another_shape_is_refused_with_nothing_allocated(tmp_path: Path
 
 
 @given(stored=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(0, 2)), max_size=6),
-       query=st.tuples(st.integers(1, 8), st.integers(0, 2)), first=st.integers(0, 3))
-def test_runs_for_continues_the_chain_block_by_block(stored, query, first) -> None:
-    """Each run found starts at or before the block wanted and agrees with the query through its reach; the
-    runs are contiguous from `first`; and they reach the furthest block any chain of stored runs could."""
+       query=st.tuples(st.integers(1, 8), st.integers(0, 2)), first=st.integers(0, 3), gone=st.sets(st.integers(0, 5)))
+def test_the_run_index_continues_the_chain_block_by_block(stored, query, first, gone) -> None:
+    """Each run found starts at or before the block wanted and agrees with the query through its reach; the runs
+    are contiguous from `first`; they reach as far as any stored run could take the chain; runs no longer stored
+    are never returned."""
     def tokens(n_blocks: int, variant: int) -> tuple[int, ...]:
         return tuple(1 + (i // (2 * BS)) * variant * 7 + i for i in range(n_blocks * BS))
 
+    root = b"r" * 16
     entries = [StoredEntryInfo(f"{i}", tokens(start + length, variant), 0, Path("x"), start * BS)
                for i, (start, length, variant) in enumerate(stored)]
+    index = RunIndex(root, BS)
+    for info in entries:
+        index.add(info)
+    alive = [e for e in entries if int(e.key) not in gone]
     want = tokens(*query)
-    runs = runs_for(entries, want, first, BS)
+    runs = index.runs(chain_keys(root, want, BS), first, lambda key: int(key) not in gone)
     at = first
     for info, frm, to in runs:
-        assert frm == at and info.start <= frm * BS and to > frm
+        assert frm == at and info.start <= frm * BS and to > frm and int(info.key) not in gone
         assert info.tokens[: to * BS] == want[: to * BS]
         at = to
     # No stored run could take the chain one block further.
     assert not any(e.start <= at * BS < len(e.tokens) and e.tokens[: (at + 1) * BS] == want[: (at + 1) * BS]
-                   and (at + 1) * BS <= len(want) for e in entries)
+                   and (at + 1) * BS <= len(want) for e in alive)

@@ -10,20 +10,22 @@ prefix), `start` is `first * block_size`, and its arrays are the run's blocks,
 head_dim]` (bfloat16 kept as uint16 bits). A run after an earlier one of the
 same chain stores only its own blocks: a shared prefix is on disk once.
 
-`copy_out` and `load_in` run on the lease thread (MLX); `runs_for` and
+Runs are found by chain key (`RunIndex`: each stored block's key -> its run),
+so a lookup costs a dict read a block, whatever the number of files.
+`copy_out` and `load_in` run on the lease thread (MLX); `RunIndex` and
 `block_layout` are plain Python for the actor.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_trio.engine.kv.blocks.chain import Key
+from mlx_trio.engine.kv.blocks.chain import Key, chain_keys
 from mlx_trio.engine.prompt_cache.host_entry import CLASSES, START, STATES, HostEntry
 
 # The class name a block run's entry carries (a padded entry carries mlx-lm cache classes).
@@ -46,40 +48,58 @@ def block_layout(paged: Any) -> str:
     return f"{RUN_CLASS}:{storage.block_size}:{storage.dtype}:{layers}"
 
 
-def runs_for(entries: Sequence[Any], tokens: Sequence[int], first: int, block_size: int) -> list[tuple[Any, int, int]]:
-    """Stored runs that continue `tokens`' chain from block `first`, in order: `(info, from, to)` blocks.
+class RunIndex:
+    """Which stored runs hold each block of a chain: chain key -> the runs' `StoredEntryInfo`s (plain Python).
 
-    `entries` are the store's `StoredEntryInfo`s. Each step takes the run that starts at or before the next block
-    wanted, agrees with `tokens` through at least that block, and reaches furthest; a run may be used in part (a
-    prompt that stops inside it). Stops at the first block no run holds.
+    A lookup walks a chain's keys from a block on and finds the longest stored continuation: a dict read a
+    block, however many files there are. Keys come from each run's tokens under the pool's root (`add`, at the
+    scan and after each write); a run the store no longer holds (evicted, removed) is dropped when met.
     """
-    tokens = tuple(tokens)
-    wanted = len(tokens) // block_size
-    out: list[tuple[Any, int, int]] = []
-    at = first
-    while at < wanted:
-        best, reach = None, at
-        for info in entries:
-            if info.start <= at * block_size < len(info.tokens):
-                end = _agreed_blocks(info.tokens, tokens, block_size)
-                if end > reach:
-                    best, reach = info, end
-        if best is None:
-            break
-        out.append((best, at, reach))
-        at = reach
-    return out
 
+    def __init__(self, root: Key, block_size: int) -> None:
+        self.root, self.block_size = root, block_size
+        # Usually one run a block; two after a chain was stored again from an earlier block (a run before it gone).
+        self._runs_of: dict[Key, dict[str, Any]] = {}
+        self._keys_of: dict[str, list[Key]] = {}  # a run's own block keys, by file key (to drop them)
 
-def _agreed_blocks(a: tuple[int, ...], b: tuple[int, ...], block_size: int) -> int:
-    """Full blocks `a` and `b` agree on from the start."""
-    m = min(len(a), len(b))
-    if a[:m] == b[:m]:  # the usual case, compared at C speed
-        return m // block_size
-    n = 0
-    while a[n] == b[n]:
-        n += 1
-    return n // block_size
+    def add(self, info: Any) -> None:
+        """Index a stored run (a `StoredEntryInfo` with `tokens` from the chain's start and `start`)."""
+        keys = chain_keys(self.root, info.tokens, self.block_size)[info.start // self.block_size :]
+        self.drop(info.key)
+        self._keys_of[info.key] = keys
+        for key in keys:
+            self._runs_of.setdefault(key, {})[info.key] = info
+
+    def drop(self, file_key: str) -> None:
+        for key in self._keys_of.pop(file_key, ()):
+            runs = self._runs_of.get(key)
+            if runs is not None:
+                runs.pop(file_key, None)
+                if not runs:
+                    del self._runs_of[key]
+
+    def runs(self, keys: Sequence[Key], first: int, stored: Callable[[str], bool]) -> list[tuple[Any, int, int]]:
+        """The stored runs that continue the chain `keys` from block `first`, in order: `(info, from, to)` blocks,
+        each the one reaching furthest (a run may serve only part of itself: a prompt that stops inside it).
+        Stops at the first block no run holds; `stored(file_key)` says whether a run is still on disk."""
+        out: list[tuple[Any, int, int]] = []
+        at = first
+        while at < len(keys):
+            best, reach = None, at
+            for info in list(self._runs_of.get(keys[at], {}).values()):
+                if not stored(info.key):
+                    self.drop(info.key)
+                    continue
+                to = at + 1
+                while to < len(keys) and info.key in self._runs_of.get(keys[to], ()):
+                    to += 1
+                if to > reach:
+                    best, reach = info, to
+            if best is None:
+                break
+            out.append((best, at, reach))
+            at = reach
+        return out
 
 
 def copy_out(paged: Any, tokens: Sequence[int], keys: Sequence[Key], first: int,
