@@ -228,3 +228,32 @@ def _runs(directory: Path) -> list[tuple[int, int]]:
 def _tiles_one_chain(runs: list[tuple[int, int]]) -> bool:
     """Each run starts where the one before ended: no block stored twice, none missing."""
     return bool(runs) and runs[0][0] == 0 and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+
+
+async def test_requests_arriving_together_on_a_new_engine_all_take_the_stored_prefix(tmp_path: Path) -> None:
+    """Four chats behind the stored system prompt sent at once to a new engine: the head's restore loads the
+    prefix once, every admission pins and credits it, each chat equals mlx-lm's tokens, and the pool is idle."""
+    await _first_run(tmp_path)
+    tasks = ["Tell me about the ship.", "Count the waves, one by one.", "Name the robot.", "Why is the sky blue?"]
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}] for task in tasks]
+    got: dict[int, tuple[tuple[int, ...], Finished]] = {}
+    async with _engine(tmp_path) as engine:
+        prompts = [tuple(engine.prepare(chat).prompt_ids) for chat in chats]
+
+        async def one(i: int) -> None:
+            got[i] = await _run(engine, chats[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(chats)):
+                nursery.start_soon(one, i)
+        await _settle(engine)
+        ssd = _ssd(engine)
+    shared = min(_agreed(prompts[0], p) for p in prompts[1:]) // BLOCK * BLOCK
+    assert ssd["reads"] >= 1 and shared > 200
+    for i, prompt in enumerate(prompts):
+        ids, finished = got[i]
+        assert ids == _serial(prompt) and finished.usage.cached_tokens >= shared
+
+
+def _agreed(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
