@@ -257,3 +257,26 @@ async def test_requests_arriving_together_on_a_new_engine_all_take_the_stored_pr
 
 def _agreed(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def test_a_prefix_restored_from_disk_is_credited_as_a_cached_one(tmp_path: Path) -> None:
+    """test_admission_prefix_credit's budget (8 siblings fit together only if their 10-block prefix is credited
+    once), on a new engine whose prefix comes from the SSD tier: all 8 are admitted together, token-exact."""
+    from tests.actors.test_admission_prefix_credit import BUDGET as CREDIT_BUDGET
+    from tests.actors.test_admission_prefix_credit import MAX_TOKENS as CREDIT_TOKENS
+    from tests.actors.test_admission_prefix_credit import SIBLINGS, _peak_in_flight
+
+    options = dict(batch=8, paged_kv=True, kv_budget_bytes=CREDIT_BUDGET, prompt_cache_dir=tmp_path)
+    async with open_engine(str(tiny_model(LLAMA)), **options) as engine:
+        alone = [(await engine.complete(p, max_tokens=CREDIT_TOKENS, temperature=0)).token_ids for p in SIBLINGS]
+        await _settle(engine)
+    async with open_engine(str(tiny_model(LLAMA)), **options) as engine:
+        peak, tokens = await _peak_in_flight(engine, SIBLINGS)
+        await _settle(engine)
+        ssd = _ssd(engine)
+        assert engine.actors.lane.admission.statistics().reserved_bytes == 0 and not engine.actors.lane.pins
+    assert ssd["reads"] >= 1
+    # Without the credit at most 5 fit together; with it all 8 (7 when the first one finished before the last was
+    # admitted: the restore's read delays the head, and 2 shared CPUs make the steps' timing loose).
+    assert peak >= len(SIBLINGS) - 1, f"only {peak} siblings were admitted together"
+    assert tokens == alone
