@@ -18,6 +18,9 @@ or very slow disk) is abandoned to its thread and disables the tier for
 good, reads included, with one warning naming the directory; requests go on
 with the RAM tier only, and `/stats` and `/health` say why.
 
+Under --paged-kv the subclass in actors/block_persistence.py stores the block
+pool's keyed blocks instead of entries.
+
 Faults (`supervision/faults.py`, id "cache-persistence"): `raise`, `hang`
 and `fail-write` fire after an entry is materialised and before its file is
 written: `raise` crashes the actor (queued entries are lost, no partial

@@ -5,7 +5,7 @@
     ├── decode-step           DecodeStepActor: the running batch
     ├── prefill               PrefillActor: solo or cohort prefill, token 0
     ├── admission             AdmissionActor: FIFO queue, row cap, KV budget
-    └── cache-persistence     CachePersistenceActor: the prompt cache's SSD tier
+    └── cache-persistence     CachePersistenceActor: the prompt cache's SSD tier (BlockPersistenceActor under --paged-kv)
 
 Every `--batch` runs this lane; `--batch 1` caps it at one row. The actors
 and what they share live in one `Lane` record (actors/lane.py); the
