@@ -172,14 +172,15 @@ class CacheFileStore:
         entry alone is larger than `max_bytes`. Raises OSError when the
         directory cannot be written: no partial file is left behind.
         """
-        key = self.identity.key(entry.tokens)
+        layout = _layout(entry.meta)
+        start = int(layout.get(START, 0))
+        key = self.identity.key(entry.tokens, start)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return self._index[key]
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arrays = {name: np.asarray(a, order="C") for name, a in entry.arrays.items()}
-        layout = _layout(entry.meta)
         meta = {**self.identity.to_metadata(), **layout, **_encode_tokens(entry.tokens),
                 _CHECKSUM: checksum(layout, entry.tokens, arrays)}
         header = _header(arrays, meta)
@@ -200,7 +201,7 @@ class CacheFileStore:
         except BaseException:
             _unlink(tmp)
             raise
-        info = StoredEntryInfo(key, entry.tokens, file_bytes, path, int(layout.get(START, 0)))
+        info = StoredEntryInfo(key, entry.tokens, file_bytes, path, start)
         with self._lock:
             self._index[key] = info
             self._nbytes += file_bytes
@@ -286,20 +287,20 @@ class CacheFileStore:
                 prefix = _read_exactly(f, 8)
                 header = _read_exactly(f, _header_length(prefix, status.st_size))
             meta, _ = _parse_header(header, status.st_size - 8 - len(header))  # it covers the whole file
-            tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
-            start = int(meta.get(START, 0))
+            tokens, start = self._check_identity(meta, path.name[: -len(SUFFIX)])
         except _DAMAGED as exc:
             raise _Unusable("damaged") from exc
         return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path, start)
 
-    def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[int, ...]:
-        """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
+    def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[tuple[int, ...], int]:
+        """The file's tokens and start, if its identity is ours and they hash to its key; else raise _Unusable."""
         if CacheIdentity.from_metadata(dict(meta)) != self.identity:
             raise _Unusable("from another model, tokenizer, cache layout or format version")
         tokens = _decode_tokens(meta)
-        if self.identity.key(tokens) != key:
+        start = int(meta.get(START, 0))
+        if self.identity.key(tokens, start) != key:
             raise _Unusable("damaged (tokens do not match the file name)")
-        return tokens
+        return tokens, start
 
     def _load(self, info: StoredEntryInfo) -> HostEntry:
         try:
@@ -311,7 +312,7 @@ class CacheFileStore:
             body = memoryview(data)[8 + len(header):]
             arrays = {name: np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
                       for name, (dtype, shape, start, end) in table.items()}
-            tokens = self._check_identity(meta, info.key)
+            tokens, _ = self._check_identity(meta, info.key)
             layout = _layout(meta)
             if checksum(layout, tokens, arrays) != meta[_CHECKSUM]:
                 raise _Unusable("damaged (checksum mismatch)")

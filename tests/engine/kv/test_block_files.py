@@ -129,6 +129,25 @@ def test_a_longer_prompt_stores_only_the_blocks_after_the_stored_run(tmp_path: P
     assert fresh.pool.idle
 
 
+def test_a_chain_stored_again_from_its_start_is_a_file_of_its_own(tmp_path: Path) -> None:
+    """Runs [0, 2) and [2, 5) stored, then the first evicted: the chain is written again from block 0 as [0, 5),
+    which shares its tokens with [2, 5) but not its start, so it is a new file (not "already stored")."""
+    kv = _kv()
+    store = _store(tmp_path, kv)
+    prompt = list(range(1, 22))  # 5 full blocks
+    tokens, keys = _prefill(kv, prompt)
+    head = store.write(copy_out(kv, tokens, keys, 0, max_blocks=2))
+    tail = store.write(copy_out(kv, tokens, keys, 2))
+    assert (head.start, tail.start, len(tail.tokens)) == (0, 8, 20)
+    store.remove(head.key)
+    assert _runs(store, kv, tokens) == []  # the tail alone is unreachable
+    whole = store.write(copy_out(kv, tokens, keys, 0))
+    assert whole.key != tail.key and whole.tokens == tail.tokens and whole.start == 0
+    assert [(info.key, frm, to) for info, frm, to in _runs(store, kv, tokens)] == [(whole.key, 0, 5)]
+    again = CacheFileStore(tmp_path, max_bytes=2**30, identity=store.identity)
+    assert sorted((e.start, len(e.tokens)) for e in again.scan()) == [(0, 20), (8, 20)]  # names check out at a scan
+
+
 def test_loading_into_a_full_pool_loads_what_fits_and_leaks_nothing(tmp_path: Path) -> None:
     big = _kv()
     prompt = list(range(1, 22))  # 5 full blocks
