@@ -33,9 +33,12 @@ RUN_CLASS = "PagedBlocks"
 
 
 def block_layout(paged: Any) -> str:
-    """The identity layout of a pool's block files: block size, dtype and per-layer shapes, runs collapsed.
+    """The identity layout of a pool's block files: block size, dtype, per-layer shapes (runs collapsed) and the
+    MLX version that computed them.
 
-    A file is usable only by a pool of the same layout (another block size or head shape is removed at scan)."""
+    A file is usable only by a pool of the same layout (another block size or head shape is removed at scan). The
+    MLX version is in because a block is raw KV that another build's kernels may round differently: a row reading
+    it would then drift from one that computed it (the padded tier's entries do not carry it)."""
     storage = paged.storage
     shapes: list[list[Any]] = []
     for shape in storage.layers:
@@ -45,7 +48,7 @@ def block_layout(paged: Any) -> str:
         else:
             shapes.append([name, 1])
     layers = ",".join(name if n == 1 else f"{name}*{n}" for name, n in shapes)
-    return f"{RUN_CLASS}:{storage.block_size}:{storage.dtype}:{layers}"
+    return f"{RUN_CLASS}:{storage.block_size}:{storage.dtype}:{layers}:mlx-{mx.__version__}"
 
 
 class RunIndex:
