@@ -164,6 +164,28 @@ def test_loading_into_a_full_pool_loads_what_fits_and_leaks_nothing(tmp_path: Pa
     assert small.pool.idle
 
 
+def test_loading_never_evicts_the_chain_blocks_it_continues(tmp_path: Path) -> None:
+    """The pool holds the chain's first 2 blocks (cached, evictable) and 1 free block when a run of blocks 0..4
+    is loaded: only block 2 is loaded, into the free one, and the cached 2 stay (evicting them for blocks 2..4
+    would leave a chain no lookup can reach)."""
+    big = _kv()
+    prompt = list(range(1, 22))  # 5 full blocks
+    tokens, keys = _prefill(big, prompt)
+    store = _store(tmp_path, big)
+    info = store.write(copy_out(big, tokens, keys, 0))
+    small = _kv(num_blocks=5)
+    _prefill(small, prompt[:9])  # blocks 0..1 of the chain, cached
+    holder = small.join([9] * 7)
+    _feed(small, [holder], [holder.tokens])  # 2 blocks used: 1 free, 2 cached
+    assert load_in(small, chain_keys(small.root, prompt[:20], BS), 0, 5, store.read(info.key)) == 1
+    small.leave(holder)
+    row = small.join(prompt)
+    assert row.cached_tokens == 12
+    _check(small, [row])
+    small.leave(row)
+    assert small.pool.idle
+
+
 def test_a_run_of_another_shape_is_refused_with_nothing_allocated(tmp_path: Path) -> None:
     kv = _kv()
     tokens, keys = _prefill(kv, list(range(1, 10)))

@@ -138,14 +138,14 @@ def load_in(paged: Any, keys: Sequence[Key], frm: int, to: int, entry: HostEntry
     """
     pool, bs, storage = paged.pool, paged.block_size, paged.storage
     _check_fits(paged, entry)
-    before = pool.lookup(keys[:frm])
+    before = pool.lookup(keys[:to])  # past `frm` too: a row may have computed some since the run was chosen
     if len(before) < frm:
         return 0
-    frm += len(pool.lookup(keys[frm:to]))  # a row computed them since the lookup that chose this run
+    frm = len(before)
     skip = frm - int(entry.meta[START]) // bs
     if frm >= to or skip < 0:
         return 0
-    for block in before:  # not evictable while this job allocates
+    for block in before:  # the chain's blocks before the loaded ones: not evictable while this job allocates
         pool.retain(block)
     blocks: list[int] = []
     try:
