@@ -182,7 +182,7 @@ class BlockPersistenceActor(CachePersistenceActor):
                 if entry is None:
                     break  # unusable (removed) or gone: the rest of the chain is unreachable now
                 try:
-                    n = await self._lease.run(load_in, paged, keys, frm, to, entry)
+                    reach = await self._lease.run(load_in, paged, keys, frm, to, entry)
                 except LeaseClosed:
                     raise
                 except Exception as exc:
@@ -190,8 +190,8 @@ class BlockPersistenceActor(CachePersistenceActor):
                     log.warning("prompt cache block file %s could not be restored (%s): removed", info.key, exc)
                     await self._io("remove", store.remove, info.key)
                     break
-                loaded += n
-                if n < to - frm:
+                loaded += max(0, reach - frm)
+                if reach < to:
                     break  # the pool had no room, or its earlier blocks were evicted meanwhile
         except _Stalled:
             pass

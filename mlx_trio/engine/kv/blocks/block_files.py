@@ -129,9 +129,10 @@ def copy_out(paged: Any, tokens: Sequence[int], keys: Sequence[Key], first: int,
 
 def load_in(paged: Any, keys: Sequence[Key], frm: int, to: int, entry: HostEntry) -> int:
     """Blocks `frm .. to-1` of the chain `keys` from `entry` (a stored run holding them) into free blocks of the
-    pool, keyed and cached (unreferenced: the caller's pin or a row's join takes them); returns how many.
+    pool, keyed and cached (unreferenced: the caller's pin or a row's join takes them); returns how many of the
+    chain's blocks the pool now holds from its start (`to` when the whole run is in).
 
-    Lease thread. Loads nothing (0) when the chain's blocks before `frm` are no longer in the pool (a run after
+    Lease thread. Loads nothing when the chain's blocks before `frm` are no longer all in the pool (a run after
     them would be unreachable); fewer when the pool has fewer blocks free or evictable. Blocks that came into the
     pool meanwhile are skipped. Raises ValueError when the entry does not fit the pool (another layout that passed
     its checksum), with nothing allocated. Leaves the pool's counts as it found them: loaded blocks are cached.
@@ -140,18 +141,18 @@ def load_in(paged: Any, keys: Sequence[Key], frm: int, to: int, entry: HostEntry
     _check_fits(paged, entry)
     before = pool.lookup(keys[:to])  # past `frm` too: a row may have computed some since the run was chosen
     if len(before) < frm:
-        return 0
+        return len(before)
     frm = len(before)
     skip = frm - int(entry.meta[START]) // bs
     if frm >= to or skip < 0:
-        return 0
+        return frm
     for block in before:  # the chain's blocks before the loaded ones: not evictable while this job allocates
         pool.retain(block)
     blocks: list[int] = []
     try:
         blocks = pool.allocate(min(to - frm, pool.available()))
         if not blocks:
-            return 0
+            return frm
         n = len(blocks)
         ids = mx.array(blocks, dtype=mx.int32)
         for layer in range(len(storage.layers)):
@@ -159,12 +160,12 @@ def load_in(paged: Any, keys: Sequence[Key], frm: int, to: int, entry: HostEntry
                 data = entry.arrays[f"{name}.{layer}"][skip : skip + n]
                 arrays[layer][ids] = _from_numpy(data, storage.dtype)  # in place: the list's array is the result
         mx.eval(storage.keys, storage.values)
-        loaded = 0
+        reach = frm
         for block, key in zip(blocks, keys[frm : frm + n]):
             if not pool.register(block, key):  # another block holds it now: the chain goes on through that one
                 break
-            loaded += 1
-        return loaded
+            reach += 1
+        return reach
     finally:
         pool.release(blocks)
         pool.release(before)
