@@ -204,6 +204,9 @@ class EngineConfig:
     def prompt_cache_off(self) -> bool:
         """No RAM tier, and so no SSD tier: `--prompt-cache-bytes 0`, `--prompt-cache-size 0`, or `--batch 1`.
 
+        Under paged KV (`--kv-layout`) the pool's cached blocks replace the RAM tier, and the SSD tier
+        (`--prompt-cache-dir`) stores those blocks instead (actors/block_persistence.py).
+
         At `--batch 1` every prompt prefills from scratch, so a request's bits
         depend on no other request, not even an earlier one's cached KV.
         """
@@ -216,8 +219,6 @@ class EngineConfig:
         return tuple(reason for on, reason in (
             (self.kv_bits is not None, "--kv-bits: quantized KV is not on the paged layout yet"),
             (self.draft_model is not None, "--draft-model: the draft's KV would live outside the block pool"),
-            (self.prompt_cache_dir is not None,
-             "--prompt-cache-dir: the SSD tier stores padded entries, not blocks (not built yet)"),
             # Cached prefix blocks are a prompt cache, which --batch 1 promises not to have.
             (self.batch == 1, "--batch 1: it promises no prompt cache, and cached prefix blocks are one"),
         ) if on)

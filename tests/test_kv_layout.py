@@ -61,8 +61,7 @@ def test_paged_is_paged_without_a_kernel_saying_auto_would_not_and_an_error_with
 # -- the config and the flag -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("flags", "named"), [
-    ({"kv_bits": 8}, "--kv-bits"), ({"draft_model": "x"}, "--draft-model"),
-    ({"prompt_cache_dir": "/tmp/x"}, "--prompt-cache-dir"), ({"batch": 1}, "--batch 1")])
+    ({"kv_bits": 8}, "--kv-bits"), ({"draft_model": "x"}, "--draft-model"), ({"batch": 1}, "--batch 1")])
 def test_paged_with_a_flag_it_cannot_serve_is_refused_naming_both_flags(flags: dict, named: str) -> None:
     with pytest.raises(ValueError, match=f"--kv-layout paged cannot serve here: {named}") as info:
         EngineConfig(model="m", kv_layout="paged", **flags)
@@ -70,6 +69,11 @@ def test_paged_with_a_flag_it_cannot_serve_is_refused_naming_both_flags(flags: d
     # auto takes the same flags quietly (padded, said at load); padded never looks.
     assert EngineConfig(model="m", **flags).paged_conflicts[0].startswith(named)
     EngineConfig(model="m", kv_layout="padded", **flags)
+
+
+def test_paged_takes_an_ssd_tier() -> None:
+    """The SSD tier stores blocks under paged KV (actors/block_persistence.py): no conflict."""
+    assert EngineConfig(model="m", kv_layout="paged", prompt_cache_dir="/tmp/x").paged_conflicts == ()
 
 
 def test_the_flag_parses_defaults_to_auto_and_replaces_paged_kv() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlx_trio.actors.block_persistence import BlockPersistenceActor
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.engine.kv.layout import device_memory_reading
@@ -205,6 +206,13 @@ class AdmissionActor:
         if len(self._reserved) >= self._max_rows:
             return
         head = self._pending[0]
+        persistence = self._lane.persistence
+        if isinstance(persistence, BlockPersistenceActor) and head.adapter is None:
+            # Stored blocks the pool lacks come back as cached blocks first (evictable, as the pool's count of
+            # free-or-evictable blocks assumes), so the pin below credits them as any cached block.
+            await persistence.restore_blocks(head.prompt_ids)
+            if not self._pending or self._pending[0] is not head:
+                return  # dropped meanwhile: the next try pins the new head
         old = self._lane.pins.pop(head.request_id, None)
         if old is not None:
             self._lane.unpin(old)

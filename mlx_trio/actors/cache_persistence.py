@@ -18,6 +18,9 @@ or very slow disk) is abandoned to its thread and disables the tier for
 good, reads included, with one warning naming the directory; requests go on
 with the RAM tier only, and `/stats` and `/health` say why.
 
+Under --kv-layout paged the subclass in actors/block_persistence.py stores the block
+pool's keyed blocks instead of entries.
+
 Faults (`supervision/faults.py`, id "cache-persistence"): `raise`, `hang`
 and `fail-write` fire after an entry is materialised and before its file is
 written: `raise` crashes the actor (queued entries are lost, no partial
@@ -162,7 +165,10 @@ class CachePersistenceActor:
         """
         if self._open_store is None or self._degraded:
             return False
-        pending = _PendingWrite(list(caches), tuple(tokens))
+        return self._enqueue(_PendingWrite(list(caches), tuple(tokens)))
+
+    def _enqueue(self, pending: Any) -> bool:
+        """Queue `pending` (whose `caches`, if any, are then ours); False, counted as `dropped`, if the queue is full."""
         try:
             self.inbox_send.send_nowait(pending)
         except trio.WouldBlock:
@@ -310,6 +316,11 @@ class CachePersistenceActor:
             self._errors += 1
             log.exception("copying a prompt cache entry to the host failed")
             return
+        await self._write_entry(store, entry)
+
+    async def _write_entry(self, store: CacheFileStore, entry: HostEntry) -> StoredEntryInfo | None:
+        """Write a materialised entry on a worker thread (faults fire here); its file's info, or None when it was
+        not written (a failure loses only this entry)."""
         self._faults.check(ACTOR_ID)  # raise: crash now, between materialising and writing
         if self._faults.take(ACTOR_ID, FaultKind.HANG):
             await trio.sleep_forever()
@@ -317,21 +328,22 @@ class CachePersistenceActor:
         try:
             info = await self._io("write", _write, store, entry, fail)
         except _Stalled:
-            return
+            return None
         except InjectedFault as exc:
             self._errors += 1
             log.warning("prompt cache write failed: %s", exc)
-            return
+            return None
         except OSError as exc:
             self._errors += 1
             self._degrade(exc)
-            return
+            return None
         except Exception:
             self._errors += 1
             log.exception("prompt cache write failed")
-            return
+            return None
         if info is not None:
             self._writes += 1
+        return info
 
     def _degrade(self, exc: OSError) -> None:
         # Called at most once: writes are sequential, and none is attempted once degraded.

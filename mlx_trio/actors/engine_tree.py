@@ -5,7 +5,7 @@
     ├── decode-step           DecodeStepActor: the running batch
     ├── prefill               PrefillActor: solo or cohort prefill, token 0
     ├── admission             AdmissionActor: FIFO queue, row cap, KV budget
-    └── cache-persistence     CachePersistenceActor: the prompt cache's SSD tier
+    └── cache-persistence     CachePersistenceActor: the prompt cache's SSD tier (BlockPersistenceActor under --kv-layout paged)
 
 Every `--batch` runs this lane; `--batch 1` caps it at one row. The actors
 and what they share live in one `Lane` record (actors/lane.py); the
@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from mlx_trio.actors.admission import AdmissionActor, Limits
+from mlx_trio.actors.block_persistence import BlockPersistenceActor, block_store_opener
 from mlx_trio.actors.cache_persistence import ACTOR_ID as PERSISTENCE_ID
 from mlx_trio.actors.cache_persistence import CachePersistenceActor, PersistenceStatistics, store_opener
 from mlx_trio.actors.decode_step import DecodeStepActor, speculation_for
@@ -315,11 +316,16 @@ class EngineActors:
     async def _run_persistence(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
         lane, directory = self.lane, self.config.prompt_cache_dir
         assert lane.lease is not None
-        opener = (store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes,
-                                self.config.prefill_step_size)
-                  if directory is not None and not self.config.prompt_cache_off else None)
-        lane.persistence = CachePersistenceActor(lane.lease, opener, faults=lane.faults,
-                                                 io_timeout_s=self.config.prompt_cache_io_timeout_s)
+        options: dict[str, Any] = dict(faults=lane.faults, io_timeout_s=self.config.prompt_cache_io_timeout_s)
+        if self.config.paged_kv:  # the pool's cached blocks are the prompt cache: the SSD tier stores blocks
+            blocks = (block_store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes)
+                      if directory is not None else None)
+            lane.persistence = BlockPersistenceActor(lane.lease, blocks, lane.wait_model, **options)
+        else:
+            opener = (store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes,
+                                   self.config.prefill_step_size)
+                      if directory is not None and not self.config.prompt_cache_off else None)
+            lane.persistence = CachePersistenceActor(lane.lease, opener, **options)
         await lane.persistence.run(task_status=task_status)
 
     async def _run_rank_watch(self, *, task_status: trio.TaskStatus[RankWatch] = trio.TASK_STATUS_IGNORED) -> None:

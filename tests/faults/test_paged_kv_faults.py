@@ -6,6 +6,8 @@ A crashed decoder's batch and a crashed prefill's rows give their blocks back (`
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
 
@@ -28,3 +30,41 @@ async def test_kill_mid_generation_on_paged_kv_resumes_exact_and_frees_every_blo
                 await trio.sleep(0.01)
         blocks = engine.status()["counters"]["kv_blocks"]
         assert blocks["used"] == blocks["shared"] == 0 and blocks["free"] + blocks["cached"] == blocks["total"]
+
+
+@pytest.mark.parametrize("kind", ["raise", "fail-write"])
+async def test_a_killed_or_failed_block_write_loses_only_that_run(solo, tmp_path, kind) -> None:
+    """--kv-layout paged with --prompt-cache-dir: the cache-persistence actor dies (or a write fails) between copying a
+    run of blocks off the device and writing it. Streams are untouched, no partial file is left, the actor goes
+    on (restarted) writing, and a new engine on the directory serves from what was written, token-exact."""
+    from mlx_trio.actors.block_persistence import BLOCKS_SUBDIRECTORY
+    from tests.faults.test_kill_actors import _node, _wait_healthy as _healthy
+    from tests.prompts import PROMPTS
+
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET,
+                           prompt_cache_dir=tmp_path) as engine:
+        engine.faults.arm("cache-persistence", kind)
+        streams = await _run_streams(engine, lambda: None)
+        assert streams == solo
+        await _healthy(engine)
+        with trio.fail_after(20):
+            while not engine.faults.fired:
+                await trio.sleep(0.01)
+        with trio.fail_after(20):  # the (restarted) actor goes on writing: new chains reach the disk
+            for n in itertools.count(1):
+                await engine.complete(" ".join(["the sea and the wind"] * 20 + [str(n)]), max_tokens=4)
+                while engine.status()["counters"]["kv_blocks"]["used"]:
+                    await trio.sleep(0.01)
+                await engine.drain_persistence()
+                if engine.status()["prompt_cache"]["ssd"]["writes"]:
+                    break
+        node = _node(engine.status()["tree"], "cache-persistence")
+        ssd = engine.status()["prompt_cache"]["ssd"]
+        assert node is not None and node["restarts"] == (1 if kind == "raise" else 0)
+        assert kind == "raise" or ssd["errors"] == 1
+    assert not list(tmp_path.rglob("*.tmp*")) and list((tmp_path / BLOCKS_SUBDIRECTORY).iterdir())
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET,
+                           prompt_cache_dir=tmp_path) as engine:
+        for prompt, tokens in zip(PROMPTS, solo):
+            assert (await engine.complete(prompt, max_tokens=len(tokens))).token_ids == tokens
+        assert engine.status()["prompt_cache"]["ssd"]["errors"] == 0

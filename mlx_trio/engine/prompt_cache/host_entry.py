@@ -18,6 +18,9 @@ import numpy as np
 CLASSES = "classes"  # JSON list: the mlx-lm cache class name of each layer
 STATES = "states"  # JSON list: each layer's `state` tree, arrays replaced by {"array": name[, "dtype"]}
 LAYOUT_KEYS = (CLASSES, STATES)
+# Optional: the first position the arrays hold, when they are not a whole prefix (a run of paged KV blocks,
+# engine/kv/blocks/block_files.py); absent, 0.
+START = "start"
 
 
 @attrs.frozen(eq=False)  # numpy arrays have no boolean ==: compare with `same_entry`

@@ -50,11 +50,14 @@ class CacheIdentity:
         """Raises KeyError or ValueError when a field is missing or malformed."""
         return cls(meta["model"], meta["tokenizer"], meta["layout"], int(meta["format"]))
 
-    def key(self, tokens: Sequence[int]) -> str:
-        """The entry key (and file name stem) of `tokens` under this identity: 32 hex digits."""
+    def key(self, tokens: Sequence[int], start: int = 0) -> str:
+        """The entry key (and file name stem) of `tokens` under this identity: 32 hex digits. `start`: where the
+        entry's arrays begin (a run of paged KV blocks, which shares its tokens with a longer run of the chain)."""
         h = hashlib.sha256(json.dumps(self.to_metadata(), sort_keys=True).encode())
         h.update(b"\0")
         h.update(",".join(map(str, tokens)).encode())
+        if start:
+            h.update(f"\0start={start}".encode())
         return h.hexdigest()[:32]
 
 

@@ -47,7 +47,7 @@ import attrs
 import numpy as np
 
 from mlx_trio.engine.prompt_cache.identity import CacheIdentity
-from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, HostEntry, checksum
+from mlx_trio.engine.prompt_cache.host_entry import LAYOUT_KEYS, START, HostEntry, checksum
 
 log = logging.getLogger("mlx_trio.cache_files")
 
@@ -79,6 +79,7 @@ class StoredEntryInfo:
     tokens: tuple[int, ...]
     file_bytes: int
     path: Path
+    start: int = 0  # the first position its arrays hold (a run of paged KV blocks; 0: a whole prefix)
 
 
 class CacheFileStore:
@@ -113,6 +114,11 @@ class CacheFileStore:
         """The indexed entries, least recently used first."""
         with self._lock:
             return list(self._index.values())
+
+    def holds(self, key: str) -> bool:
+        """Whether `key` is indexed (stored, as far as this store knows)."""
+        with self._lock:
+            return key in self._index
 
     def scan(self) -> list[StoredEntryInfo]:
         """Index the directory's entry files from their headers; remove what cannot be used.
@@ -166,14 +172,15 @@ class CacheFileStore:
         entry alone is larger than `max_bytes`. Raises OSError when the
         directory cannot be written: no partial file is left behind.
         """
-        key = self.identity.key(entry.tokens)
+        layout = _layout(entry.meta)
+        start = int(layout.get(START, 0))
+        key = self.identity.key(entry.tokens, start)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return self._index[key]
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arrays = {name: np.asarray(a, order="C") for name, a in entry.arrays.items()}
-        layout = {k: entry.meta[k] for k in LAYOUT_KEYS}
         meta = {**self.identity.to_metadata(), **layout, **_encode_tokens(entry.tokens),
                 _CHECKSUM: checksum(layout, entry.tokens, arrays)}
         header = _header(arrays, meta)
@@ -194,7 +201,7 @@ class CacheFileStore:
         except BaseException:
             _unlink(tmp)
             raise
-        info = StoredEntryInfo(key, entry.tokens, file_bytes, path)
+        info = StoredEntryInfo(key, entry.tokens, file_bytes, path, start)
         with self._lock:
             self._index[key] = info
             self._nbytes += file_bytes
@@ -280,19 +287,20 @@ class CacheFileStore:
                 prefix = _read_exactly(f, 8)
                 header = _read_exactly(f, _header_length(prefix, status.st_size))
             meta, _ = _parse_header(header, status.st_size - 8 - len(header))  # it covers the whole file
-            tokens = self._check_identity(meta, path.name[: -len(SUFFIX)])
+            tokens, start = self._check_identity(meta, path.name[: -len(SUFFIX)])
         except _DAMAGED as exc:
             raise _Unusable("damaged") from exc
-        return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path)
+        return status.st_mtime, StoredEntryInfo(path.name[: -len(SUFFIX)], tokens, status.st_size, path, start)
 
-    def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[int, ...]:
-        """The file's tokens, if its identity is ours and they hash to its key; else raise _Unusable."""
+    def _check_identity(self, meta: Mapping[str, str], key: str) -> tuple[tuple[int, ...], int]:
+        """The file's tokens and start, if its identity is ours and they hash to its key; else raise _Unusable."""
         if CacheIdentity.from_metadata(dict(meta)) != self.identity:
             raise _Unusable("from another model, tokenizer, cache layout or format version")
         tokens = _decode_tokens(meta)
-        if self.identity.key(tokens) != key:
+        start = int(meta.get(START, 0))
+        if self.identity.key(tokens, start) != key:
             raise _Unusable("damaged (tokens do not match the file name)")
-        return tokens
+        return tokens, start
 
     def _load(self, info: StoredEntryInfo) -> HostEntry:
         try:
@@ -304,8 +312,8 @@ class CacheFileStore:
             body = memoryview(data)[8 + len(header):]
             arrays = {name: np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
                       for name, (dtype, shape, start, end) in table.items()}
-            tokens = self._check_identity(meta, info.key)
-            layout = {k: meta[k] for k in LAYOUT_KEYS}
+            tokens, _ = self._check_identity(meta, info.key)
+            layout = _layout(meta)
             if checksum(layout, tokens, arrays) != meta[_CHECKSUM]:
                 raise _Unusable("damaged (checksum mismatch)")
         except _DAMAGED as exc:
@@ -414,6 +422,14 @@ def _decode_tokens(meta: dict[str, str]) -> tuple[int, ...]:
     wide = _WIDE_TOKENS in meta
     raw = base64.b64decode(meta[_WIDE_TOKENS] if wide else meta[_TOKENS], validate=True)
     return tuple(int(t) for t in np.frombuffer(raw, dtype="<i8" if wide else "<i4"))
+
+
+def _layout(meta: Mapping[str, str]) -> dict[str, str]:
+    """The metadata an entry's checksum covers besides tokens and arrays: its layout, and its start if it has one."""
+    layout = {k: meta[k] for k in LAYOUT_KEYS}
+    if START in meta:
+        layout[START] = meta[START]
+    return layout
 
 
 def _unlink(path: Path) -> int:

@@ -204,7 +204,7 @@ def test_the_prefill_benchmark_part_runs_on_the_cpu_and_finds_the_first_tokens_e
 
 
 async def test_a_paged_engine_on_the_grid_streams_the_padded_engines_tokens() -> None:
-    """Through the prefill actor (busy chunks sized while rows decode, siblings sharing a prefix): --paged-kv on a
+    """Through the prefill actor (busy chunks sized while rows decode, siblings sharing a prefix): --kv-layout paged on a
     16-token grid gives every request the tokens the padded layout gives on the same grid."""
     import trio
 

@@ -27,7 +27,7 @@ Lease thread only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -64,6 +64,9 @@ class PagedKV:
         self.root = root_key(model_identity, adapter_revision)
         self._roots = {adapter_revision: self.root}
         self.reused_tokens = 0  # prompt tokens rows found in cached blocks (not prefilled), since load
+        # Called (lease thread) with a leaving row's root, the tokens of its keyed blocks and their keys, before
+        # they become evictable: the SSD tier's writer (actors/block_persistence.py) must not block here.
+        self.on_release: Callable[[Key, tuple[int, ...], tuple[Key, ...]], None] | None = None
 
     # -- rows ---------------------------------------------------------------------------------------
 
@@ -176,6 +179,9 @@ class PagedKV:
         """Release the row's blocks (its keyed full blocks stay cached for later rows); idempotent."""
         if not row.released:
             row.released = True
+            hook = self.on_release
+            if hook is not None and row.keys:
+                hook(row.root, tuple(row.tokens[: len(row.keys) * self.block_size]), tuple(row.keys))
             self.pool.release(row.blocks)
             row.blocks = []
 
