@@ -43,7 +43,7 @@ from mlx_trio.actors.prefill import PrefillActor
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
-from mlx_trio.config import EngineConfig, KvLayoutChoice, choose_kv_layout
+from mlx_trio.config import AUTO, PAGED, EngineConfig, KvLayoutChoice, choose_kv_layout
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
@@ -317,7 +317,14 @@ class EngineActors:
         lane, directory = self.lane, self.config.prompt_cache_dir
         assert lane.lease is not None
         options: dict[str, Any] = dict(faults=lane.faults, io_timeout_s=self.config.prompt_cache_io_timeout_s)
-        if self.config.paged_kv:  # the pool's cached blocks are the prompt cache: the SSD tier stores blocks
+        if self.config.kv_layout == AUTO and directory is not None and lane.model is None:
+            # Entries or blocks follow the layout `auto` chooses at load: report started now, so the tree's
+            # start never waits for the load (no request reaches the tier before it), and choose once loaded.
+            task_status.started(None)
+            task_status = trio.TASK_STATUS_IGNORED
+            await lane.wait_model()
+        paged = lane.model.paged_kv is not None if lane.model is not None else self.config.kv_layout == PAGED
+        if paged:  # the pool's cached blocks are the prompt cache: the SSD tier stores blocks
             blocks = (block_store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes)
                       if directory is not None else None)
             lane.persistence = BlockPersistenceActor(lane.lease, blocks, lane.wait_model, **options)
