@@ -131,8 +131,9 @@ def prefill_rows_into(paged: PagedKV, model: nn.Module,
                         outcomes[i] = _failed(row, exc)
             mx.eval(paged.storage.keys, paged.storage.values)
     except BaseException:
-        for row in outcomes:  # nobody else sees these rows: their blocks go back here
-            _failed(row, RuntimeError())
+        for row in outcomes:  # nobody else holds these rows: their blocks go back here, or they leak
+            if isinstance(row, SoloRow):
+                row.close()
         raise
     return outcomes
 
