@@ -511,6 +511,11 @@ class PrefillActor:
                     fits = used + weight <= budget
             if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
+            # --kv-layout paged: the cohort's own caches are outside the pool, which holds the whole KV budget,
+            # until its job copies them into blocks (`_prefill_cohort`): a transient of one lease job, out of the
+            # headroom the budget leaves (as a chunk's scores and activations are). Bounded here at two steps of
+            # padded tokens (4096 by default; mlx-lm's caches round each row up to 256 positions, so a wave of 64
+            # short prompts holds 16384: 512 MiB at Llama-1B's 32 KiB a token, 2 GiB at 8B's 128 KiB).
             if paged is not None and (not self._starts_uncached(cmd) or (len(hits) + 1) * max(longest, uncached)
                                       > COHORT_JOB_CHUNKS * self._prefill_step_size):
                 break
