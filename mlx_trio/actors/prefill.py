@@ -483,6 +483,7 @@ class PrefillActor:
         longest = 0  # a shared cohort's longest uncached prompt: its forwards' padded length
         first_hit: CacheHit | None = None
         shared = False  # the cohort shares its forwards under prefill-only cuDNN (`_shares_forwards`)
+        taken: list[Generate] = []  # the cohort's requests so far (--kv-layout paged: `_starts_uncached`)
         for i, cmd in enumerate(list(self._backlog)):
             caching = self._caching(cmd)
             limit = self._model.kv_scheme.hit_limit(len(cmd.prompt_ids), self._prefill_step_size)
@@ -516,29 +517,39 @@ class PrefillActor:
             # headroom the budget leaves (as a chunk's scores and activations are). Bounded here at two steps of
             # padded tokens (4096 by default; mlx-lm's caches round each row up to 256 positions, so a wave of 64
             # short prompts holds 16384: 512 MiB at Llama-1B's 32 KiB a token, 2 GiB at 8B's 128 KiB).
-            if paged is not None and (not self._starts_uncached(cmd) or (len(hits) + 1) * max(longest, uncached)
+            if paged is not None and (not self._starts_uncached(cmd, taken)
+                                      or (len(hits) + 1) * max(longest, uncached)
                                       > COHORT_JOB_CHUNKS * self._prefill_step_size):
                 break
             if not self._adapters_fit(list(self._backlog)[: i + 1]):
                 break  # its adapter would need a slot the rows before it take
             hits.append(hit)
+            taken.append(cmd)
             used += weight
             longest = max(longest, uncached)
         if paged is not None and len(hits) < 2:
             return [], first_hit
         return hits, first_hit
 
-    def _starts_uncached(self, cmd: Generate) -> bool:
-        """--kv-layout paged: whether `cmd` may prefill in a cohort, on its own caches then copied into fresh blocks.
+    def _starts_uncached(self, cmd: Generate, taken: list[Generate]) -> bool:
+        """--kv-layout paged: whether `cmd` may join the cohort `taken`, prefilling on its own caches then copied
+        into fresh blocks.
 
         Not with a pin (`Lane.pins`): admission credited its pinned prefix blocks and reserved only the rest, so
         its row must reference them (the solo paged path), or it would allocate more than it reserved. The pin
         alone decides soundness: an unpinned request reserved blocks for its whole prompt. Nor when the pool
         holds its first block now (a sibling cached it since admission): a solo row computes only its tail. An
-        adapter's blocks are keyed under its revision, known on the lease thread only: not looked up here.
+        adapter's blocks are keyed under its revision, known on the lease thread only: not looked up here. Nor
+        when its first block is that of a request already taken (siblings of one system prompt in one wave):
+        each would compute the prefix and hold a copy; after the first, the others take its blocks (the solo
+        path's catch-up, or a later cohort's lookup) and compute their tails.
         """
         paged = self._model.paged_kv
         assert paged is not None
+        n = paged.block_size
+        if len(cmd.prompt_ids) - 1 >= n and any(other.adapter == cmd.adapter and
+                                                  other.prompt_ids[:n] == cmd.prompt_ids[:n] for other in taken):
+            return False
         return cmd.request_id not in self._lane.pins and (cmd.adapter is not None
                                                           or not paged.starts_cached(cmd.prompt_ids))
 

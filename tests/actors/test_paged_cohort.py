@@ -120,3 +120,19 @@ async def test_a_fault_in_a_cohort_job_resumes_every_stream_token_exact_and_free
         assert fired, "no cohort job ran"
         assert got == expected
         await _idle_pool(engine)
+
+
+async def test_siblings_of_one_uncached_prefix_in_a_wave_compute_it_once_beside_a_cohort() -> None:
+    """Prompts sharing a first block with a request already in the cohort are left out of it: each would compute
+    the prefix and hold a copy. The first computes it, the others take its blocks and compute their tails."""
+    siblings = [PREFIX + [401 + i, 402 + i] for i in range(3)]
+    wave = [*siblings, *FRESH[:3]]
+    expected = _reference(wave)
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
+        got = await _wave(engine, wave)
+        usage = _wave.usage  # type: ignore[attr-defined]
+        assert got == expected
+        assert sorted(u.cached_tokens for u in usage[:3]) == [0, len(PREFIX), len(PREFIX)]
+        assert [u.cached_tokens for u in usage[3:]] == [0] * 3
+        assert engine.actors.lane.prefill.statistics().cohort_rows >= 2
+        await _idle_pool(engine)

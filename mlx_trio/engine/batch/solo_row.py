@@ -296,7 +296,8 @@ class SoloRow:
         they fill (`PagedKV.adopt`), and drop its own caches: the decode batch then takes its table without a copy.
 
         Lazy: the caller evaluates the pool's arrays (`paged.storage`) once for all the rows it adopts, in the lease
-        job that made their caches, so those (outside the pool) are freed by its end. Raises PoolExhausted (the row unchanged) when the pool lacks the blocks, which admission's count prevents.
+        job that made their caches, so those (outside the pool) are freed by its end. Raises PoolExhausted (the row
+        unchanged) when the pool lacks the blocks, which admission's count prevents.
         """
         if self.paged_row is not None or self.token0 is None:
             raise RuntimeError("adopt_into() takes an unpaged row after first_token()")
