@@ -9,6 +9,7 @@ alone, and every block and pin is back once the requests end (the autouse leak f
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
@@ -37,12 +38,13 @@ def _reference(prompts: list[list[int]]) -> list[tuple[int, ...]]:
             for p in prompts]
 
 
-async def _wave(engine, prompts: list[list[int]]) -> list[tuple[int, ...]]:
-    """Hold the lease while `prompts` arrive together, so they wait for the prefill side at once; their tokens."""
+async def _wave(engine, prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[Any]]:
+    """Hold the lease while `prompts` arrive together, so they wait for the prefill side at once; their tokens
+    and usages."""
     await engine.wait_ready()
     engine.actors.lane.lease.submit_nowait(time.sleep, 0.3)
     out: list[tuple[int, ...]] = [()] * len(prompts)
-    usage: list[object] = [None] * len(prompts)
+    usage: list[Any] = [None] * len(prompts)
 
     async def one(i: int) -> None:
         completion = await engine.complete(prompts[i], max_tokens=MAX_TOKENS, temperature=0)
@@ -51,8 +53,7 @@ async def _wave(engine, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
-    _wave.usage = usage  # type: ignore[attr-defined]
-    return out
+    return out, usage
 
 
 async def _idle_pool(engine) -> None:
@@ -64,14 +65,14 @@ async def _idle_pool(engine) -> None:
 
 async def _padded(prompts: list[list[int]]) -> list[tuple[int, ...]]:
     async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="padded", kv_budget_bytes=BUDGET) as engine:
-        return await _wave(engine, prompts)
+        return (await _wave(engine, prompts))[0]
 
 
 async def test_short_fresh_prompts_arriving_together_prefill_as_cohorts_into_blocks_token_exact() -> None:
     expected = _reference(FRESH)
     assert await _padded(FRESH) == expected
     async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
-        got = await _wave(engine, FRESH)
+        got, _ = await _wave(engine, FRESH)
         stats = engine.actors.lane.prefill.statistics()
         # One lease job for the cohort's rows instead of one (and a chunk job) each.
         assert stats.cohort_rows >= len(FRESH) - 1, stats
@@ -92,10 +93,9 @@ async def test_a_sibling_of_a_cached_prefix_prefills_its_tail_alone_while_fresh_
         assert first.usage.cached_tokens == 0
         await _idle_pool(engine)
         before = engine.actors.lane.prefill.statistics()
-        got = await _wave(engine, wave)
+        got, usage = await _wave(engine, wave)
         after = engine.actors.lane.prefill.statistics()
         assert got == expected
-        usage = _wave.usage  # type: ignore[attr-defined]
         assert usage[0].cached_tokens == len(PREFIX)  # the sibling computed only its tail
         assert [u.cached_tokens for u in usage[1:]] == [0] * 4
         assert after.cohort_rows - before.cohort_rows >= 3  # the fresh ones (all but one at most) as a cohort
@@ -116,7 +116,7 @@ async def test_a_fault_in_a_cohort_job_resumes_every_stream_token_exact_and_free
 
     monkeypatch.setattr(prefill_module, "prefill_rows_into", crashing)
     async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
-        got = await _wave(engine, FRESH)
+        got, _ = await _wave(engine, FRESH)
         assert fired, "no cohort job ran"
         assert got == expected
         await _idle_pool(engine)
@@ -129,8 +129,7 @@ async def test_siblings_of_one_uncached_prefix_in_a_wave_compute_it_once_beside_
     wave = [*siblings, *FRESH[:3]]
     expected = _reference(wave)
     async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
-        got = await _wave(engine, wave)
-        usage = _wave.usage  # type: ignore[attr-defined]
+        got, usage = await _wave(engine, wave)
         assert got == expected
         assert sorted(u.cached_tokens for u in usage[:3]) == [0, len(PREFIX), len(PREFIX)]
         assert [u.cached_tokens for u in usage[3:]] == [0] * 3
