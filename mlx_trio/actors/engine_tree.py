@@ -476,6 +476,10 @@ class EngineActors:
                 # An adapter's rows are keyed under its revision, which may change before the row joins: no credit.
                 if cmd.adapter is not None or lane.lease is None:
                     return None
+                # No cached first block, nothing to pin: no lease job. A wave of fresh prompts then reaches the
+                # prefill actor together (its cohorts), not one a lease round trip behind the other's prefill.
+                if not paged.starts_cached(cmd.prompt_ids):
+                    return None
 
                 def job() -> Any:
                     pin = paged.pin_prefix(cmd.prompt_ids)

@@ -54,7 +54,7 @@ from mlx_trio.actors.siblings import shared_with, sibling_point
 from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
-                                                   shares_forwards)
+                                                   prefill_rows_into, shares_forwards)
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
@@ -469,10 +469,11 @@ class PrefillActor:
         uncached prompt (`_shared_cohort_fits`). While more rows wait than decode, each
         of those budgets is that many times larger (`_wave_scale`). Takes nothing from the backlog;
         also returns the first request's hit (its one lookup, when it prefills alone).
-        With --kv-layout paged there are no cohorts: each row prefills into the block pool from its cached prefix.
+        With --kv-layout paged a cohort takes only requests whose prompts start with no cached block
+        (`_starts_uncached`), at most `COHORT_JOB_CHUNKS` steps of padded tokens (rows x the longest prompt: its own
+        caches, outside the pool, `_prefill_cohort`), and at least two (one alone prefills into the pool directly).
         """
-        if self._model.paged_kv is not None:
-            return [], None
+        paged = self._model.paged_kv
         busy = self._busy
         scale = self._wave_scale()
         chunk = (self.sizer.tokens(0) or self._prefill_step_size) if busy else self._prefill_step_size
@@ -482,6 +483,7 @@ class PrefillActor:
         longest = 0  # a shared cohort's longest uncached prompt: its forwards' padded length
         first_hit: CacheHit | None = None
         shared = False  # the cohort shares its forwards under prefill-only cuDNN (`_shares_forwards`)
+        taken: list[Generate] = []  # the cohort's requests so far (--kv-layout paged: `_starts_uncached`)
         for i, cmd in enumerate(list(self._backlog)):
             caching = self._caching(cmd)
             limit = self._model.kv_scheme.hit_limit(len(cmd.prompt_ids), self._prefill_step_size)
@@ -510,12 +512,46 @@ class PrefillActor:
                     fits = used + weight <= budget
             if not fits or self._snapshot_point(cmd, hit, caching) is not None:
                 break
+            # --kv-layout paged: the cohort's own caches are outside the pool, which holds the whole KV budget,
+            # until its job copies them into blocks (`_prefill_cohort`): a transient of one lease job, out of the
+            # headroom the budget leaves (as a chunk's scores and activations are). Bounded here at two steps of
+            # padded tokens (4096 by default; mlx-lm's caches round each row up to 256 positions, so a wave of 64
+            # short prompts holds 16384: 512 MiB at Llama-1B's 32 KiB a token, 2 GiB at 8B's 128 KiB).
+            if paged is not None and (not self._starts_uncached(cmd, taken)
+                                      or (len(hits) + 1) * max(longest, uncached)
+                                      > COHORT_JOB_CHUNKS * self._prefill_step_size):
+                break
             if not self._adapters_fit(list(self._backlog)[: i + 1]):
                 break  # its adapter would need a slot the rows before it take
             hits.append(hit)
+            taken.append(cmd)
             used += weight
             longest = max(longest, uncached)
+        if paged is not None and len(hits) < 2:
+            return [], first_hit
         return hits, first_hit
+
+    def _starts_uncached(self, cmd: Generate, taken: list[Generate]) -> bool:
+        """--kv-layout paged: whether `cmd` may join the cohort `taken`, prefilling on its own caches then copied
+        into fresh blocks.
+
+        Not with a pin (`Lane.pins`): admission credited its pinned prefix blocks and reserved only the rest, so
+        its row must reference them (the solo paged path), or it would allocate more than it reserved. The pin
+        alone decides soundness: an unpinned request reserved blocks for its whole prompt. Nor when the pool
+        holds its first block now (a sibling cached it since admission): a solo row computes only its tail. An
+        adapter's blocks are keyed under its revision, known on the lease thread only: not looked up here. Nor
+        when its first block is that of a request already taken (siblings of one system prompt in one wave):
+        each would compute the prefix and hold a copy; after the first, the others take its blocks (the solo
+        path's catch-up, or a later cohort's lookup) and compute their tails.
+        """
+        paged = self._model.paged_kv
+        assert paged is not None
+        n = paged.block_size
+        if len(cmd.prompt_ids) - 1 >= n and any(other.adapter == cmd.adapter and
+                                                  other.prompt_ids[:n] == cmd.prompt_ids[:n] for other in taken):
+            return False
+        return cmd.request_id not in self._lane.pins and (cmd.adapter is not None
+                                                          or not paged.starts_cached(cmd.prompt_ids))
 
     def _shares_forwards(self, cmd: Generate) -> bool:
         """Under prefill-only cuDNN, whether `cmd`'s row shares a cohort's forwards (engine/batch/cohort_prefill.py).
@@ -611,11 +647,14 @@ class PrefillActor:
         self._cohort_requests = [cmd for cmd, _ in cohort]
         for cmd in self._cohort_requests:
             request_phase(cmd.request_id, "prefill")
-        specs = [self._row_maker(cmd, hit, paged=False) for cmd, hit in cohort]  # a cohort's own cache: copied at join
+        specs = [self._row_maker(cmd, hit, paged=False) for cmd, hit in cohort]  # a cohort's own cache
+        # --kv-layout paged: its rows are copied into blocks in the same job (a transient of it, `_cohort`'s bound).
+        paged = self._model.paged_kv
+        job = (prefill_rows, self._model.model) if paged is None else (prefill_rows_into, paged, self._model.model)
         outcomes: list[SoloRow | Exception] = []
         try:
             self._faults.check("prefill")
-            outcomes, seconds = await self._lease.run(timed, prefill_rows, self._model.model, specs)
+            outcomes, seconds = await self._lease.run(timed, *job, specs)
             self._cohort_rows += len(specs) if len(specs) > 1 else 0
             made = [row for row in outcomes if isinstance(row, SoloRow)]
             if len(made) == 1:

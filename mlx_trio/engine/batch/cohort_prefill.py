@@ -41,6 +41,7 @@ from mlx_trio.engine.attention import routed_attention
 from mlx_trio.engine.kv import decode_layout
 from mlx_trio.engine.kv.batch_caches import merge_rows
 from mlx_trio.engine.kv.batch_kv import CohortKVCache
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.kv.row_blocks import RowBlock, batch_index
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.engine.spans import span
@@ -107,6 +108,33 @@ def prefill_rows(model: nn.Module, makers: Sequence[Callable[[], SoloRow]]) -> l
                 row.first_token()
             except Exception as exc:
                 outcomes[i] = _failed(row, exc)
+    return outcomes
+
+
+def prefill_rows_into(paged: PagedKV, model: nn.Module,
+                      makers: Sequence[Callable[[], SoloRow]]) -> list[SoloRow | Exception]:
+    """`prefill_rows` on the rows' own caches, then each row adopted into `paged`'s blocks (`SoloRow.adopt_into`)
+    in the same lease job (--kv-layout paged: docs/design.md §6.5).
+
+    A cohort's own caches are outside the block pool, which holds the whole KV budget: adopting them here, not
+    at the decoder's join, keeps them a transient of this one job (never several cohorts' waiting for a join).
+    A row that cannot be adopted is closed and its error returned in its place, as `prefill_rows` does.
+    """
+    outcomes = prefill_rows(model, makers)
+    try:
+        with span(f"cohort.adopt x{sum(isinstance(row, SoloRow) for row in outcomes)}"):
+            for i, row in enumerate(outcomes):
+                if isinstance(row, SoloRow):
+                    try:
+                        row.adopt_into(paged)
+                    except Exception as exc:
+                        outcomes[i] = _failed(row, exc)
+            mx.eval(paged.storage.keys, paged.storage.values)
+    except BaseException:
+        for row in outcomes:  # nobody else holds these rows: their blocks go back here, or they leak
+            if isinstance(row, SoloRow):
+                row.close()
+        raise
     return outcomes
 
 

@@ -291,6 +291,23 @@ class SoloRow:
         self.sampler.accept(token)
         return token
 
+    def adopt_into(self, paged: PagedKV) -> None:
+        """Move a row prefilled on its own caches (a cohort's, with token 0) into fresh blocks of `paged`, keyed as
+        they fill (`PagedKV.adopt`), and drop its own caches: the decode batch then takes its table without a copy.
+
+        Lazy: the caller evaluates the pool's arrays (`paged.storage`) once for all the rows it adopts, in the lease
+        job that made their caches, so those (outside the pool) are freed by its end. Raises PoolExhausted (the row
+        unchanged) when the pool lacks the blocks, which admission's count prevents.
+        """
+        if self.paged_row is not None or self.token0 is None:
+            raise RuntimeError("adopt_into() takes an unpaged row after first_token()")
+        self.paged_row = paged.adopt(self.caches, self._prompt_ids[: self.num_prompt_tokens],
+                                     adapter_revision(self.adapter))
+        self.paged_kv = paged
+        self.block = None
+        self._prefill.release()
+        self._caches = list(paged.row_caches(self.paged_row))
+
     def close(self) -> None:
         """Drop the row's caches and its adapter's slot (in the lease thread, which owns them); also done by `join`."""
         self.caches = []

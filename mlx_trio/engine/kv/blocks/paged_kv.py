@@ -100,6 +100,15 @@ class PagedKV:
         referenced, not allocated (admission's credit for a cached prefix)."""
         return -(-num_tokens // self.block_size) - (len(pin.blocks) if pin is not None else 0)
 
+    def starts_cached(self, prompt: Sequence[int]) -> bool:
+        """Whether a base-model row of `prompt` would find its first full block cached (`join` would reference it).
+
+        A read of the pool's key map, so callable off the lease thread (the prefill actor's cohort choice): the
+        answer may be stale by the time a row joins, which changes what it computes, never what it holds."""
+        if len(prompt) - 1 < self.block_size:
+            return False
+        return bool(self.pool.lookup(chain_keys(self.root, list(prompt[: self.block_size]), self.block_size)))
+
     def join(self, prompt: Sequence[int], adapter_revision: str = "", pin: PrefixPin | None = None) -> PagedRow:
         """A new row for `prompt`, referencing the cached full blocks its prompt starts with (all but its last token
         may be found); `prompt[row.length:]` is left to prefill. `adapter_revision`: the row's adapter's, if any.
