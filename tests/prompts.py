@@ -38,3 +38,18 @@ async def run_to_end(engine, prompt, max_tokens: int = 8):
         elif isinstance(event, Finished):
             return tuple(ids), event
     raise AssertionError("no Finished event")
+
+
+async def complete_together(engine, prompts, max_tokens: int) -> dict[int, list[int]]:
+    """Each prompt's greedy token ids, all requests sent at once (by index in `prompts`)."""
+    import trio
+
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        got[i] = list((await engine.complete(prompts[i], max_tokens=max_tokens)).token_ids)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return got

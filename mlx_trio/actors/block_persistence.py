@@ -181,14 +181,8 @@ class BlockPersistenceActor(CachePersistenceActor):
                 entry = await self._io("read", store.read, info.key)
                 if entry is None:
                     break  # unusable (removed) or gone: the rest of the chain is unreachable now
-                try:
-                    reach = await self._lease.run(load_in, paged, keys, frm, to, entry)
-                except LeaseClosed:
-                    raise
-                except Exception as exc:
-                    self._restore_failures += 1
-                    log.warning("prompt cache block file %s could not be restored (%s): removed", info.key, exc)
-                    await self._io("remove", store.remove, info.key)
+                reach = await self._restore_job(store, info, "block file", load_in, paged, keys, frm, to, entry)
+                if reach is None:
                     break
                 loaded += max(0, reach - frm)
                 if reach < to:

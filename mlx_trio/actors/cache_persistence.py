@@ -182,6 +182,25 @@ class CachePersistenceActor:
         self._queued.append(pending)
         return True
 
+    async def _restore_job(self, store: CacheFileStore, info: StoredEntryInfo, what: str, fn: Callable[..., T],
+                           *args: Any) -> T | None:
+        """`fn(*args)`, bringing the stored file `info` back, as a lease job; None if it failed. A failure is
+        counted, logged naming `what`, and removes the file: it passed its checksum, so it would fail the same
+        way every time.
+
+        Raises:
+          LeaseClosed: the lease stopped.
+        """
+        try:
+            return await self._lease.run(fn, *args)
+        except LeaseClosed:
+            raise
+        except Exception as exc:
+            self._restore_failures += 1
+            log.warning("prompt cache %s %s could not be restored (%s): removed", what, info.key, exc)
+            await self._io("remove", store.remove, info.key)
+            return None
+
     async def restore(self, tokens: Sequence[int], *, max_len: int | None = None,
                       wait_s: float = 0.0) -> tuple[list[Any], int] | None:
         """Caches rebuilt from the longest stored prefix of `tokens` (at most `max_len` long), and its length.
@@ -213,15 +232,8 @@ class CachePersistenceActor:
                 entry = await self._io("read", store.read, info.key)
                 if entry is None:
                     continue  # read removed it; try the next longest
-                try:
-                    caches = await self._lease.run(from_host, entry, self._shapes)
-                except LeaseClosed:
-                    raise
-                except Exception as exc:
-                    # It passed its checksum, so it would fail the same way every time: never again.
-                    self._restore_failures += 1
-                    log.warning("prompt cache entry %s could not be restored (%s): removed", info.key, exc)
-                    await self._io("remove", store.remove, info.key)
+                caches = await self._restore_job(store, info, "entry", from_host, entry, self._shapes)
+                if caches is None:
                     continue
                 self._reads += 1
                 return caches, len(entry.tokens)

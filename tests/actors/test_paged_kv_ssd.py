@@ -16,8 +16,9 @@ from mlx_lm.generate import generate_step
 from mlx_trio import open_engine
 from mlx_trio.actors.block_persistence import BLOCKS_SUBDIRECTORY
 from mlx_trio.engine.prompt_cache.ssd_files import SUFFIX
-from mlx_trio.events import Finished, TextDelta
+from mlx_trio.events import Finished
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
+from tests.prompts import run_to_end
 
 BUDGET = 64 << 20  # 8,192 blocks of 16 tokens of the tiny llama (admission also counts a prefill transient)
 BLOCK = 16
@@ -45,13 +46,7 @@ def _engine(directory: Path | None, **options: Any):
 
 
 async def _run(engine, chat=CHAT) -> tuple[tuple[int, ...], Finished]:
-    ids: list[int] = []
-    async for event in engine.generate(chat, max_tokens=MAX_TOKENS):
-        if isinstance(event, TextDelta):
-            ids.extend(event.token_ids)
-        elif isinstance(event, Finished):
-            return tuple(ids), event
-    raise AssertionError("no Finished event")
+    return await run_to_end(engine, chat, MAX_TOKENS)
 
 
 async def _settle(engine) -> None:

@@ -206,9 +206,8 @@ def test_the_prefill_benchmark_part_runs_on_the_cpu_and_finds_the_first_tokens_e
 async def test_a_paged_engine_on_the_grid_streams_the_padded_engines_tokens() -> None:
     """Through the prefill actor (busy chunks sized while rows decode, siblings sharing a prefix): --kv-layout paged on a
     16-token grid gives every request the tokens the padded layout gives on the same grid."""
-    import trio
-
     from mlx_trio import open_engine
+    from tests.prompts import complete_together
 
     common = _prompt(1, 70)
     prompts = [_prompt(i, n) for i, n in enumerate((150, 37, 90, 300))] + [common + _prompt(9, 20),
@@ -217,13 +216,5 @@ async def test_a_paged_engine_on_the_grid_streams_the_padded_engines_tokens() ->
     for paged in (False, True):
         async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=64, prefill_grid=16,
                                kv_layout="paged" if paged else "padded", kv_budget_bytes=16 << 20) as engine:
-            got: dict[int, list[int]] = {}
-
-            async def one(i: int) -> None:
-                got[i] = list((await engine.complete(prompts[i], max_tokens=6)).token_ids)
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-            results[paged] = got
+            results[paged] = await complete_together(engine, prompts, 6)
     assert results[True] == results[False]

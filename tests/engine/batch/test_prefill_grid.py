@@ -11,7 +11,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm import load
@@ -21,6 +20,7 @@ from mlx_trio.engine.batch.chunked_prefill import GRID_MULTIPLES, grid_chunk, re
 from mlx_trio.engine.batch.solo_row import SoloRow
 from mlx_trio.params import SamplingParams
 from mlx_trio.testing.tiny_models import LLAMA, LLAMA_SWA, tiny_model
+from tests.prompts import complete_together
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -111,15 +111,7 @@ async def test_an_engine_on_the_grid_streams_the_same_tokens_while_rows_decode_a
     results: dict[int, dict[int, list[int]]] = {}
     for grid in (0, 16):
         async with open_engine(str(tiny_model(LLAMA)), batch=4, prefill_step_size=64, prefill_grid=grid) as engine:
-            got: dict[int, list[int]] = {}
-
-            async def one(i: int) -> None:
-                got[i] = list((await engine.complete(prompts[i], max_tokens=6)).token_ids)
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-            results[grid] = got
+            results[grid] = await complete_together(engine, prompts, 6)
             assert engine.actors.lane.prefill.statistics().chunks > len(prompts)  # prompts ran in several chunks
     assert results[16] == results[0]
 
