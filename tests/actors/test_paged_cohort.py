@@ -8,7 +8,7 @@ alone, and every block and pin is back once the requests end (the autouse leak f
 
 from __future__ import annotations
 
-import time
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -39,10 +39,13 @@ def _reference(prompts: list[list[int]]) -> list[tuple[int, ...]]:
 
 
 async def _wave(engine, prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[Any]]:
-    """Hold the lease while `prompts` arrive together, so they wait for the prefill side at once; their tokens
-    and usages."""
+    """Hold the lease until `prompts` all wait in admission's queue or at the prefill actor, so the prefill side
+    sees them at once (a fixed hold was too short on a loaded box); their tokens and usages."""
     await engine.wait_ready()
-    engine.actors.lane.lease.submit_nowait(time.sleep, 0.3)
+    lane = engine.actors.lane
+    admitted = lane.admission.statistics().admitted
+    release = threading.Event()
+    lane.lease.submit_nowait(release.wait, 30.0)
     out: list[tuple[int, ...]] = [()] * len(prompts)
     usage: list[Any] = [None] * len(prompts)
 
@@ -50,9 +53,16 @@ async def _wave(engine, prompts: list[list[int]]) -> tuple[list[tuple[int, ...]]
         completion = await engine.complete(prompts[i], max_tokens=MAX_TOKENS, temperature=0)
         out[i], usage[i] = completion.token_ids, completion.usage
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(prompts)):
-            nursery.start_soon(one, i)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+            with trio.move_on_after(10):
+                while len(lane.admission.queued()) + lane.admission.statistics().admitted - admitted < len(prompts):
+                    await trio.sleep(0.005)
+            release.set()
+    finally:
+        release.set()
     return out, usage
 
 
@@ -86,7 +96,10 @@ async def test_short_fresh_prompts_arriving_together_prefill_as_cohorts_into_blo
 
 
 async def test_a_sibling_of_a_cached_prefix_prefills_its_tail_alone_while_fresh_prompts_cohort() -> None:
-    wave = [SIBLING, *FRESH[:4]]
+    # The sibling last: its admission pins its cached prefix in a lease job, which waits behind the held lease;
+    # first in the wave, it held the fresh ones in admission's queue until the lease was free, and under load
+    # the prefill actor could then take them one at a time.
+    wave = [*FRESH[:4], SIBLING]
     expected = _reference(wave)
     async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=BUDGET) as engine:
         first = await engine.complete(PREFIX + [7], max_tokens=2, temperature=0)  # caches the prefix's 3 blocks
@@ -96,8 +109,8 @@ async def test_a_sibling_of_a_cached_prefix_prefills_its_tail_alone_while_fresh_
         got, usage = await _wave(engine, wave)
         after = engine.actors.lane.prefill.statistics()
         assert got == expected
-        assert usage[0].cached_tokens == len(PREFIX)  # the sibling computed only its tail
-        assert [u.cached_tokens for u in usage[1:]] == [0] * 4
+        assert usage[-1].cached_tokens == len(PREFIX)  # the sibling computed only its tail
+        assert [u.cached_tokens for u in usage[:-1]] == [0] * 4
         assert after.cohort_rows - before.cohort_rows >= 3  # the fresh ones (all but one at most) as a cohort
         await _idle_pool(engine)
 
