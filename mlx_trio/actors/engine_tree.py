@@ -247,7 +247,11 @@ class EngineActors:
         lane = self.lane
         stats = lane.caching.statistics() if lane.caching is not None else PromptCacheStatistics()
         prefill = lane.prefill.statistics() if lane.prefill is not None else None
-        ssd = lane.persistence.statistics() if lane.persistence is not None else PersistenceStatistics()
+        # Before the first load under `auto` the tier's actor waits to know the layout (`_run_persistence`): a
+        # configured tier is on all the same (a front's copy of this status, read then, arms its faults).
+        ssd = (lane.persistence.statistics() if lane.persistence is not None else
+               PersistenceStatistics(enabled=self.config.prompt_cache_dir is not None
+                                     and not self.config.prompt_cache_off))
         last = self._described(lane.caching.divergences.last if lane.caching is not None else None)
         return {
             "enabled": lane.caching is not None, **attrs.asdict(stats),
@@ -317,13 +321,15 @@ class EngineActors:
         lane, directory = self.lane, self.config.prompt_cache_dir
         assert lane.lease is not None
         options: dict[str, Any] = dict(faults=lane.faults, io_timeout_s=self.config.prompt_cache_io_timeout_s)
-        if self.config.kv_layout == AUTO and directory is not None and lane.model is None:
-            # Entries or blocks follow the layout `auto` chooses at load: report started now, so the tree's
-            # start never waits for the load (no request reaches the tier before it), and choose once loaded.
+        if self.config.kv_layout == AUTO and directory is not None and lane.kv_layout is None:
+            # Entries or blocks follow the layout `auto` chooses at the first load: report started now, so the
+            # tree's start never waits for the load (no request reaches the tier before it), and choose once
+            # loaded. A restart after it knows the layout (a reload chooses the same), so the tier is never
+            # missing from the status while a restarted lease reloads.
             task_status.started(None)
             task_status = trio.TASK_STATUS_IGNORED
             await lane.wait_model()
-        paged = lane.model.paged_kv is not None if lane.model is not None else self.config.kv_layout == PAGED
+        paged = lane.kv_layout.paged if lane.kv_layout is not None else self.config.kv_layout == PAGED
         if paged:  # the pool's cached blocks are the prompt cache: the SSD tier stores blocks
             blocks = (block_store_opener(lane.lease, lane.wait_model, directory, self.config.prompt_cache_ssd_bytes)
                       if directory is not None else None)
