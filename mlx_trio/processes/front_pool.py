@@ -5,7 +5,10 @@ accepts from: the kernel gives each connection to whichever front is free,
 and the port stays bound while a front restarts), then starts
 `--api-server-count` front processes (front_process.py). A front that
 exits unasked is started again (after `RESTART_DELAY_S`, counted in
-`restarts`); its own clients' connections are cut, nobody else's. `drain`
+`restarts`); its own clients' connections are cut, nobody else's. Each
+front says on a pipe of its own when its `/health` first reads ok (`ready`:
+every front has, so the "serving" line is true of whichever front a client
+reaches). `drain`
 asks every front to drain (SIGTERM) and waits for them; cancelling the pool
 stops them (SIGTERM, then SIGKILL past the grace).
 """
@@ -47,6 +50,7 @@ class FrontPool:
         self._workdir = workdir
         self._socket: socket.socket | None = None
         self._processes: dict[int, trio.Process] = {}
+        self._ready: set[int] = set()  # fronts whose running process said its engine link is healthy
         self._draining = False
         self.port: int | None = None
         self.restarts = 0
@@ -59,6 +63,11 @@ class FrontPool:
 
     def pids(self) -> list[int]:
         return sorted(p.pid for p in self._processes.values())
+
+    @property
+    def ready(self) -> bool:
+        """Whether every front's running process has said that its `/health` reads ok."""
+        return len(self._ready) == self.config.api_server_count
 
     async def run(self, *, task_status: trio.TaskStatus[FrontPool] = trio.TASK_STATUS_IGNORED) -> None:
         sock = self._socket = self._socket or self._listen()
@@ -90,10 +99,19 @@ class FrontPool:
                    "--config", str(config_path), "--listen-fd", str(fd), "--index", str(index),
                    "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         while True:
+            ready_read, ready_write = os.pipe()
+            unclosed = [ready_write]  # the parent's copy of the write end, until the front holds its own
             try:
-                code = await run_process(command, grace_s=self.config.graceful_timeout_s + 2.0,
-                                         on_start=partial(self._processes.__setitem__, index), pass_fds=(fd,))
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._hear_ready, index, ready_read)
+                    code = await run_process([*command, "--ready-fd", str(ready_write)],
+                                             grace_s=self.config.graceful_timeout_s + 2.0,
+                                             on_start=partial(self._started, index, unclosed),
+                                             pass_fds=(fd, ready_write))
             finally:
+                for end in unclosed:  # the process never started
+                    os.close(end)
+                self._ready.discard(index)
                 process = self._processes.pop(index, None)
             if self._draining:
                 return
@@ -101,6 +119,16 @@ class FrontPool:
             log.warning("front process %d (pid %s) exited with %s; starting it again", index,
                         process.pid if process is not None else "?", code)
             await trio.sleep(RESTART_DELAY_S)
+
+    def _started(self, index: int, unclosed: list[int], process: trio.Process) -> None:
+        self._processes[index] = process
+        os.close(unclosed.pop())  # the front holds its own copy: its exit ends the pipe
+
+    async def _hear_ready(self, index: int, ready_read: int) -> None:
+        """Mark front `index` ready when its process writes to the pipe (an exit before that writes nothing)."""
+        async with trio.lowlevel.FdStream(ready_read) as pipe:
+            if await pipe.receive_some():
+                self._ready.add(index)
 
     async def drain(self, timeout_s: float | None = None) -> DrainReport:
         """SIGTERM every front (each drains its own requests), then wait for them to exit."""

@@ -1,6 +1,6 @@
 """A front process: the HTTP app on hypercorn, serving the engine of its parent over the engine link.
 
-    python -m mlx_trio.processes.front_process --link SOCKET --config FILE --listen-fd FD --index I
+    python -m mlx_trio.processes.front_process --link SOCKET --config FILE --listen-fd FD --index I [--ready-fd R]
 
 Started only by `FrontPool` (front_pool.py), which passes the public
 listening socket as `FD` (every front accepts from the one socket the parent
@@ -37,9 +37,12 @@ from mlx_trio.supervision import Strategy, Supervisor
 
 log = logging.getLogger("mlx_trio.link")
 
+READY_POLL_S = 0.05
 
-async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
-    """Serve until SIGTERM (drain, then return) or until the parent process is gone."""
+
+async def serve_front(config: ServerConfig, link_path: str, index: int, ready_fd: int | None = None) -> None:
+    """Serve until SIGTERM (drain, then return) or until the parent process is gone; write to `ready_fd` (then
+    close it) once this front's `/health` first reads ok."""
     parent = os.getppid()
     engine = RemoteEngine(link_path)
     server = HttpServer(config, engine)
@@ -50,6 +53,8 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(tree.run)
             nursery.start_soon(_freeze_when_known, engine)
+            if ready_fd is not None:
+                nursery.start_soon(_say_ready, engine, ready_fd)
 
             async def orphaned() -> None:
                 await until_orphaned(parent)
@@ -70,6 +75,16 @@ async def serve_front(config: ServerConfig, link_path: str, index: int) -> None:
                     draining.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _say_ready(engine: RemoteEngine, ready_fd: int) -> None:
+    """Tell the pool that this front's engine link reads healthy: the launcher prints "serving" only once every
+    front has (a front whose first connection came before the engine's socket existed retries a moment later,
+    and a client meanwhile read "not reachable" from a server that said it was serving)."""
+    while not engine.health()[0]:
+        await trio.sleep(READY_POLL_S)
+    os.write(ready_fd, b"ready")
+    os.close(ready_fd)
 
 
 async def _freeze_when_known(engine: RemoteEngine) -> None:
@@ -102,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the pickled ServerConfig")
     parser.add_argument("--listen-fd", type=int, required=True, help="the public listening socket (inherited)")
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write to once /health reads ok")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s %(name)s[front {args.index}]: "
@@ -112,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C in a terminal reaches the whole process group: the parent drains the fronts (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        trio.run(serve_front, config, args.link, args.index)
+        trio.run(serve_front, config, args.link, args.index, args.ready_fd)
     except KeyboardInterrupt:
         return 0
     return 0

@@ -109,6 +109,11 @@ class Launcher:
             await trio.sleep(0.05)
         self.keeper.ready_once = True
         log.info("model %s ready in %.1f s", self.watch.model_id, time.monotonic() - start)
+        while not self.pool.ready:  # each front's own link too (front_process._say_ready): any front may answer
+            if time.monotonic() - next_log > LOAD_PROGRESS_EVERY_S:
+                next_log = time.monotonic()
+                log.info("waiting for the front processes to reach the engine (%.0f s)", next_log - start)
+            await trio.sleep(0.05)
 
     async def _watch_group(self) -> None:
         """A rank 0 that lost its group (a follower hung: no process exited) ends its generation."""
