@@ -10,14 +10,16 @@ A slot a row holds is never overwritten, so a running row's adapter never
 changes under it, and loading one costs one lease job (a few small copies):
 the running rows wait at most that one job.
 
-`names` (a tuple replaced, never mutated) and `statistics` are for the Trio side;
+`names` (a tuple replaced, never mutated), `revisions` (a mapping replaced,
+never mutated) and `statistics` are for the Trio side;
 every other method runs on the lease thread.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 import mlx.core as mx
@@ -59,6 +61,8 @@ class ResidentAdapters:
         self.selection = RowSelection()
         self._known: dict[str, AdapterWeights] = {}
         self.names: tuple[str, ...] = ()
+        # name -> the revision served under it: the root of its rows' KV blocks, read off the lease thread.
+        self.revisions: Mapping[str, str] = MappingProxyType({})
         self._layers: dict[str, RowLoraLinear] = {}
         # _slot_of[name] = slot, _in_slot[slot] = name; _holds[slot] = rows holding it.
         self._slot_of: dict[str, int] = {}
@@ -99,7 +103,7 @@ class ResidentAdapters:
             raise AdapterError(f"adapter {weights.name!r} is in use by running requests; unload it first")
         self._evict(weights.name)
         self._known[weights.name] = weights
-        self.names = tuple(self._known)
+        self._published()
 
     def unregister(self, name: str) -> None:
         """Stop serving `name`; its slot is freed. The caller waits until no row holds it (`in_use`)."""
@@ -107,7 +111,12 @@ class ResidentAdapters:
             raise AdapterError(f"adapter {name!r} is in use by running requests")
         self._evict(name)
         self._known.pop(name, None)
+        self._published()
+
+    def _published(self) -> None:
+        """Replace what the Trio side reads (never mutated in place: a reader sees the old or the new whole)."""
         self.names = tuple(self._known)
+        self.revisions = MappingProxyType({name: weights.revision for name, weights in self._known.items()})
 
     def in_use(self, name: str) -> bool:
         slot = self._slot_of.get(name)

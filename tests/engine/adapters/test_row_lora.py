@@ -179,3 +179,15 @@ def test_an_adapter_for_another_shape_is_refused_naming_it_and_the_layer(tmp_pat
         read_adapter("big", big, model, max_rank=16)
     with pytest.raises(AdapterError, match="cannot read adapter_config.json"):
         read_adapter("missing", tmp_path / "nowhere", model, max_rank=16)
+
+
+def test_revisions_for_the_trio_side_are_replaced_whole_on_register_and_unregister() -> None:
+    _, resident, _ = _served("llama", ["qv", "mlp"])
+    before = resident.revisions
+    assert dict(before) == {"qv": resident.revision("qv"), "mlp": resident.revision("mlp")}
+    assert resident.revision("qv") != resident.revision("mlp")  # the files' hash: another adapter, another root
+    resident.unregister("mlp")
+    assert dict(resident.revisions) == {"qv": resident.revision("qv")}
+    assert "mlp" in before  # a reader holding the old mapping keeps it whole
+    with pytest.raises(TypeError):
+        resident.revisions["mlp"] = "x"  # type: ignore[index]
