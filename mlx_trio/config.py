@@ -76,9 +76,10 @@ def choose_kv_layout(requested: str, refusals: Sequence[str], kernel_off: str | 
 
     `refusals`: why paged KV cannot serve this config and model, one sentence each naming the flag or the model
     (empty: it can). `kernel_off`: None when the backend has a paged decode kernel that passed its load-time
-    self-check and was measured at par with the padded step there, else why not. `auto` is paged only with no refusal and a kernel: without the kernel a decode step
-    gathers blocks with MLX ops, which costs what the padded step does not. Raises ValueError (`refused_message`)
-    for `paged` with a refusal; `paged` without a kernel runs on the MLX-ops reference, as asked.
+    self-check and was measured at par with the padded step there, else why not. `auto` is paged only with no
+    refusal and a kernel: without the kernel a decode step gathers blocks with MLX ops, which costs what the
+    padded step does not. Raises ValueError (`refused_message`) for `paged` with a refusal; `paged` without a
+    kernel runs on the MLX-ops reference, as asked.
     """
     if requested == PADDED:
         return KvLayoutChoice(False, "--kv-layout padded")

@@ -168,7 +168,8 @@ class CachePersistenceActor:
         return self._enqueue(_PendingWrite(list(caches), tuple(tokens)))
 
     def _enqueue(self, pending: Any) -> bool:
-        """Queue `pending` (whose `caches`, if any, are then ours); False, counted as `dropped`, if the queue is full."""
+        """Queue `pending` (whose `caches`, if any, are then ours); False, counted as `dropped`, if the queue is
+        full."""
         try:
             self.inbox_send.send_nowait(pending)
         except trio.WouldBlock:

@@ -67,7 +67,8 @@ def warm_up(model: nn.Module, vocab_size: int, kv_scheme: KvScheme = KvScheme(),
     """Take a few random rows through prefill, join, steps and leave, then free everything.
 
     With `paged` each row prefills alone into the pool's blocks (the solo paged path; a paged cohort,
-    `prefill_rows_into`, is not warmed here: the first wave pays its shapes) and the batch decodes over block tables; the blocks go back to the pool (their keys stay cached, evictable).
+    `prefill_rows_into`, is not warmed here: the first wave pays its shapes) and the batch decodes over block
+    tables; the blocks go back to the pool (their keys stay cached, evictable).
 
     With `compile_decode` the steps run compiled, so the fused kernels are built here (a new
     `(B, capacity)` later only retraces: engine/batch/compiled_step.py). With `speculation`
