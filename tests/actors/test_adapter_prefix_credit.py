@@ -166,3 +166,44 @@ async def test_load_adapter_is_refused_while_a_request_names_it_and_accepted_aft
         assert replaced.token_ids == expected[0]
         assert replaced.usage.cached_tokens == 0  # the old revision's blocks serve no row of the new one
         await _idle_pool(engine)
+
+
+async def test_an_adapter_sibling_of_its_cached_prefix_prefills_its_tail_alone_while_fresh_adapter_prompts_cohort(
+) -> None:
+    """test_paged_cohort.py's wave with every row under one adapter: the sibling of a prefix cached under the
+    adapter's revision is pinned and credited, prefills solo and computes only its tail; the fresh ones cohort."""
+    import threading
+
+    from tests.actors.test_paged_cohort import FRESH, MAX_TOKENS as COHORT_TOKENS, PREFIX as SHORT_PREFIX, SIBLING
+
+    wave = [*FRESH[:4], SIBLING]
+    expected = _mlx_lm("qv", wave, COHORT_TOKENS)
+    async with open_engine(str(tiny_model(LLAMA)), batch=8, kv_layout="paged", kv_budget_bytes=16 << 20,
+                           lora_modules=_modules("qv")) as engine:
+        await _complete(engine, SHORT_PREFIX + [7], "qv", max_tokens=2)  # caches the prefix under qv's revision
+        await _idle_pool(engine)
+        lane = engine.actors.lane
+        before, admitted = lane.prefill.statistics(), lane.admission.statistics().admitted
+        release = threading.Event()
+        lane.lease.submit_nowait(release.wait, 30.0)  # hold the lease until the whole wave is queued
+        out: list = [None] * len(wave)
+
+        async def one(i: int) -> None:
+            out[i] = await _complete(engine, wave[i], "qv", max_tokens=COHORT_TOKENS)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(wave)):
+                    nursery.start_soon(one, i)
+                with trio.move_on_after(10):
+                    while len(lane.admission.queued()) + lane.admission.statistics().admitted - admitted < len(wave):
+                        await trio.sleep(0.005)
+                release.set()
+        finally:
+            release.set()
+        after = lane.prefill.statistics()
+        assert [o.token_ids for o in out] == expected
+        assert out[-1].usage.cached_tokens == len(SHORT_PREFIX)  # the sibling computed only its tail
+        assert [o.usage.cached_tokens for o in out[:-1]] == [0] * 4
+        assert after.cohort_rows - before.cohort_rows >= 3  # the fresh ones (all but one at most) as a cohort
+        await _idle_pool(engine)
