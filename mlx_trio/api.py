@@ -35,6 +35,7 @@ from mlx_trio.actors.messages import Generate, Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.adapters.resident import ResidentAdapters
+from mlx_trio.engine.batch.solo_row import kv_revision
 from mlx_trio.engine.model.chat import content_text
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import (ActorCrashed, AdapterError, ContextTooLong, EngineDown, EngineFailure, EngineRestarted,
@@ -248,11 +249,18 @@ class Engine:
         """Serve the adapter at `path` as `name` from now on (a lease job); raises `AdapterError`.
 
         Only on an engine that serves adapters (`lora_modules` or `enable_lora_admin`).
-        A name in use by running requests must be unloaded first.
+        A name any request names (queued or in flight) must be unloaded first, or its requests waited for.
         """
         adapters = self._adapters()
         if name in (self.model_id, DEFAULT_MODEL_NAME):
             raise AdapterError(f"{name!r} is the base model's name")
+        # Under paged KV admission pins a request's cached prefix under its adapter's revision, and its row joins
+        # later, reading the revision again: both must read the same one. With no request naming `name` now, the
+        # load job below is queued before this returns to Trio (no checkpoint between), and lease jobs run in
+        # order, so any request naming it later is pinned (and joins) after the new revision is registered.
+        if adapters.in_use(name) or any(cmd.adapter == name for cmd in self._requests()) or self._pinned(name):
+            raise AdapterError(f"adapter {name!r} is named by queued or running requests: unload it first "
+                               "(that waits for them), or wait for them to end, then load it again")
         await self._lease().run(adapters.load, name, path)
 
     async def unload_adapter(self, name: str) -> None:
@@ -268,6 +276,17 @@ class Engine:
             await self._lease().run(adapters.unregister, name)
         finally:
             self._unloading.discard(name)
+
+    def _pinned(self, name: str) -> bool:
+        """Whether a prefix pin (`Lane.pins`) holds blocks under `name`'s revision: its request may sit between
+        admission and the prefill actor (in its inbox, which no list of requests shows)."""
+        lane = self.actors.lane
+        paged = lane.model.paged_kv if lane.model is not None else None
+        revision = lane.adapters.revisions.get(name) if lane.adapters is not None else None
+        if paged is None or revision is None:
+            return False
+        root = paged.peek_root(kv_revision(name, revision))
+        return any(pin.root == root for pin in list(lane.pins.values()))
 
     def _requests(self) -> list[Generate]:
         """Every request the lane holds: queued in admission, prefilling, waiting to join, or decoding."""

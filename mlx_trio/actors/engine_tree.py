@@ -39,11 +39,12 @@ from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.messages import Generate
-from mlx_trio.actors.prefill import PrefillActor
+from mlx_trio.actors.prefill import PrefillActor, starts_cached
 from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
 from mlx_trio.config import AUTO, PAGED, EngineConfig, KvLayoutChoice, choose_kv_layout
+from mlx_trio.engine.batch.solo_row import kv_revision
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
@@ -479,16 +480,25 @@ class EngineActors:
             margin = self.config.num_draft_tokens if self.config.prompt_lookup else 0
 
             async def pin_prefix(cmd: Generate, fits: Callable[[frozenset[int]], bool]) -> Any:
-                # An adapter's rows are keyed under its revision, which may change before the row joins: no credit.
-                if cmd.adapter is not None or lane.lease is None:
+                if lane.lease is None:
                     return None
-                # No cached first block, nothing to pin: no lease job. A wave of fresh prompts then reaches the
-                # prefill actor together (its cohorts), not one a lease round trip behind the other's prefill.
-                if not paged.starts_cached(cmd.prompt_ids):
+                # No cached first block (under the row's revision), nothing to pin: no lease job. A wave of fresh
+                # prompts then reaches the prefill actor together (its cohorts), not one a lease round trip behind
+                # the other's prefill.
+                if not starts_cached(paged, lane.adapters, cmd):
                     return None
 
                 def job() -> Any:
-                    pin = paged.pin_prefix(cmd.prompt_ids)
+                    # An adapter row's blocks are keyed under its revision, read here as its join reads it (on the
+                    # lease thread): `Engine.load_adapter` refuses to replace a name while a request names it, so
+                    # the two readings agree.
+                    revision = ""
+                    if cmd.adapter is not None:
+                        adapters = lane.adapters
+                        if adapters is None or adapters.known(cmd.adapter) is None:
+                            return None  # no longer served: its row fails when it takes the adapter
+                        revision = kv_revision(cmd.adapter, adapters.revision(cmd.adapter))
+                    pin = paged.pin_prefix(cmd.prompt_ids, revision)
                     if pin.blocks and fits(frozenset(pin.blocks)):
                         return pin
                     paged.unpin(pin)

@@ -55,7 +55,8 @@ from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
                                                    prefill_rows_into, shares_forwards)
-from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.batch.solo_row import SoloRow, kv_revision
+from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
 from mlx_trio.profiling import request_phase
@@ -538,8 +539,8 @@ class PrefillActor:
         Not with a pin (`Lane.pins`): admission credited its pinned prefix blocks and reserved only the rest, so
         its row must reference them (the solo paged path), or it would allocate more than it reserved. The pin
         alone decides soundness: an unpinned request reserved blocks for its whole prompt. Nor when the pool
-        holds its first block now (a sibling cached it since admission): a solo row computes only its tail. An
-        adapter's blocks are keyed under its revision, known on the lease thread only: not looked up here. Nor
+        holds its first block now under the row's revision (a sibling cached it since admission; an adapter's
+        blocks serve only its own revision's rows, `starts_cached`): a solo row computes only its tail. Nor
         when its first block is that of a request already taken (siblings of one system prompt in one wave):
         each would compute the prefix and hold a copy; after the first, the others take its blocks (the solo
         path's catch-up, or a later cohort's lookup) and compute their tails.
@@ -550,8 +551,7 @@ class PrefillActor:
         if len(cmd.prompt_ids) - 1 >= n and any(other.adapter == cmd.adapter and
                                                   other.prompt_ids[:n] == cmd.prompt_ids[:n] for other in taken):
             return False
-        return cmd.request_id not in self._lane.pins and (cmd.adapter is not None
-                                                          or not paged.starts_cached(cmd.prompt_ids))
+        return cmd.request_id not in self._lane.pins and not starts_cached(paged, self._lane.adapters, cmd)
 
     def _shares_forwards(self, cmd: Generate) -> bool:
         """Under prefill-only cuDNN, whether `cmd`'s row shares a cohort's forwards (engine/batch/cohort_prefill.py).
@@ -924,6 +924,16 @@ def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, flo
     if not remaining and row.snapshot_at != row.fed:
         row.first_token()
     return remaining, seconds
+
+
+def starts_cached(paged: PagedKV, adapters: ResidentAdapters | None, cmd: Generate) -> bool:
+    """Whether the pool holds `cmd`'s first full block now under the revision its row would join with
+    (`PagedKV.starts_cached`); off the lease thread, so an adapter's revision is read from
+    `ResidentAdapters.revisions`. An adapter no longer served: False (its row fails when it takes the adapter)."""
+    if cmd.adapter is None:
+        return paged.starts_cached(cmd.prompt_ids)
+    revision = adapters.revisions.get(cmd.adapter) if adapters is not None else None
+    return revision is not None and paged.starts_cached(cmd.prompt_ids, kv_revision(cmd.adapter, revision))
 
 
 def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:

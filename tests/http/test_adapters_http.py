@@ -94,3 +94,34 @@ def test_load_and_unload_endpoints(http, tmp_path) -> None:
                         code="model_not_found")
     assert_openai_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}), 404, code="model_not_found")
     assert_openai_error(client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400, param="lora_path")
+
+
+def test_a_load_replacing_an_adapter_a_request_still_names_is_a_400_naming_it() -> None:
+    """Under paged KV a request's pinned prefix and its row's join must read one revision of its adapter: a load
+    replacing the name while a request names it is refused (docs/design.md §6.5). A pin of qv's revision stands in
+    for a request between admission and its row (deterministic, unlike timing a live one)."""
+    from types import SimpleNamespace
+
+    from mlx_trio.engine.batch.solo_row import kv_revision
+
+    engine = attrs.evolve(tiny_engine_config(max_tokens=MAX_TOKENS), kv_layout="paged",
+                          kv_budget_bytes=16 << 20,  # a small pool: the default budget takes most of the machine
+                          lora_modules={"qv": str(_adapter_dir("llama", "qv"))}, enable_lora_admin=True)
+    with ServerThread(engine, ServerConfig(port=0, enable_lora_admin=True)) as server:
+        with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            lane = server.server.engine.actors.lane
+            paged = lane.model.paged_kv
+            root = paged.peek_root(kv_revision("qv", lane.adapters.revisions["qv"]))
+            server.call(lane.pins.__setitem__, "between", SimpleNamespace(root=root))
+            try:
+                response = client.post("/v1/load_lora_adapter",
+                                       json={"lora_name": "qv", "lora_path": str(_adapter_dir("llama", "mlp"))})
+            finally:
+                server.call(lane.pins.pop, "between")
+            message = assert_openai_error(response, 400, param=None)["message"]
+            assert "'qv' is named by queued or running requests: unload it first" in message
+            assert _text(client, "qv", _prompt(3)) == _decoded("qv", _prompt(3))  # the old revision still served
+            ok = client.post("/v1/load_lora_adapter",
+                             json={"lora_name": "qv", "lora_path": str(_adapter_dir("llama", "mlp"))})
+            assert ok.status_code == 200, ok.text
+            assert _text(client, "qv", _prompt(3)) == _decoded("mlp", _prompt(3))

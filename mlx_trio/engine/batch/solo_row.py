@@ -44,7 +44,13 @@ from mlx_trio.params import SamplingParams
 
 def adapter_revision(adapter: AdapterUse | None) -> str:
     """The revision a row's KV is computed under: its adapter's ("" for the base model)."""
-    return "" if adapter is None else f"{adapter.name}@{adapter.owner.revision(adapter.name)}"
+    return "" if adapter is None else kv_revision(adapter.name, adapter.owner.revision(adapter.name))
+
+
+def kv_revision(name: str, revision: str) -> str:
+    """The revision the KV of `name`'s rows is keyed under (`PagedKV.root_of`), from its files' `revision`: one
+    spelling for the row's join and for admission's pin and pre-check, which read the revision elsewhere."""
+    return f"{name}@{revision}"
 
 
 class SoloRow:

@@ -81,3 +81,34 @@ def test_credited_siblings_fit_where_the_conservative_count_refused_them() -> No
     for row in rows:
         kv.leave(row)
     assert kv.pool.idle
+
+
+def test_a_pin_of_another_adapter_revision_is_refused_at_join_not_joined_over_its_reservation() -> None:
+    """The pin and the join read an adapter's revision in two lease jobs; `Engine.load_adapter` keeps them equal.
+    Were they ever not, the join must fail loudly: the pinned blocks hold another revision's KV, and a row
+    looking its prefix up afresh would allocate the blocks admission credited."""
+    kv = _kv(8)
+    prompt = list(range(1, 10))
+    for revision in ("a@1", "a@2"):
+        row = kv.join(prompt, revision)
+        _feed(kv, [row], [prompt[row.length:]])
+        kv.leave(row)
+    pin = kv.pin_prefix(prompt, "a@1")
+    assert len(pin.blocks) == 2
+    used = kv.pool.stats().used
+    with pytest.raises(ValueError, match="another adapter revision.*'a@2'"):
+        kv.join(prompt, "a@2", pin=pin)
+    assert kv.pool.stats().used == used and not pin.taken  # nothing allocated or referenced by the refused join
+    kv.unpin(pin)
+    assert kv.pool.idle
+    kv.pool.check()
+
+
+def test_starts_cached_looks_the_first_block_up_under_the_rows_revision() -> None:
+    kv = _kv(8)
+    prompt = list(range(1, 10))
+    row = kv.join(prompt, "a@1")
+    _feed(kv, [row], [prompt[row.length:]])
+    kv.leave(row)
+    assert kv.starts_cached(prompt, "a@1")
+    assert not kv.starts_cached(prompt) and not kv.starts_cached(prompt, "a@2") and not kv.starts_cached(prompt, "b@1")

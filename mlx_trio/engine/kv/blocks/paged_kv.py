@@ -100,14 +100,22 @@ class PagedKV:
         referenced, not allocated (admission's credit for a cached prefix)."""
         return -(-num_tokens // self.block_size) - (len(pin.blocks) if pin is not None else 0)
 
-    def starts_cached(self, prompt: Sequence[int]) -> bool:
-        """Whether a base-model row of `prompt` would find its first full block cached (`join` would reference it).
+    def starts_cached(self, prompt: Sequence[int], adapter_revision: str = "") -> bool:
+        """Whether a row of `prompt` under `adapter_revision` ("": the base model) would find its first full block
+        cached (`join` would reference it).
 
-        A read of the pool's key map, so callable off the lease thread (the prefill actor's cohort choice): the
-        answer may be stale by the time a row joins, which changes what it computes, never what it holds."""
+        A read of the pool's key map, so callable off the lease thread (admission's pre-check, the prefill actor's
+        cohort choice): the answer may be stale by the time a row joins, which changes what it computes, never
+        what it holds."""
         if len(prompt) - 1 < self.block_size:
             return False
-        return bool(self.pool.lookup(chain_keys(self.root, list(prompt[: self.block_size]), self.block_size)))
+        root = self.peek_root(adapter_revision)
+        return bool(self.pool.lookup(chain_keys(root, list(prompt[: self.block_size]), self.block_size)))
+
+    def peek_root(self, adapter_revision: str = "") -> Key:
+        """`root_of(adapter_revision)` computed, not remembered (`root_of` writes its map: lease thread only), so
+        callable off the lease thread."""
+        return self._roots.get(adapter_revision) or root_key(self.model_identity, adapter_revision)
 
     def join(self, prompt: Sequence[int], adapter_revision: str = "", pin: PrefixPin | None = None) -> PagedRow:
         """A new row for `prompt`, referencing the cached full blocks its prompt starts with (all but its last token
@@ -118,7 +126,11 @@ class PagedKV:
         keys = chain_keys(root, list(prompt[: max(0, len(prompt) - 1)]), self.block_size)
         blocks: list[int] = []
         if pin is not None:
-            if pin.taken or pin.root != root or pin.keys != keys[: len(pin.keys)]:
+            # Never joined silently: a pin of another root holds blocks of another revision's KV (wrong tokens),
+            # and its row would allocate what admission credited (over the reservation).
+            if pin.root != root:
+                raise ValueError(f"a pin made under another adapter revision reached a row of {adapter_revision!r}")
+            if pin.taken or pin.keys != keys[: len(pin.keys)]:
                 raise ValueError("a pin is taken once, by a row of the prompt and adapter it was made for")
             pin.taken = True
             blocks = list(pin.blocks)
