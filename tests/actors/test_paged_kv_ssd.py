@@ -387,3 +387,27 @@ async def test_a_base_run_and_an_adapter_run_of_the_same_tokens_each_restore_to_
         assert ssd["reads"] == 2 and ssd["restore_failures"] == 0
         for name, (ids, finished) in got.items():
             assert finished.usage.cached_tokens == tail and ids == _adapter_serial(prompt, name), name
+
+
+async def test_an_adapter_reloaded_with_other_files_at_run_time_finds_nothing_of_the_old(tmp_path: Path) -> None:
+    """qv's prefix is on disk (and cached in RAM); qv unloaded, then loaded from other files: its rows compute
+    everything, with the new files' tokens; loaded back from the first files, they find the old prefix again."""
+    from tests.engine.adapters.test_row_lora import _adapter_dir
+
+    async with _engine(tmp_path, enable_lora_admin=True) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "qv")))
+        first, _ = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        await engine.unload_adapter("qv")
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "mlp")))
+        other, other_finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        await engine.unload_adapter("qv")
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "qv")))
+        again, again_finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        assert _ssd(engine)["restore_failures"] == 0
+    assert other_finished.usage.cached_tokens == 0 and other == _adapter_serial(prompt, "mlp")
+    assert again_finished.usage.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    assert first == again == _adapter_serial(prompt, "qv")
