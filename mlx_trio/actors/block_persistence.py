@@ -22,13 +22,14 @@ file store, identity, byte cap, LRU and degrading rules) with two changes:
   admission's reservations stay true.
 
 Adapter rows are stored too. Their blocks are keyed under the adapter's
-revision (the hash of its files), so a restarted server serving the same
-files computes the same keys: a run holds its tokens in the revision's
-namespace (block_files.py) and is keyed once that revision is first met (a
-row of it leaving, or a restore for it), since the scan cannot know which
-adapters will be served. A restore is for one revision (admission passes the
-one its name serves now): the base model, another revision, or an adapter no
-longer served never finds another's runs.
+name and the hash of its files (`namespace.kv_revision`), so a restarted
+server serving the same files under the same name computes the same keys: a
+run holds its tokens in that revision's namespace (block_files.py) and is
+keyed once the revision is first met (a row of it leaving, or a restore for
+it), since the scan cannot know which adapters will be served. A restore is
+for one revision (admission passes the one its name serves now): the base
+model, another revision, or an adapter no longer served never finds
+another's runs.
 """
 
 from __future__ import annotations
