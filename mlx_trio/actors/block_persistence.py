@@ -140,7 +140,7 @@ class BlockPersistenceActor(CachePersistenceActor):
         if runs is None or runs.met(revision):
             return
         aside = runs.aside(revision)
-        keys = {}
+        keys: dict[str, list[Key]] = {}
         if aside:
             keys = await trio.to_thread.run_sync(lambda: {info.key: runs.run_keys(info, revision) for info in aside})
         runs.meet(revision, keys)
