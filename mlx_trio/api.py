@@ -35,7 +35,7 @@ from mlx_trio.actors.messages import Generate, Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.adapters.resident import ResidentAdapters
-from mlx_trio.engine.batch.solo_row import kv_revision
+from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.model.chat import content_text
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import (ActorCrashed, AdapterError, ContextTooLong, EngineDown, EngineFailure, EngineRestarted,

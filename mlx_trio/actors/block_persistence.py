@@ -21,12 +21,20 @@ file store, identity, byte cap, LRU and degrading rules) with two changes:
   free-or-evictable count unchanged (the loaded blocks are evictable), so
   admission's reservations stay true.
 
-Only base-model rows are stored (an adapter row's blocks are keyed under
-its revision, which a restarted server may not serve): adapters stay in RAM.
+Adapter rows are stored too. Their blocks are keyed under the adapter's
+name and the hash of its files (`namespace.kv_revision`), so a restarted
+server serving the same files under the same name computes the same keys: a
+run holds its tokens in that revision's namespace (block_files.py) and is
+keyed once the revision is first met (a row of it leaving, or a restore for
+it), since the scan cannot know which adapters will be served. A restore is
+for one revision (admission passes the one its name serves now): the base
+model, another revision, or an adapter no longer served never finds
+another's runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -38,7 +46,7 @@ import trio
 from mlx_trio.actors.cache_persistence import ACTOR_ID, CachePersistenceActor, OpenStore, _Stalled
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.engine.kv.blocks.block_files import RunIndex, block_layout, copy_out, load_in
-from mlx_trio.engine.kv.blocks.chain import Key, chain_keys
+from mlx_trio.engine.kv.blocks.chain import Key, chain_keys, root_key
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.prompt_cache.identity import identity_of_directory
 from mlx_trio.engine.prompt_cache.ssd_files import CacheFileStore
@@ -61,10 +69,12 @@ __all__ = ["ACTOR_ID", "BLOCKS_SUBDIRECTORY", "BlockPersistenceActor", "block_st
 
 @attrs.define(eq=False)
 class _PendingChain:
-    """A leaving row's keyed blocks: its chain's tokens (whole blocks) and keys. Holds no device memory."""
+    """A leaving row's keyed blocks: its chain's tokens (whole blocks), keys and adapter revision ("": the base
+    model). Holds no device memory."""
 
     tokens: tuple[int, ...]
     keys: tuple[Key, ...]
+    revision: str = ""
     caches: None = None  # nothing to drop on the lease thread (see `CachePersistenceActor._finish`)
     written: trio.Event = attrs.field(factory=trio.Event)
 
@@ -82,7 +92,7 @@ class BlockPersistenceActor(CachePersistenceActor):
         self._paged: Any = None
         self._runs: RunIndex | None = None  # the stored runs by chain key, built at the scan
         self._indexed = trio.Event()  # set once the runs are indexed (or the directory found unusable)
-        self._hook: Callable[[Key, tuple[int, ...], tuple[Key, ...]], None] | None = None
+        self._hook: Callable[[str, tuple[int, ...], tuple[Key, ...]], None] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[CachePersistenceActor] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -99,7 +109,9 @@ class BlockPersistenceActor(CachePersistenceActor):
             store = self._store
             if store is None:
                 return
-            runs = RunIndex(self._paged.root, self._paged.block_size)
+            # The pool's roots, computed here as `PagedKV.root_of` does (that one is the lease thread's).
+            runs = RunIndex(functools.cache(functools.partial(root_key, self._paged.model_identity)),
+                            self._paged.block_size)
             # Hashing every stored block's chain key is plain CPU work: off the Trio thread.
             await trio.to_thread.run_sync(lambda: [runs.add(info) for info in store.entries])
             self._runs = runs
@@ -107,19 +119,31 @@ class BlockPersistenceActor(CachePersistenceActor):
             self._indexed.set()  # restores wait for it: a restarted server's first requests are the ones to serve
         token = trio.lowlevel.current_trio_token()
 
-        def hook(root: Key, tokens: tuple[int, ...], keys: tuple[Key, ...]) -> None:  # lease thread
+        def hook(revision: str, tokens: tuple[int, ...], keys: tuple[Key, ...]) -> None:  # lease thread
             try:
-                token.run_sync_soon(self._offer_chain, root, tokens, keys)
+                token.run_sync_soon(self._offer_chain, revision, tokens, keys)
             except trio.RunFinishedError:
                 pass  # the engine is gone: nothing to write to
 
         self._hook = self._paged.on_release = hook
 
-    def _offer_chain(self, root: Key, tokens: tuple[int, ...], keys: tuple[Key, ...]) -> None:
-        """Trio thread: queue a released chain unless the tier is off or the row computed with an adapter."""
-        if self._store is None or self._degraded or self._paged is None or root != self._paged.root:
+    def _offer_chain(self, revision: str, tokens: tuple[int, ...], keys: tuple[Key, ...]) -> None:
+        """Trio thread: queue a released chain (computed with adapter `revision`) unless the tier is off."""
+        if self._store is None or self._degraded or self._paged is None:
             return
-        self._enqueue(_PendingChain(tokens, keys))
+        self._enqueue(_PendingChain(tokens, keys, revision))
+
+    async def _meet(self, revision: str) -> None:
+        """Key the stored runs of `revision` kept aside since the scan (`RunIndex.meet`), hashing them off the Trio
+        thread; a no-op once met."""
+        runs = self._runs
+        if runs is None or runs.met(revision):
+            return
+        aside = runs.aside(revision)
+        keys: dict[str, list[Key]] = {}
+        if aside:
+            keys = await trio.to_thread.run_sync(lambda: {info.key: runs.run_keys(info, revision) for info in aside})
+        runs.meet(revision, keys)
 
     async def drain(self) -> None:
         """As the base's, after one lease job: a row that left in a job before it has been offered (the hook's
@@ -136,12 +160,14 @@ class BlockPersistenceActor(CachePersistenceActor):
         if store is None or self._degraded or paged is None or not isinstance(pending, _PendingChain):
             return
         assert self._runs is not None  # set with the store
+        await self._meet(pending.revision)  # its runs already on disk count as stored
         stored = self._runs.runs(pending.keys, 0, store.holds)
         first = stored[-1][2] if stored else 0  # the chain's blocks already on disk, from its start
         per_file = max(1, RUN_BYTES // paged.storage.bytes_per_block)
         while first < len(pending.keys) and not self._degraded and self._store is store:
             try:
-                entry = await self._lease.run(copy_out, paged, pending.tokens, pending.keys, first, per_file)
+                entry = await self._lease.run(copy_out, paged, pending.tokens, pending.keys, first, per_file,
+                                              pending.revision)
             except LeaseClosed:
                 raise
             except Exception:
@@ -156,9 +182,10 @@ class BlockPersistenceActor(CachePersistenceActor):
             self._runs.add(info)
             first = len(entry.tokens) // paged.block_size
 
-    async def restore_blocks(self, prompt: Sequence[int]) -> int:
+    async def restore_blocks(self, prompt: Sequence[int], revision: str = "") -> int:
         """Load the stored blocks that continue the pool's cached prefix of `prompt` (all but its last token, as a
-        join looks up); returns the tokens loaded. Never raises for a bad file (removed, counted, a miss).
+        join looks up) for a row computed with adapter `revision` ("": the base model); returns the tokens loaded.
+        Never raises for a bad file (removed, counted, a miss).
 
         Raises:
           LeaseClosed: the lease stopped while loading.
@@ -172,7 +199,8 @@ class BlockPersistenceActor(CachePersistenceActor):
         tokens = tuple(prompt[: (len(prompt) - 1) // bs * bs])
         if not tokens or not paged.pool.available():  # a hint: no room, nothing to read files for
             return 0
-        keys = chain_keys(paged.root, tokens, bs)
+        await self._meet(revision)
+        keys = chain_keys(runs.root_of(revision), tokens, bs)
         # A hint read off the lease thread (plain dict reads); the load job checks again.
         have = len(paged.pool.lookup(keys))
         loaded = 0
@@ -181,7 +209,8 @@ class BlockPersistenceActor(CachePersistenceActor):
                 entry = await self._io("read", store.read, info.key)
                 if entry is None:
                     break  # unusable (removed) or gone: the rest of the chain is unreachable now
-                reach = await self._restore_job(store, info, "block file", load_in, paged, keys, frm, to, entry)
+                reach = await self._restore_job(store, info, "block file", load_in, paged, keys, frm, to, entry,
+                                                revision)
                 if reach is None:
                     break
                 loaded += max(0, reach - frm)

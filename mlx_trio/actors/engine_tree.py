@@ -44,7 +44,7 @@ from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
 from mlx_trio.config import AUTO, PAGED, EngineConfig, KvLayoutChoice, choose_kv_layout
-from mlx_trio.engine.batch.solo_row import kv_revision
+from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world

@@ -55,7 +55,8 @@ from mlx_trio.engine.prompt_cache.ram_tier import CacheHit
 from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
                                                    prefill_rows_into, shares_forwards)
-from mlx_trio.engine.batch.solo_row import SoloRow, kv_revision
+from mlx_trio.engine.batch.solo_row import SoloRow
+from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed

@@ -20,7 +20,7 @@ from mlx_lm.generate import generate_step
 from mlx_trio import open_engine
 from mlx_trio.errors import AdapterError
 from mlx_trio.testing.tiny_models import LLAMA, tiny_model
-from tests.actors.test_admission_prefix_credit import BUDGET, MAX_TOKENS, PREFIX, SIBLINGS, _peak_in_flight
+from tests.actors.test_admission_prefix_credit import BUDGET, MAX_TOKENS, PREFIX, SIBLINGS
 from tests.actors.test_paged_cohort import _idle_pool
 from tests.engine.adapters.test_row_lora import _adapter_dir
 
@@ -149,7 +149,7 @@ async def test_load_adapter_is_refused_while_a_request_names_it_and_accepted_aft
                 await engine.load_adapter("qv", str(other))
         # A pin of qv's revision (its request between admission and the prefill actor's inbox): still refused.
         paged = lane.model.paged_kv
-        from mlx_trio.engine.batch.solo_row import kv_revision
+        from mlx_trio.engine.prompt_cache.namespace import kv_revision
 
         lane.pins["between"] = SimpleNamespace(root=paged.peek_root(kv_revision("qv", lane.adapters.revisions["qv"])))
         try:

@@ -275,3 +275,139 @@ async def test_a_prefix_restored_from_disk_is_credited_as_a_cached_one(tmp_path:
     # admitted: the restore's read delays the head, and 2 shared CPUs make the steps' timing loose).
     assert peak >= len(SIBLINGS) - 1, f"only {peak} siblings were admitted together"
     assert tokens == alone
+
+
+# -- adapter rows: their runs are in their revision's namespace, restored only for that revision -----------------
+
+
+@cache
+def _adapter_serial(prompt: tuple[int, ...], adapter: str | None) -> tuple[int, ...]:
+    """mlx-lm's own greedy tokens for `prompt` with `load(adapter_path=)` of the tiny adapter `adapter`."""
+    from tests.engine.adapters.test_row_lora import _adapter_dir
+
+    path = str(_adapter_dir("llama", adapter)) if adapter else None
+    model, tokenizer = load(str(tiny_model(LLAMA)), adapter_path=path)
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return tuple(out)
+
+
+def _served(**names: str) -> dict[str, str]:
+    """`lora_modules` serving each name the tiny adapter given (`qv="mlp"`: the mlp adapter's files as "qv")."""
+    from tests.engine.adapters.test_row_lora import _adapter_dir
+
+    return {name: str(_adapter_dir("llama", files)) for name, files in names.items()}
+
+
+async def _run_as(engine, model: str | None, chat=CHAT) -> tuple[tuple[int, ...], Finished]:
+    """`run_to_end` for the served model `model` (an adapter's name; None: the base model)."""
+    from mlx_trio.events import TextDelta
+
+    ids: list[int] = []
+    async for event in engine.generate(chat, model=model, max_tokens=MAX_TOKENS):
+        if isinstance(event, TextDelta):
+            ids.extend(event.token_ids)
+        elif isinstance(event, Finished):
+            return tuple(ids), event
+    raise AssertionError("no Finished event")
+
+
+async def _settle_idle(engine) -> None:
+    """`_settle`, then every reservation and pin of admission gone: the pools are back to idle."""
+    await _settle(engine)
+    admission = engine.actors.lane.admission
+    assert admission.statistics().reserved_bytes == 0 and not engine.actors.lane.pins
+    assert engine.status()["counters"]["kv_blocks"]["used"] == 0
+
+
+async def test_an_adapter_rows_prefix_is_stored_and_a_new_engine_serving_its_files_computes_only_the_tail(
+        tmp_path: Path) -> None:
+    """qv's row leaves its blocks on disk; a new engine serving the same files under the same name restores them and
+    computes only the tail, with mlx-lm's adapter tokens."""
+    async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        cold, finished = await _run_as(engine, "qv")
+        assert finished.usage.cached_tokens == 0
+        await _settle_idle(engine)
+        assert _ssd(engine)["writes"] == 1 and len(_files(tmp_path)) == 1
+    async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:
+        ids, finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        ssd = _ssd(engine)
+    assert finished.usage.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK > 200
+    assert ssd["reads"] == 1 and ssd["restore_failures"] == 0
+    async with _engine(None, lora_modules=_served(qv="qv")) as engine:  # no SSD tier: the reference run
+        plain, _ = await _run_as(engine, "qv")
+    assert ids == cold == plain == _adapter_serial(prompt, "qv") != _serial(prompt)
+
+
+async def test_the_base_model_and_another_revision_under_the_same_name_compute_everything(tmp_path: Path) -> None:
+    """An adapter's stored prefix never serves the base model's row of the same prompt, nor "qv" once it names other
+    files (a new revision: the old one's runs are never read), and nothing is removed as a bad file.
+
+    Nor another name serving the same files: the pool keys an adapter row's blocks under the name and the files'
+    revision (`namespace.kv_revision`), so two names never share blocks, in RAM or on disk."""
+    async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        await _run_as(engine, "qv")
+        await _settle_idle(engine)
+    async with _engine(tmp_path, lora_modules=_served(qv="mlp", alias="qv")) as engine:
+        got = {name: await _run_as(engine, name) for name in (None, "qv", "alias")}
+        await _settle_idle(engine)
+        ssd = _ssd(engine)
+    assert [finished.usage.cached_tokens for _, finished in got.values()] == [0, 0, 0]
+    assert ssd["reads"] == 0 and ssd["restore_failures"] == 0
+    assert got[None][0] == _serial(prompt) and got["qv"][0] == _adapter_serial(prompt, "mlp")
+    assert got["alias"][0] == _adapter_serial(prompt, "qv")
+    async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:  # qv's own run is still there, intact
+        _, finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+    assert finished.usage.cached_tokens > 200
+
+
+async def test_a_base_run_and_an_adapter_run_of_the_same_tokens_each_restore_to_their_own_rows(tmp_path: Path) -> None:
+    """Both on disk as two files; a new engine's base row and qv row each find their own prefix, token-exact."""
+    async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        await _run_as(engine, None)
+        await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        assert _ssd(engine)["writes"] == 2 and len(_files(tmp_path)) == 2
+    tail = (len(prompt) - 1) // BLOCK * BLOCK
+    for first in (None, "qv"):  # whichever comes first, each reads only its own
+        async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:
+            got = {}
+            for name in (first, "qv" if first is None else None):
+                got[name] = await _run_as(engine, name)
+            await _settle_idle(engine)
+            ssd = _ssd(engine)
+        assert ssd["reads"] == 2 and ssd["restore_failures"] == 0
+        for name, (ids, finished) in got.items():
+            assert finished.usage.cached_tokens == tail and ids == _adapter_serial(prompt, name), name
+
+
+async def test_an_adapter_reloaded_with_other_files_at_run_time_finds_nothing_of_the_old(tmp_path: Path) -> None:
+    """qv's prefix is on disk (and cached in RAM); qv unloaded, then loaded from other files: its rows compute
+    everything, with the new files' tokens; loaded back from the first files, they find the old prefix again."""
+    from tests.engine.adapters.test_row_lora import _adapter_dir
+
+    async with _engine(tmp_path, enable_lora_admin=True) as engine:
+        prompt = tuple(engine.prepare(CHAT).prompt_ids)
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "qv")))
+        first, _ = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        await engine.unload_adapter("qv")
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "mlp")))
+        other, other_finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        await engine.unload_adapter("qv")
+        await engine.load_adapter("qv", str(_adapter_dir("llama", "qv")))
+        again, again_finished = await _run_as(engine, "qv")
+        await _settle_idle(engine)
+        assert _ssd(engine)["restore_failures"] == 0
+    assert other_finished.usage.cached_tokens == 0 and other == _adapter_serial(prompt, "mlp")
+    assert again_finished.usage.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    assert first == again == _adapter_serial(prompt, "qv")

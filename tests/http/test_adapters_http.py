@@ -102,7 +102,7 @@ def test_a_load_replacing_an_adapter_a_request_still_names_is_a_400_naming_it() 
     for a request between admission and its row (deterministic, unlike timing a live one)."""
     from types import SimpleNamespace
 
-    from mlx_trio.engine.batch.solo_row import kv_revision
+    from mlx_trio.engine.prompt_cache.namespace import kv_revision
 
     engine = attrs.evolve(tiny_engine_config(max_tokens=MAX_TOKENS), kv_layout="paged",
                           kv_budget_bytes=16 << 20,  # a small pool: the default budget takes most of the machine

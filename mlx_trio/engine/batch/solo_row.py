@@ -34,6 +34,7 @@ from mlx_trio.engine.kv.blocks.row import PagedRow
 from mlx_trio.engine.kv.kv_scheme import KvScheme
 from mlx_trio.engine.kv.row_blocks import RowBlock
 from mlx_trio.engine.batch.chunked_prefill import DEFAULT_PREFILL_STEP_SIZE, ChunkedPrefill
+from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.prompt_cache.ram_tier import CacheEntry, CacheHit
 from mlx_trio.engine.sampling.grammar import GrammarMatcher
 from mlx_trio.engine.sampling.row_sampler import RowSampler
@@ -45,12 +46,6 @@ from mlx_trio.params import SamplingParams
 def adapter_revision(adapter: AdapterUse | None) -> str:
     """The revision a row's KV is computed under: its adapter's ("" for the base model)."""
     return "" if adapter is None else kv_revision(adapter.name, adapter.owner.revision(adapter.name))
-
-
-def kv_revision(name: str, revision: str) -> str:
-    """The revision the KV of `name`'s rows is keyed under (`PagedKV.root_of`), from its files' `revision`: one
-    spelling for the row's join and for admission's pin and pre-check, which read the revision elsewhere."""
-    return f"{name}@{revision}"
 
 
 class SoloRow:

@@ -15,10 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_trio.engine.kv.blocks.block_files import RunIndex, block_layout, copy_out, load_in
-from mlx_trio.engine.kv.blocks.chain import chain_keys
+from mlx_trio.engine.kv.blocks.chain import chain_keys, root_key
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.kv.blocks.storage import BlockStorage, LayerShape
 from mlx_trio.engine.prompt_cache.identity import CacheIdentity
+from mlx_trio.engine.prompt_cache.namespace import (in_namespace, kv_revision, namespace_of, out_of_namespace,
+                                                    revision_namespace)
 from mlx_trio.engine.prompt_cache.ssd_files import CacheFileStore, StoredEntryInfo
 from tests.engine.kv.test_paged_rows import _value
 
@@ -39,16 +41,17 @@ def _feed(kv: PagedKV, rows: list, tokens: list[list[int]]) -> None:
     kv.commit(step, tokens)
 
 
-def _prefill(kv: PagedKV, prompt: list[int]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
-    """One row prefills `prompt` and leaves; returns what the leave hook is given (tokens of its keyed blocks, keys)."""
+def _prefill(kv: PagedKV, prompt: list[int], revision: str = "") -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    """One row (of adapter `revision`) prefills `prompt` and leaves; returns what the leave hook is given (tokens of
+    its keyed blocks, keys), checking it names the row's revision."""
     offered = []
-    kv.on_release = lambda root, tokens, keys: offered.append((tokens, keys))
-    row = kv.join(prompt)
+    kv.on_release = lambda rev, tokens, keys: offered.append((rev, tokens, keys))
+    row = kv.join(prompt, revision)
     _feed(kv, [row], [prompt[row.length:]])
     kv.leave(row)
     kv.on_release = None
-    assert len(offered) == 1
-    return offered[0]
+    assert len(offered) == 1 and offered[0][0] == revision
+    return offered[0][1:]
 
 
 def _check(kv: PagedKV, rows: list) -> None:
@@ -60,12 +63,15 @@ def _check(kv: PagedKV, rows: list) -> None:
             assert mx.array_equal(cache.keys[0, 0, :, 0], want) and mx.array_equal(cache.values[0, 0, :, 0], want)
 
 
-def _runs(store: CacheFileStore, kv: PagedKV, tokens, first: int = 0) -> list[tuple[StoredEntryInfo, int, int]]:
-    """The stored runs continuing `tokens`' chain from block `first`, as the actor finds them."""
-    index = RunIndex(kv.root, BS)
+def _runs(store: CacheFileStore, kv: PagedKV, tokens, first: int = 0,
+          revision: str = "") -> list[tuple[StoredEntryInfo, int, int]]:
+    """The stored runs continuing `tokens`' chain (of adapter `revision`) from block `first`, as the actor finds
+    them: an index built at a scan, then the revision met."""
+    index = RunIndex(kv.root_of, BS)
     for info in store.entries:
         index.add(info)
-    return index.runs(chain_keys(kv.root, list(tokens), BS), first, store.holds)
+    index.meet(revision)
+    return index.runs(chain_keys(kv.root_of(revision), list(tokens), BS), first, store.holds)
 
 
 def _store(tmp_path: Path, kv: PagedKV, max_bytes: int = 2**30) -> CacheFileStore:
@@ -206,10 +212,10 @@ def test_the_run_index_continues_the_chain_block_by_block(stored, query, first, 
     def tokens(n_blocks: int, variant: int) -> tuple[int, ...]:
         return tuple(1 + (i // (2 * BS)) * variant * 7 + i for i in range(n_blocks * BS))
 
-    root = b"r" * 16
+    root = root_key("m")
     entries = [StoredEntryInfo(f"{i}", tokens(start + length, variant), 0, Path("x"), start * BS)
                for i, (start, length, variant) in enumerate(stored)]
-    index = RunIndex(root, BS)
+    index = RunIndex(lambda revision: root_key("m", revision), BS)
     for info in entries:
         index.add(info)
     alive = [e for e in entries if int(e.key) not in gone]
@@ -223,3 +229,113 @@ def test_the_run_index_continues_the_chain_block_by_block(stored, query, first, 
     # No stored run could take the chain one block further.
     assert not any(e.start <= at * BS < len(e.tokens) and e.tokens[: (at + 1) * BS] == want[: (at + 1) * BS]
                    and (at + 1) * BS <= len(want) for e in alive)
+
+
+def test_an_adapter_run_is_in_its_revision_namespace_and_serves_only_that_revision(tmp_path: Path) -> None:
+    """The same tokens prefilled by the base model and by revision "r1": two files (the adapter's tokens in the
+    revision's namespace, its metadata naming it), each found only for its own revision; a run loads only for the
+    revision that computed it."""
+    kv = _kv()
+    store = _store(tmp_path, kv)
+    prompt = list(range(1, 14))  # 3 full blocks
+    base = store.write(copy_out(kv, *_prefill(kv, prompt), 0))
+    tokens, keys = _prefill(kv, prompt, "r1")
+    entry = copy_out(kv, tokens, keys, 0, revision="r1")
+    assert entry.tokens == in_namespace(prompt[:12], revision_namespace("r1")) and "r1" in entry.meta["states"]
+    adapter = store.write(entry)
+    assert base.key != adapter.key and base.tokens == tuple(prompt[:12])
+    again = CacheFileStore(tmp_path, max_bytes=2**30, identity=store.identity)
+    assert sorted(e.tokens for e in again.scan()) == sorted([base.tokens, entry.tokens])  # int64 tokens kept
+
+    assert [(i.key, f, t) for i, f, t in _runs(again, kv, prompt[:12])] == [(base.key, 0, 3)]
+    assert [(i.key, f, t) for i, f, t in _runs(again, kv, prompt[:12], revision="r1")] == [(adapter.key, 0, 3)]
+    assert _runs(again, kv, prompt[:12], revision="r2") == []  # another revision (under any name): nothing
+
+    fresh = _kv()
+    r1 = chain_keys(fresh.root_of("r1"), prompt[:12], BS)
+    with pytest.raises(ValueError, match="revision"):  # a run read for another revision's chain
+        load_in(fresh, r1, 0, 3, again.read(base.key), "r1")
+    with pytest.raises(ValueError, match="revision"):
+        load_in(fresh, chain_keys(fresh.root, prompt[:12], BS), 0, 3, again.read(adapter.key))
+    assert fresh.pool.idle and fresh.pool.stats().free == 16
+    assert load_in(fresh, r1, 0, 3, again.read(adapter.key), "r1") == 3
+    assert fresh.join(prompt).cached_tokens == 0  # the base model's row finds none of the adapter's blocks
+    row = fresh.join(prompt, "r1")
+    assert row.cached_tokens == 12
+    _check(fresh, [row])
+    fresh.leave(row)
+    fresh.pool.check()
+
+
+def test_runs_of_a_revision_not_met_are_kept_aside_until_it_is() -> None:
+    root_of = lambda revision: root_key("m", revision)  # noqa: E731
+    tokens = tuple(range(1, 9))  # 2 blocks
+    ns = revision_namespace("r1")
+    index = RunIndex(root_of, BS)
+    info = StoredEntryInfo("a", in_namespace(tokens, ns), 0, Path("x"))
+    index.add(info)
+    keys = chain_keys(root_of("r1"), tokens, BS)
+    assert not index.met("r1") and index.met("") and index.aside("r1") == [info]
+    assert index.runs(keys, 0, lambda key: True) == []  # not keyed yet
+    index.meet("r1", {"a": index.run_keys(info, "r1")})
+    assert index.met("r1") and index.aside("r1") == []
+    assert index.runs(keys, 0, lambda key: True) == [(info, 0, 2)]
+    longer = tokens + (9, 10, 11, 12)
+    index.add(StoredEntryInfo("b", in_namespace(longer, ns), 0, Path("x"), 8))  # met: keyed as added
+    found = index.runs(chain_keys(root_of("r1"), longer, BS), 0, lambda key: True)
+    assert [(i.key, f, t) for i, f, t in found] == [("a", 0, 2), ("b", 2, 3)]
+    index.add(StoredEntryInfo("c", in_namespace(tokens, revision_namespace("r2")), 0, Path("x")))
+    index.drop("c")  # dropped while aside: never keyed
+    index.meet("r2")
+    assert index.runs(chain_keys(root_of("r2"), tokens, BS), 0, lambda key: True) == []
+
+
+@given(stored=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4), st.integers(0, 1), st.sampled_from("xab")),
+                       max_size=8),
+       meets=st.lists(st.tuples(st.integers(0, 8), st.sampled_from("ab")), max_size=4),
+       query=st.tuples(st.integers(1, 7), st.integers(0, 1)), revision=st.sampled_from("xab"))
+def test_runs_indexed_before_or_after_their_revision_is_met_are_found_alike(stored, meets, query, revision) -> None:
+    """Runs of three revisions ("" and two adapters) added in any order with the adapters met at any point: once a
+    revision is met, a lookup of its chain finds what an index holding only that revision's runs finds, and never
+    a run of another revision."""
+    def rev(name: str) -> str:
+        return "" if name == "x" else name
+
+    def tokens(n_blocks: int, variant: int) -> tuple[int, ...]:
+        return tuple(1 + (i // (2 * BS)) * variant * 7 + i for i in range(n_blocks * BS))
+
+    root_of = lambda r: root_key("m", r)  # noqa: E731
+    entries = [StoredEntryInfo(f"{i}", in_namespace(tokens(start + length, variant), revision_namespace(rev(name))),
+                               0, Path("x"), start * BS) for i, (start, length, variant, name) in enumerate(stored)]
+    index = RunIndex(root_of, BS)
+    for at, info in enumerate([*entries, None]):
+        for when, name in meets:
+            if when == at:
+                index.meet(rev(name))
+        if info is not None:
+            index.add(info)
+    index.meet(rev(revision))
+    alone = RunIndex(root_of, BS)
+    alone.meet(rev(revision))
+    ns = revision_namespace(rev(revision))
+    for info in entries:
+        if info.tokens[0] >> 32 << 32 == ns:
+            alone.add(info)
+    keys = chain_keys(root_of(rev(revision)), tokens(*query), BS)
+    found = index.runs(keys, 0, lambda key: True)
+    assert [(f, t) for _, f, t in found] == [(f, t) for _, f, t in alone.runs(keys, 0, lambda key: True)]
+    assert all(info.tokens[0] >> 32 << 32 == ns for info, _, _ in found)
+
+
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20), name=st.text(max_size=4),
+       revision=st.text(max_size=8))
+def test_a_runs_namespace_is_read_back_from_its_tokens(tokens, name, revision) -> None:
+    """A run's tokens name their revision's namespace (the base model's is 0), and give back the plain ids; tokens
+    of two namespaces are of none."""
+    kv = kv_revision(name, revision)
+    space = revision_namespace(kv)
+    assert space and space % 2**32 == 0 and revision_namespace("") == 0
+    keys = in_namespace(tokens, space)
+    assert namespace_of(keys) == space and out_of_namespace(keys, space) == tuple(tokens)
+    assert namespace_of(tokens) == 0
+    assert namespace_of(keys + (tokens[0],)) is None

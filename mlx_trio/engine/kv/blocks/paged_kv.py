@@ -64,9 +64,10 @@ class PagedKV:
         self.root = root_key(model_identity, adapter_revision)
         self._roots = {adapter_revision: self.root}
         self.reused_tokens = 0  # prompt tokens rows found in cached blocks (not prefilled), since load
-        # Called (lease thread) with a leaving row's root, the tokens of its keyed blocks and their keys, before
-        # they become evictable: the SSD tier's writer (actors/block_persistence.py) must not block here.
-        self.on_release: Callable[[Key, tuple[int, ...], tuple[Key, ...]], None] | None = None
+        # Called (lease thread) with a leaving row's adapter revision ("": the base model's), the tokens of its keyed
+        # blocks and their keys, before they become evictable: the SSD tier's writer (actors/block_persistence.py)
+        # must not block here.
+        self.on_release: Callable[[str, tuple[int, ...], tuple[Key, ...]], None] | None = None
 
     # -- rows ---------------------------------------------------------------------------------------
 
@@ -202,7 +203,10 @@ class PagedKV:
             row.released = True
             hook = self.on_release
             if hook is not None and row.keys:
-                hook(row.root, tuple(row.tokens[: len(row.keys) * self.block_size]), tuple(row.keys))
+                # The row's root back to its revision: one entry a revision this pool has served (a few).
+                revision = next((r for r, root in self._roots.items() if root == row.root), None)
+                if revision is not None:
+                    hook(revision, tuple(row.tokens[: len(row.keys) * self.block_size]), tuple(row.keys))
             self.pool.release(row.blocks)
             row.blocks = []
 
