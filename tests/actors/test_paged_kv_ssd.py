@@ -29,9 +29,13 @@ MAX_TOKENS = 8
 
 
 @cache
-def _serial(prompt: tuple[int, ...]) -> tuple[int, ...]:
-    """mlx-lm's own greedy tokens for `prompt` (the oracle)."""
-    model, tokenizer = load(str(tiny_model(LLAMA)))
+def _serial(prompt: tuple[int, ...], adapter: str | None = None) -> tuple[int, ...]:
+    """mlx-lm's own greedy tokens for `prompt` (the oracle), with `load(adapter_path=)` of the tiny adapter
+    `adapter` if one is named."""
+    from tests.engine.adapters.test_row_lora import _adapter_dir
+
+    path = str(_adapter_dir("llama", adapter)) if adapter else None
+    model, tokenizer = load(str(tiny_model(LLAMA)), adapter_path=path)
     out: list[int] = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
         if int(token) in tokenizer.eos_token_ids:
@@ -280,21 +284,6 @@ async def test_a_prefix_restored_from_disk_is_credited_as_a_cached_one(tmp_path:
 # -- adapter rows: their runs are in their revision's namespace, restored only for that revision -----------------
 
 
-@cache
-def _adapter_serial(prompt: tuple[int, ...], adapter: str | None) -> tuple[int, ...]:
-    """mlx-lm's own greedy tokens for `prompt` with `load(adapter_path=)` of the tiny adapter `adapter`."""
-    from tests.engine.adapters.test_row_lora import _adapter_dir
-
-    path = str(_adapter_dir("llama", adapter)) if adapter else None
-    model, tokenizer = load(str(tiny_model(LLAMA)), adapter_path=path)
-    out: list[int] = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return tuple(out)
-
-
 def _served(**names: str) -> dict[str, str]:
     """`lora_modules` serving each name the tiny adapter given (`qv="mlp"`: the mlp adapter's files as "qv")."""
     from tests.engine.adapters.test_row_lora import _adapter_dir
@@ -341,7 +330,7 @@ async def test_an_adapter_rows_prefix_is_stored_and_a_new_engine_serving_its_fil
     assert ssd["reads"] == 1 and ssd["restore_failures"] == 0
     async with _engine(None, lora_modules=_served(qv="qv")) as engine:  # no SSD tier: the reference run
         plain, _ = await _run_as(engine, "qv")
-    assert ids == cold == plain == _adapter_serial(prompt, "qv") != _serial(prompt)
+    assert ids == cold == plain == _serial(prompt, "qv") != _serial(prompt)
 
 
 async def test_the_base_model_and_another_revision_under_the_same_name_compute_everything(tmp_path: Path) -> None:
@@ -360,8 +349,8 @@ async def test_the_base_model_and_another_revision_under_the_same_name_compute_e
         ssd = _ssd(engine)
     assert [finished.usage.cached_tokens for _, finished in got.values()] == [0, 0, 0]
     assert ssd["reads"] == 0 and ssd["restore_failures"] == 0
-    assert got[None][0] == _serial(prompt) and got["qv"][0] == _adapter_serial(prompt, "mlp")
-    assert got["alias"][0] == _adapter_serial(prompt, "qv")
+    assert got[None][0] == _serial(prompt) and got["qv"][0] == _serial(prompt, "mlp")
+    assert got["alias"][0] == _serial(prompt, "qv")
     async with _engine(tmp_path, lora_modules=_served(qv="qv")) as engine:  # qv's own run is still there, intact
         _, finished = await _run_as(engine, "qv")
         await _settle_idle(engine)
@@ -386,7 +375,7 @@ async def test_a_base_run_and_an_adapter_run_of_the_same_tokens_each_restore_to_
             ssd = _ssd(engine)
         assert ssd["reads"] == 2 and ssd["restore_failures"] == 0
         for name, (ids, finished) in got.items():
-            assert finished.usage.cached_tokens == tail and ids == _adapter_serial(prompt, name), name
+            assert finished.usage.cached_tokens == tail and ids == _serial(prompt, name), name
 
 
 async def test_an_adapter_reloaded_with_other_files_at_run_time_finds_nothing_of_the_old(tmp_path: Path) -> None:
@@ -408,6 +397,6 @@ async def test_an_adapter_reloaded_with_other_files_at_run_time_finds_nothing_of
         again, again_finished = await _run_as(engine, "qv")
         await _settle_idle(engine)
         assert _ssd(engine)["restore_failures"] == 0
-    assert other_finished.usage.cached_tokens == 0 and other == _adapter_serial(prompt, "mlp")
+    assert other_finished.usage.cached_tokens == 0 and other == _serial(prompt, "mlp")
     assert again_finished.usage.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
-    assert first == again == _adapter_serial(prompt, "qv")
+    assert first == again == _serial(prompt, "qv")

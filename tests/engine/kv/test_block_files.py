@@ -154,12 +154,19 @@ def test_a_chain_stored_again_from_its_start_is_a_file_of_its_own(tmp_path: Path
     assert sorted((e.start, len(e.tokens)) for e in again.scan()) == [(0, 20), (8, 20)]  # names check out at a scan
 
 
-def test_loading_into_a_full_pool_loads_what_fits_and_leaks_nothing(tmp_path: Path) -> None:
+def _five_blocks_stored(tmp_path: Path) -> tuple[list[int], CacheFileStore, StoredEntryInfo]:
+    """A 21-token prompt's 5 full blocks prefilled into a pool and stored as one run: the prompt, store, run."""
     big = _kv()
-    prompt = list(range(1, 22))  # 5 full blocks
+    prompt = list(range(1, 22))
     tokens, keys = _prefill(big, prompt)
     store = _store(tmp_path, big)
     info = store.write(copy_out(big, tokens, keys, 0))
+    assert info is not None
+    return prompt, store, info
+
+
+def test_loading_into_a_full_pool_loads_what_fits_and_leaks_nothing(tmp_path: Path) -> None:
+    prompt, store, info = _five_blocks_stored(tmp_path)
     small = _kv(num_blocks=4)
     holder = small.join([9] * 9)
     _feed(small, [holder], [holder.tokens])  # 3 blocks used, 1 free
@@ -174,11 +181,7 @@ def test_loading_never_evicts_the_chain_blocks_it_continues(tmp_path: Path) -> N
     """The pool holds the chain's first 2 blocks (cached, evictable) and 1 free block when a run of blocks 0..4
     is loaded: only block 2 is loaded, into the free one, and the cached 2 stay (evicting them for blocks 2..4
     would leave a chain no lookup can reach)."""
-    big = _kv()
-    prompt = list(range(1, 22))  # 5 full blocks
-    tokens, keys = _prefill(big, prompt)
-    store = _store(tmp_path, big)
-    info = store.write(copy_out(big, tokens, keys, 0))
+    prompt, store, info = _five_blocks_stored(tmp_path)
     small = _kv(num_blocks=5)
     _prefill(small, prompt[:9])  # blocks 0..1 of the chain, cached
     holder = small.join([9] * 7)
