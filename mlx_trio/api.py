@@ -35,7 +35,6 @@ from mlx_trio.actors.messages import Generate, Request
 from mlx_trio.actors.session import SessionActor, SessionOutput
 from mlx_trio.config import EngineConfig
 from mlx_trio.engine.adapters.resident import ResidentAdapters
-from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.model.chat import content_text
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.errors import (ActorCrashed, AdapterError, ContextTooLong, EngineDown, EngineFailure, EngineRestarted,
@@ -282,10 +281,10 @@ class Engine:
         admission and the prefill actor (in its inbox, which no list of requests shows)."""
         lane = self.actors.lane
         paged = lane.model.paged_kv if lane.model is not None else None
-        revision = lane.adapters.revisions.get(name) if lane.adapters is not None else None
+        revision = lane.kv_revision(name)
         if paged is None or revision is None:
             return False
-        root = paged.peek_root(kv_revision(name, revision))
+        root = paged.peek_root(revision)
         return any(pin.root == root for pin in list(lane.pins.values()))
 
     def _requests(self) -> list[Generate]:

@@ -22,7 +22,6 @@ from mlx_trio.actors.block_persistence import BlockPersistenceActor
 from mlx_trio.actors.lane import Lane
 from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.engine.kv.layout import device_memory_reading
-from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.errors import LeaseClosed, Overloaded, RequestError
 from mlx_trio.events import FinishReason
 
@@ -208,7 +207,7 @@ class AdmissionActor:
             return
         head = self._pending[0]
         persistence = self._lane.persistence
-        revision = self._kv_revision(head)
+        revision = self._lane.kv_revision(head.adapter)
         if isinstance(persistence, BlockPersistenceActor) and revision is not None:
             # Stored blocks the pool lacks come back as cached blocks first (evictable, as the pool's count of
             # free-or-evictable blocks assumes), so the pin below credits them as any cached block.
@@ -229,15 +228,6 @@ class AdmissionActor:
         pin = await self._pin_prefix(head, fits)
         if pin is not None:
             self._lane.pins[head.request_id] = pin
-
-    def _kv_revision(self, cmd: Generate) -> str | None:
-        """What `cmd`'s row's blocks will be keyed under ("": the base model), if its adapter is served now (read off
-        the lease thread: `revisions` is a mapping replaced whole); None for a name no longer served."""
-        if cmd.adapter is None:
-            return ""
-        adapters = self._lane.adapters
-        revision = adapters.revisions.get(cmd.adapter) if adapters is not None else None
-        return kv_revision(cmd.adapter, revision) if revision is not None else None
 
     def _credit(self, cmd: Generate) -> frozenset[int]:
         """The cached blocks `cmd`'s pin holds: referenced by its row, never allocated (counted once for all)."""

@@ -485,7 +485,7 @@ class EngineActors:
                 # No cached first block (under the row's revision), nothing to pin: no lease job. A wave of fresh
                 # prompts then reaches the prefill actor together (its cohorts), not one a lease round trip behind
                 # the other's prefill.
-                if not starts_cached(paged, lane.adapters, cmd):
+                if not starts_cached(paged, lane, cmd):
                     return None
 
                 def job() -> Any:

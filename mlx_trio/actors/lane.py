@@ -30,7 +30,7 @@ from mlx_trio.actors.memory_budget import MemoryBudget
 from mlx_trio.actors.messages import Generate, GenerationEnded
 from mlx_trio.actors.row_cap import row_bound
 from mlx_trio.actors.prompt_caching import AdapterCaching
-from mlx_trio.engine.prompt_cache.namespace import adapter_namespace
+from mlx_trio.engine.prompt_cache.namespace import adapter_namespace, kv_revision
 from mlx_trio.config import EngineConfig, KvLayoutChoice
 from mlx_trio.errors import LeaseClosed, MlxTrioError
 from mlx_trio.supervision.faults import Faults
@@ -136,6 +136,14 @@ class Lane:
         if self.adapters is None or self.adapters.known(request.adapter) is None:
             return None  # its prefill fails: the adapter is gone
         return AdapterCaching(self.caching, adapter_namespace(request.adapter, self.adapters.revision(request.adapter)))
+
+    def kv_revision(self, adapter: str | None) -> str | None:
+        """What the paged KV blocks of a row of `adapter` are keyed under ("": the base model), read off the lease
+        thread (`ResidentAdapters.revisions` is replaced whole); None for a name not served now."""
+        if adapter is None:
+            return ""
+        revision = self.adapters.revisions.get(adapter) if self.adapters is not None else None
+        return kv_revision(adapter, revision) if revision is not None else None
 
     # -- requests --------------------------------------------------------------
 

@@ -56,7 +56,6 @@ from mlx_trio.engine.batch.chunked_prefill import GPU_GRID
 from mlx_trio.engine.batch.cohort_prefill import (COHORT_CUDNN_MAX_CONTEXT, COHORT_CUDNN_MAX_TOKENS, prefill_rows,
                                                    prefill_rows_into, shares_forwards)
 from mlx_trio.engine.batch.solo_row import SoloRow
-from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.kv.blocks.paged_kv import PagedKV
 from mlx_trio.engine.adapters.resident import ResidentAdapters
 from mlx_trio.errors import AdapterError, LeaseClosed
@@ -552,7 +551,7 @@ class PrefillActor:
         if len(cmd.prompt_ids) - 1 >= n and any(other.adapter == cmd.adapter and
                                                   other.prompt_ids[:n] == cmd.prompt_ids[:n] for other in taken):
             return False
-        return cmd.request_id not in self._lane.pins and not starts_cached(paged, self._lane.adapters, cmd)
+        return cmd.request_id not in self._lane.pins and not starts_cached(paged, self._lane, cmd)
 
     def _shares_forwards(self, cmd: Generate) -> bool:
         """Under prefill-only cuDNN, whether `cmd`'s row shares a cohort's forwards (engine/batch/cohort_prefill.py).
@@ -927,14 +926,12 @@ def prefill_chunk_then_token0(row: SoloRow, limit: int | None) -> tuple[int, flo
     return remaining, seconds
 
 
-def starts_cached(paged: PagedKV, adapters: ResidentAdapters | None, cmd: Generate) -> bool:
+def starts_cached(paged: PagedKV, lane: Lane, cmd: Generate) -> bool:
     """Whether the pool holds `cmd`'s first full block now under the revision its row would join with
-    (`PagedKV.starts_cached`); off the lease thread, so an adapter's revision is read from
-    `ResidentAdapters.revisions`. An adapter no longer served: False (its row fails when it takes the adapter)."""
-    if cmd.adapter is None:
-        return paged.starts_cached(cmd.prompt_ids)
-    revision = adapters.revisions.get(cmd.adapter) if adapters is not None else None
-    return revision is not None and paged.starts_cached(cmd.prompt_ids, kv_revision(cmd.adapter, revision))
+    (`PagedKV.starts_cached`, `Lane.kv_revision`: both off the lease thread). An adapter no longer served: False
+    (its row fails when it takes the adapter)."""
+    revision = lane.kv_revision(cmd.adapter)
+    return revision is not None and paged.starts_cached(cmd.prompt_ids, revision)
 
 
 def _with_adapter(adapters: ResidentAdapters | None, name: str, make: Callable[..., SoloRow]) -> SoloRow:
