@@ -34,7 +34,6 @@ another's runs.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -46,7 +45,7 @@ import trio
 from mlx_trio.actors.cache_persistence import ACTOR_ID, CachePersistenceActor, OpenStore, _Stalled
 from mlx_trio.actors.gpu_lease import GpuLease
 from mlx_trio.engine.kv.blocks.block_files import RunIndex, block_layout, copy_out, load_in
-from mlx_trio.engine.kv.blocks.chain import Key, chain_keys, root_key
+from mlx_trio.engine.kv.blocks.chain import Key, chain_keys
 from mlx_trio.engine.model.load import LoadedModel
 from mlx_trio.engine.prompt_cache.identity import identity_of_directory
 from mlx_trio.engine.prompt_cache.ssd_files import CacheFileStore
@@ -109,9 +108,7 @@ class BlockPersistenceActor(CachePersistenceActor):
             store = self._store
             if store is None:
                 return
-            # The pool's roots, computed here as `PagedKV.root_of` does (that one is the lease thread's).
-            runs = RunIndex(functools.cache(functools.partial(root_key, self._paged.model_identity)),
-                            self._paged.block_size)
+            runs = RunIndex(self._paged.peek_root, self._paged.block_size)  # off the lease thread: see peek_root
             # Hashing every stored block's chain key is plain CPU work: off the Trio thread.
             await trio.to_thread.run_sync(lambda: [runs.add(info) for info in store.entries])
             self._runs = runs

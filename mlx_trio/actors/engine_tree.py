@@ -44,7 +44,6 @@ from mlx_trio.actors.prompt_caching import PromptCaching
 from mlx_trio.actors.rank_watch import RankWatch
 from mlx_trio.actors.row_cap import AUTO_CEILING, AUTO_CONTEXT_TOKENS, AUTO_FLOOR, auto_row_cap
 from mlx_trio.config import AUTO, PAGED, EngineConfig, KvLayoutChoice, choose_kv_layout
-from mlx_trio.engine.prompt_cache.namespace import kv_revision
 from mlx_trio.engine.batch.warmup import warm_up_gpu
 from mlx_trio.engine.distributed.leader import leader_for
 from mlx_trio.engine.distributed.world import current_world
@@ -489,15 +488,12 @@ class EngineActors:
                     return None
 
                 def job() -> Any:
-                    # An adapter row's blocks are keyed under its revision, read here as its join reads it (on the
-                    # lease thread): `Engine.load_adapter` refuses to replace a name while a request names it, so
-                    # the two readings agree.
-                    revision = ""
-                    if cmd.adapter is not None:
-                        adapters = lane.adapters
-                        if adapters is None or adapters.known(cmd.adapter) is None:
-                            return None  # no longer served: its row fails when it takes the adapter
-                        revision = kv_revision(cmd.adapter, adapters.revision(cmd.adapter))
+                    # An adapter row's blocks are keyed under its revision, read here on the lease thread (where a
+                    # load replaces it) as its join reads it: `Engine.load_adapter` refuses to replace a name while
+                    # a request names it, so the two readings agree.
+                    revision = lane.kv_revision(cmd.adapter)
+                    if revision is None:
+                        return None  # no longer served: its row fails when it takes the adapter
                     pin = paged.pin_prefix(cmd.prompt_ids, revision)
                     if pin.blocks and fits(frozenset(pin.blocks)):
                         return pin
